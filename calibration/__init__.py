@@ -1,0 +1,1 @@
+"""Offline calibration: paired prefills, drift labels, quantile fit, frozen per-model profiles."""

@@ -1,0 +1,76 @@
+"""RoPE delta rotation: the pure-torch reference (and CPU path).
+
+A key cached at old position ``p_old`` carries the rotation ``R(p_old)``. Rotations of one
+frequency set compose, ``R(p_new) = R(p_new - p_old) R(p_old)``, so moving a cached key to
+``p_new`` is one more rotation by ``delta = p_new - p_old``. This holds for every RoPE whose
+frequencies do not depend on the position or sequence length (default, linear, llama3, yarn);
+the caller decides support. The attention scaling some RoPE kinds fold into cos/sin (yarn's
+mscale) was applied once when the key was formed and must not be applied again: this module
+rotates by pure angles.
+
+Layouts (``rotary_dim`` leading channels rotate, the rest pass through):
+- half (Llama, Qwen, Gemma): channel ``i`` pairs with ``i + rotary_dim/2``.
+- interleaved (GLM, GPT-J): channel ``2i`` pairs with ``2i + 1``.
+
+Knows nothing about models: frequencies and deltas in, rotated rows out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos/sin of ``delta * inv_freq``, computed in float64 for accuracy.
+
+    Args:
+        delta: int tensor ``[R]``, position shift per row.
+        inv_freq: float tensor ``[rotary_dim // 2]``.
+
+    Returns:
+        ``(cos, sin)``, each float32 ``[R, rotary_dim // 2]`` on ``inv_freq``'s device.
+    """
+    ang = delta.to(device=inv_freq.device, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    return torch.cos(ang).float(), torch.sin(ang).float()
+
+
+def rope_delta_reference(
+    k: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor,
+    *,
+    interleaved: bool = False,
+) -> torch.Tensor:
+    """Rotate key rows by their position shift.
+
+    Args:
+        k: ``[..., R, D]`` key rows (any float dtype); rows on dim -2.
+        delta: int ``[R]`` shift per row (new position minus old position).
+        inv_freq: ``[rotary_dim // 2]`` RoPE frequencies; ``rotary_dim <= D``.
+        interleaved: pair channels ``(2i, 2i+1)`` instead of ``(i, i + rotary_dim/2)``.
+
+    Returns:
+        A new tensor like ``k`` with the first ``rotary_dim`` channels rotated (computed in fp32,
+        cast back to ``k.dtype``).
+
+    Raises:
+        ValueError: if shapes disagree.
+    """
+    half = inv_freq.shape[-1]
+    rot = 2 * half
+    if rot > k.shape[-1]:
+        raise ValueError(f"rotary_dim {rot} exceeds head_dim {k.shape[-1]}")
+    if delta.shape[-1] != k.shape[-2]:
+        raise ValueError(f"delta has {delta.shape[-1]} rows, k has {k.shape[-2]}")
+    cos, sin = delta_cos_sin(delta, inv_freq.to(k.device))
+    x = k.float()
+    out = x.clone()
+    if interleaved:
+        x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2] = x1 * cos - x2 * sin
+        out[..., 1:rot:2] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = x[..., :half], x[..., half:rot]
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rot] = x2 * cos + x1 * sin
+    return out.to(k.dtype)

@@ -1,0 +1,22 @@
+"""patchkv-agent: selective KV-cache recovery for LLM agents whose prompts are edited in the middle.
+
+Public entry point: :class:`PatchKVEngine` (checkpoint a context version, resume an edited one).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["PatchKVEngine", "ResumeResult", "Checkpoint", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing the package (e.g. for `diff` or `plan`, which are numpy-only) must not pull in torch.
+    if name in ("PatchKVEngine", "ResumeResult"):
+        from . import engine
+
+        return getattr(engine, name)
+    if name == "Checkpoint":
+        from .store import Checkpoint
+
+        return Checkpoint
+    raise AttributeError(f"module 'patchkv_agent' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""LangGraph / LangChain integration (see DESIGN.md section 6)."""

@@ -1,0 +1,289 @@
+"""Execute a recovery plan on a Hugging Face model.
+
+Builds the KV cache of ``C_new`` from three sources: (a) the exact prefix rows of a checkpoint,
+(b) restored suffix rows, RoPE-corrected for their old->new shift, and (c) one forward over only
+the tokens to recompute, at their true positions, with a true per-token causal mask (a recomputed
+token at new position p sees every row at positions <= p: prefix, restored and recomputed; sliding
+layers also mask rows outside their window). The recomputed K/V rows are scattered into place by a
+cache layer whose ``update`` writes given rows of a preallocated full-length K/V.
+
+Knows models, the RoPE kernel references and plans (duck-typed: ``prefix_len``,
+``restore_old_positions``, ``restore_new_positions``, ``recompute_positions``); knows nothing about
+diffing, planning policy or LangGraph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from .kernels.rope import rope_delta_reference
+from .models import ModelSpec
+
+
+class PlanLike(Protocol):
+    prefix_len: int
+    restore_old_positions: np.ndarray
+    restore_new_positions: np.ndarray
+    recompute_positions: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullRecompute:
+    """The exact path: no restored rows, every position recomputed."""
+
+    new_len: int
+    prefix_len: int = 0
+
+    @property
+    def restore_old_positions(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64)
+
+    @property
+    def restore_new_positions(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int64)
+
+    @property
+    def recompute_positions(self) -> np.ndarray:
+        return np.arange(self.new_len, dtype=np.int64)
+
+
+class ScatterLayer(CacheLayerMixin):
+    """A full-length K/V of one layer; ``update`` writes the forward's rows at ``targets``."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        # keys/values: [1, num_kv_heads, N, head_dim]
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+        self.targets: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - preallocated
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.targets is None or self.targets.numel() != key_states.shape[-2]:
+            raise RuntimeError("bug: ScatterLayer.update called without matching scatter targets")
+        self.keys.index_copy_(2, self.targets, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.targets, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+
+class ScatterCache(Cache):
+    """Cache of preallocated full-length layers; see :class:`ScatterLayer`."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        super().__init__(layers=[ScatterLayer(k, v) for k, v in zip(keys, values)])
+
+    def set_targets(self, positions: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.targets = positions
+
+
+def build_masks(spec: ModelSpec, model, q_pos: torch.Tensor, n_keys: int, dtype: torch.dtype):
+    """True per-token causal masks for queries at ``q_pos`` over key rows ``0..n_keys-1``.
+
+    Returns a ``[1, 1, q, n_keys]`` mask (boolean for sdpa, additive for eager), or a dict keyed by
+    layer type when the model has several layer types (sliding layers get their window).
+    """
+    impl = _text_config(model)._attn_implementation
+    kv = torch.arange(n_keys, device=q_pos.device)
+    base = kv[None, :] <= q_pos[:, None]
+
+    def fmt(allowed: torch.Tensor) -> torch.Tensor:
+        allowed = allowed[None, None]
+        if impl == "eager":
+            return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)
+        return allowed
+
+    types = set(spec.layer_types)
+    if len(types) == 1 and "sliding_attention" not in types:
+        return fmt(base)
+    out = {}
+    for lt in types:
+        allowed = base
+        if lt == "sliding_attention" and spec.sliding_window:
+            allowed = base & (kv[None, :] > q_pos[:, None] - spec.sliding_window)
+        out[lt] = fmt(allowed)
+    return out
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def check_attn_implementation(model) -> None:
+    """Raise ValueError unless the model's attention takes explicit 4D masks (sdpa or eager)."""
+    impl = _text_config(model)._attn_implementation
+    if impl not in ("sdpa", "eager") and not str(impl).startswith("patchkv"):
+        raise ValueError(
+            f"attention implementation {impl!r} does not accept per-token 4D masks; load the model with "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+        )
+
+
+@dataclass
+class RecoveryOutput:
+    """Result of :func:`execute`: first-token logits and the full K/V of ``C_new``."""
+
+    logits: torch.Tensor  # [vocab], float32
+    keys: list[torch.Tensor]  # per layer [1, H, N_new, D]
+    values: list[torch.Tensor]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def restore_rows(
+    spec: ModelSpec,
+    src_k: list[torch.Tensor],
+    src_v: list[torch.Tensor],
+    dst_k: list[torch.Tensor],
+    dst_v: list[torch.Tensor],
+    old_pos: np.ndarray,
+    new_pos: np.ndarray,
+) -> None:
+    """Copy checkpoint rows ``old_pos`` into ``new_pos`` of every layer, rotating keys by the shift.
+
+    Args:
+        spec: the model spec (per-layer RoPE).
+        src_k, src_v: per layer ``[H, N_old, D]`` checkpoint tensors (CPU).
+        dst_k, dst_v: per layer ``[1, H, N_new, D]`` destination tensors.
+        old_pos, new_pos: aligned int64 arrays of rows.
+
+    Raises:
+        RuntimeError: if a shifted row would need an unsupported RoPE (a bug: callers check first).
+    """
+    if len(old_pos) == 0:
+        return
+    device = dst_k[0].device
+    old_t = torch.from_numpy(np.array(old_pos, dtype=np.int64))
+    new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64)).to(device)
+    delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
+    shifted = bool((delta != 0).any())
+    for layer in range(spec.num_layers):
+        k = src_k[layer].index_select(1, old_t).to(device)
+        v = src_v[layer].index_select(1, old_t).to(device)
+        if shifted:
+            rope = spec.rope_for_layer(layer)
+            if not rope.supported:
+                raise RuntimeError(f"bug: restoring shifted rows under unsupported RoPE ({rope.reason})")
+            k = rope_delta_reference(k, delta.to(device), rope.inv_freq.to(device), interleaved=rope.interleaved)
+        dst_k[layer][0].index_copy_(1, new_t, k.to(dst_k[layer].dtype))
+        dst_v[layer][0].index_copy_(1, new_t, v.to(dst_v[layer].dtype))
+
+
+@torch.no_grad()
+def execute(
+    model,
+    spec: ModelSpec,
+    new_ids: torch.Tensor,
+    plan: PlanLike,
+    src_k: list[torch.Tensor] | None = None,
+    src_v: list[torch.Tensor] | None = None,
+) -> RecoveryOutput:
+    """Run a plan: restore prefix and F rows, recompute the rest in one forward.
+
+    Args:
+        model: the HF causal LM (sdpa or eager attention).
+        spec: its :class:`ModelSpec`.
+        new_ids: int64 ``[N_new]`` token ids of ``C_new``.
+        plan: restore/recompute positions; ``recompute_positions`` must include ``N_new - 1``.
+        src_k, src_v: per layer ``[H, N_old, D]`` checkpoint K/V (needed when the plan restores rows).
+
+    Returns:
+        :class:`RecoveryOutput` with first-token logits, full K/V and ``restore_s``/``recompute_s``.
+
+    Raises:
+        ValueError: the plan does not recompute the last token or does not cover C_new exactly.
+    """
+    n_new = int(new_ids.numel())
+    rec = np.array(plan.recompute_positions, dtype=np.int64)  # writable copy for torch
+    if len(rec) == 0 or rec[-1] != n_new - 1:
+        raise ValueError("plan must recompute the last context token (it produces the first logits)")
+    n_prefix = int(plan.prefix_len)
+    n_restore = len(plan.restore_new_positions)
+    if n_prefix + n_restore + len(rec) != n_new:
+        raise ValueError(f"plan covers {n_prefix}+{n_restore}+{len(rec)} rows, context has {n_new}")
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    shape = (1, spec.num_kv_heads, n_new, spec.head_dim)
+    t0 = time.perf_counter()
+    keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+    if n_prefix:
+        for layer in range(spec.num_layers):
+            keys[layer][0, :, :n_prefix] = src_k[layer][:, :n_prefix].to(device)
+            values[layer][0, :, :n_prefix] = src_v[layer][:, :n_prefix].to(device)
+    if n_restore:
+        restore_rows(spec, src_k, src_v, keys, values,
+                     np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions))
+    t1 = time.perf_counter()
+
+    q_pos = torch.from_numpy(rec).to(device)
+    cache = ScatterCache(keys, values)
+    cache.set_targets(q_pos)
+    mask = build_masks(spec, model, q_pos, n_new, dtype)
+    out = model(
+        input_ids=new_ids.to(device)[q_pos][None],
+        position_ids=q_pos[None],
+        attention_mask=mask,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = out.logits[0, -1].float()
+    t2 = time.perf_counter()
+    return RecoveryOutput(
+        logits=logits, keys=keys, values=values,
+        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec)},
+    )
+
+
+def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+    """A standard transformers cache holding these K/V, as a prefill would leave it (sliding layers
+    keep their window), so ``model(next_ids, cache=...)`` continues decoding."""
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k, v, layer)
+    return cache
+
+
+@torch.no_grad()
+def greedy_decode(model, cache: Cache, first_logits: torch.Tensor, start_pos: int, max_new_tokens: int,
+                  eos_ids: set[int]) -> list[int]:
+    """Greedy continuation from first-token logits; stops after an EOS token (included)."""
+    out: list[int] = []
+    if max_new_tokens <= 0:
+        return out
+    device = first_logits.device
+    tok = int(first_logits.argmax())
+    out.append(tok)
+    pos = start_pos
+    while len(out) < max_new_tokens and tok not in eos_ids:
+        res = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[pos]], device=device),
+                    cache=cache, use_cache=True)
+        tok = int(res.logits[0, -1].argmax())
+        out.append(tok)
+        pos += 1
+    return out
