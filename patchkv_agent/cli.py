@@ -1,0 +1,140 @@
+"""The `patchkv-agent` command line: demo, replay, traces (and the commands later issues add).
+
+Knows the engine, replay and workload builder through their public functions; prints tables and
+writes JSON Lines, nothing more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    """A per-strategy summary table (medians over rows) as aligned text."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["strategy"], []).append(r)
+    prefix_ttft = statistics.median(r["ttft_s"] for r in by["prefix"]) if "prefix" in by else None
+    head = ["strategy", "ttft_ms", "vs_prefix", "recompute", "ratio", "payload_MiB", "kl", "top1", "tf", "exact_cont", "f1"]
+    lines = [head]
+    for s, rs in by.items():
+        ttft = statistics.median(r["ttft_s"] for r in rs)
+
+        def mean(f):
+            vals = [float(r[f]) for r in rs if r.get(f) is not None]
+            return statistics.fmean(vals) if vals else None
+
+        def fmt(v, spec):
+            return "-" if v is None else format(v, spec)
+
+        lines.append([
+            s, f"{ttft * 1e3:.1f}", fmt(prefix_ttft / ttft if prefix_ttft else None, ".2f") + "x",
+            f"{statistics.fmean(r['recompute_tokens'] for r in rs):.0f}", f"{mean('recompute_ratio'):.3f}",
+            f"{mean('payload_bytes') / 2**20:.2f}", fmt(mean("first_token_kl"), ".4f"), fmt(mean("top1_agree"), ".2f"),
+            fmt(mean("tf_agree"), ".2f"), fmt(mean("exact_continuation"), ".2f"), fmt(mean("f1"), ".2f"),
+        ])
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def _engine(args):
+    from .engine import PatchKVEngine
+
+    t = time.perf_counter()
+    eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window)
+    print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    return eng
+
+
+def _count_tokens(eng):
+    from .replay import plain_messages
+
+    return lambda msgs: len(eng.encode(plain_messages(msgs)))
+
+
+def cmd_replay(args) -> int:
+    from .replay import read_jsonl, replay_episode, write_jsonl
+
+    eng = _engine(args)
+    traces = read_jsonl(args.traces)[: args.limit or None]
+    strategies = args.strategies.split(",")
+    rows: list[dict] = []
+    for tr in tqdm(traces, desc="replay", unit="episode"):
+        rows.extend(replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model))
+    write_jsonl(rows, args.out)
+    print(_table(rows))
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .replay import replay_episode, write_jsonl
+    from .workloads import build_traces
+
+    eng = _engine(args)
+    traces = build_traces(args.workload, args.edit, n=1, split="eval", target_tokens=args.target_tokens,
+                          seed=args.seed, count_tokens=_count_tokens(eng))
+    tr = traces[0]
+    strategies = args.strategies.split(",")
+    print(f"episode {tr['id']} ({tr['edit']}), strategies {strategies}; warming up ...", file=sys.stderr)
+    list(replay_episode(eng, tr, ["exact"], max_new_tokens=2))  # warm-up: first calls pay allocator costs
+    rows = list(tqdm(replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model),
+                     total=len(strategies) * (len(tr["versions"]) - 1), desc="resume", unit="strategy"))
+    r0 = rows[0]
+    print(f"\n{tr['id']}: {r0['prompt_tokens']} tokens, prefix {r0['prefix_tokens']}, new {r0['new_tokens']}, "
+          f"suffix {r0['suffix_tokens']}; answers {tr.get('answers')}")
+    print(_table(rows))
+    for r in rows:
+        print(f"  {r['strategy']:>8}: {r['output_text']!r}")
+    if args.out:
+        write_jsonl(rows, args.out)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--dirty-window", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--strategies", default="exact,prefix,direct,patchkv")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="patchkv-agent", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="replay one edited episode on the embedded model and print the table")
+    _common(p)
+    p.add_argument("--workload", default="hotpotqa-e")
+    p.add_argument("--edit", default="replace_tool_result")
+    p.add_argument("--target-tokens", type=int, default=1500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the result rows (JSON Lines)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("replay", help="replay traces (TRACES.md) and write results.jsonl")
+    p.add_argument("traces")
+    _common(p)
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--out", default="results.jsonl")
+    p.set_defaults(func=cmd_replay)
+
+    from .workloads import add_traces_cli
+
+    add_traces_cli(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

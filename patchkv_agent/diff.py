@@ -1,0 +1,392 @@
+"""Token-level diff of two context versions of one agent thread.
+
+``C_old = P + M_old + S`` and ``C_new = P + M_new + S`` (DESIGN.md section 2), generalized to several
+edited spans: after the exact-hit prefix ``P`` the two versions alternate between *edited spans*
+(``M_old``/``M_new`` pairs, either side may be empty) and *aligned segments* (runs of identical tokens,
+shifted by their own ``delta``), so ``S`` is the union of the segments.
+
+Boundary: this module knows nothing about models, tokenizers, torch or KV caches. It takes token ids
+(anything convertible to a 1-D integer numpy array) and returns frozen dataclasses holding plain ints and
+read-only int64 numpy arrays. It depends on numpy and the standard library only.
+
+Algorithm: ``P`` is the longest common prefix; ``s`` the longest common suffix of what is left, bounded so
+that it never overlaps ``P``. The middles ``old[P:-s]`` / ``new[P:-s]`` are aligned patience-style: k-grams
+(``k = min(min_match, 32)``) that occur exactly once in both sides are anchors, anchors are grouped into
+diagonal runs and extended to maximal matches, and the longest mutually consistent (monotone,
+non-crossing) matches are kept; the gaps between them are aligned again recursively. Gaps without unique
+anchors fall back to :class:`difflib.SequenceMatcher` when they are small (bounded total work); large
+anchor-free gaps (e.g. long runs of one repeated token) stay inside an edited span. Only matches of at least
+``min_match`` tokens become middle segments. Typical cost: a few ms for 10k-token versions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["AlignedSegment", "Edit", "EditedSpan", "diff_versions"]
+
+_ANCHOR_MAX_K = 32  # anchor k-gram length cap (k = min(min_match, this))
+_FALLBACK_MAX_CELLS = 1 << 16  # SequenceMatcher only on anchor-free gaps with len_a * len_b <= this,
+_FALLBACK_BUDGET = 1 << 18  # and on at most this many cells per diff (bounds the worst case at ~30 ms)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_BASE = np.uint64(0xC2B2AE3D27D4EB4F)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EditedSpan:
+    """One edited region: ``M_old = old[old_start:old_end]`` became ``M_new = new[new_start:new_end]``.
+
+    Either side may be empty (insertion: empty old side; deletion: empty new side), not both.
+    """
+
+    old_start: int
+    old_end: int
+    new_start: int
+    new_end: int
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.old_start <= self.old_end and 0 <= self.new_start <= self.new_end):
+            raise ValueError(f"invalid span bounds: {self}")
+        if self.old_start == self.old_end and self.new_start == self.new_end:
+            raise ValueError(f"edited span is empty on both sides: {self}")
+
+    @property
+    def old_len(self) -> int:
+        return self.old_end - self.old_start
+
+    @property
+    def new_len(self) -> int:
+        return self.new_end - self.new_start
+
+    @property
+    def delta(self) -> int:
+        """``new_len - old_len``: the position shift this span adds to everything after it."""
+        return self.new_len - self.old_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlignedSegment:
+    """A run of ``length`` tokens identical in both versions: ``old[old_start:old_start+length] ==
+    new[new_start:new_start+length]``. Reuse candidates (same tokens, shifted positions, stale history)."""
+
+    old_start: int
+    new_start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.old_start < 0 or self.new_start < 0 or self.length < 1:
+            raise ValueError(f"invalid aligned segment: {self}")
+
+    @property
+    def old_end(self) -> int:
+        return self.old_start + self.length
+
+    @property
+    def new_end(self) -> int:
+        return self.new_start + self.length
+
+    @property
+    def delta(self) -> int:
+        """``new_start - old_start``: the RoPE position shift of this segment."""
+        return self.new_start - self.old_start
+
+    @property
+    def distance_base(self) -> int:
+        """New position of the end of the edited span right before this segment (``d_i = new_pos - base``).
+
+        Every segment directly follows an edited span (a deletion's empty ``M_new`` sits at this position
+        too), so this equals ``new_start``.
+        """
+        return self.new_start
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+def _ranges(starts: list[int], lengths: list[int]) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each pair, as int64."""
+    if not starts:
+        return np.zeros(0, dtype=np.int64)
+    st = np.asarray(starts, dtype=np.int64)
+    ln = np.asarray(lengths, dtype=np.int64)
+    first = np.cumsum(ln) - ln
+    return np.repeat(st - first, ln) + np.arange(int(ln.sum()), dtype=np.int64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Edit:
+    """The diff of two context versions: prefix ``P``, edited spans and aligned suffix segments.
+
+    Layout, on both the old and the new side: ``[0, prefix_len)`` is ``P``, then span 0, segment 0,
+    span 1, segment 1, ... in order, contiguous, covering ``[0, old_len)`` resp. ``[0, new_len)``. The
+    last span may or may not be followed by a segment. ``spans`` is empty iff the versions are identical.
+
+    Derived read-only int64 arrays (computed once at construction):
+        old_to_new: ``[old_len]`` new position of each kept old token (prefix and segments), ``-1`` if dropped.
+        new_to_old: ``[new_len]`` old position of each reused new token, ``-1`` for new tokens (``X``).
+        suffix_new_positions / suffix_old_positions: ``[|S|]`` positions of the suffix tokens, in order.
+        suffix_distance: ``[|S|]`` ``d_i``, distance from the end of the preceding edited span in new
+            coordinates (0 for the first token after a span).
+        new_positions: ``[|X|]`` new positions of all tokens of the ``M_new`` spans, in order.
+    """
+
+    old_len: int
+    new_len: int
+    prefix_len: int
+    spans: tuple[EditedSpan, ...]
+    segments: tuple[AlignedSegment, ...]
+    old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
+    new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
+    suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
+    suffix_old_positions: np.ndarray = field(init=False, repr=False, compare=False)
+    suffix_distance: np.ndarray = field(init=False, repr=False, compare=False)
+    new_positions: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spans", tuple(self.spans))
+        object.__setattr__(self, "segments", tuple(self.segments))
+        self._check_layout()
+        segs, spans = self.segments, self.spans
+        seg_old = [s.old_start for s in segs]
+        seg_new = [s.new_start for s in segs]
+        seg_len = [s.length for s in segs]
+        s_old = _ranges(seg_old, seg_len)
+        s_new = _ranges(seg_new, seg_len)
+        o2n = np.full(self.old_len, -1, dtype=np.int64)
+        n2o = np.full(self.new_len, -1, dtype=np.int64)
+        head = np.arange(self.prefix_len, dtype=np.int64)
+        o2n[: self.prefix_len] = head
+        n2o[: self.prefix_len] = head
+        o2n[s_old] = s_new
+        n2o[s_new] = s_old
+        set_ = object.__setattr__
+        set_(self, "old_to_new", _readonly(o2n))
+        set_(self, "new_to_old", _readonly(n2o))
+        set_(self, "suffix_old_positions", _readonly(s_old))
+        set_(self, "suffix_new_positions", _readonly(s_new))
+        set_(self, "suffix_distance", _readonly(_ranges([0] * len(segs), seg_len)))
+        set_(self, "new_positions", _readonly(_ranges([s.new_start for s in spans], [s.new_len for s in spans])))
+
+    def _check_layout(self) -> None:
+        if not (0 <= self.prefix_len <= min(self.old_len, self.new_len)):
+            raise ValueError(f"prefix_len {self.prefix_len} out of range for lengths {self.old_len}, {self.new_len}")
+        n_sp, n_sg = len(self.spans), len(self.segments)
+        if n_sg not in (n_sp, n_sp - 1) or (n_sp == 0 and n_sg != 0):
+            raise ValueError(f"{n_sp} spans and {n_sg} segments cannot alternate")
+        o = n = self.prefix_len
+        for k, sp in enumerate(self.spans):
+            if (sp.old_start, sp.new_start) != (o, n):
+                raise ValueError(f"span {k} {sp} does not start at old {o} / new {n}")
+            o, n = sp.old_end, sp.new_end
+            if k < n_sg:
+                sg = self.segments[k]
+                if (sg.old_start, sg.new_start) != (o, n):
+                    raise ValueError(f"segment {k} {sg} does not start at old {o} / new {n}")
+                o, n = sg.old_end, sg.new_end
+        if (o, n) != (self.old_len, self.new_len):
+            raise ValueError(f"layout covers old [0, {o}) / new [0, {n}), not {self.old_len} / {self.new_len}")
+
+    @property
+    def suffix_len(self) -> int:
+        """``|S|``: total length of the aligned segments."""
+        return int(self.suffix_new_positions.shape[0])
+
+    @property
+    def new_token_count(self) -> int:
+        """``|X|``: total length of the ``M_new`` spans."""
+        return int(self.new_positions.shape[0])
+
+    @property
+    def identical(self) -> bool:
+        """True iff both versions are the same token sequence."""
+        return not self.spans
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _as_token_array(ids: Any, name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError, RuntimeError):
+        arr = None
+    if arr is None or arr.dtype == object:  # e.g. a CUDA tensor, or a plain iterable
+        try:
+            tolist = getattr(ids, "tolist", None)
+            arr = np.asarray(tolist() if callable(tolist) else list(ids))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name} must be a 1-D sequence of integer token ids: {exc}") from exc
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of token ids, got an array of shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _run_length(x: np.ndarray, y: np.ndarray, i: int, j: int, limit: int) -> int:
+    """Length of the common run ``x[i:] == y[j:]``, at most ``limit`` (chunked, vectorized)."""
+    n, step = 0, 32
+    while n < limit:
+        c = min(step, limit - n)
+        eq = x[i + n : i + n + c] == y[j + n : j + n + c]
+        if not eq.all():
+            return n + int(np.argmin(eq))
+        n += c
+        step *= 4
+    return n
+
+
+def _kgram_hashes(x: np.ndarray, k: int) -> np.ndarray:
+    """64-bit polynomial hash of every k-gram ``x[i:i+k]`` (uint64, length ``max(0, len(x)-k+1)``)."""
+    m = x.shape[0] - k + 1
+    if m <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        v = x.view(np.uint64)
+        v = (v ^ (v >> np.uint64(29))) * _MIX
+        v ^= v >> np.uint64(32)
+        h = v[:m].copy()
+        for t in range(1, k):
+            h = h * _BASE + v[t : t + m]
+    return h
+
+
+class _Aligner:
+    """Aligned matching runs (>= min_match) between two token arrays; see the module docstring."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, min_match: int) -> None:
+        self.a, self.b, self.min_match = a, b, min_match
+        self.a_rev, self.b_rev = a[::-1], b[::-1]
+        self.k = min(min_match, _ANCHOR_MAX_K)
+        self.ha = _kgram_hashes(a, self.k)
+        self.hb = _kgram_hashes(b, self.k)
+        self.budget = _FALLBACK_BUDGET
+
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """Monotone, non-overlapping ``(a_start, b_start, length)`` matches, sorted."""
+        found: list[tuple[int, int, int]] = []
+        stack = [(0, len(self.a), 0, len(self.b))]
+        while stack:
+            a_lo, a_hi, b_lo, b_hi = stack.pop()
+            if a_hi - a_lo < self.min_match or b_hi - b_lo < self.min_match:
+                continue
+            chosen = self._anchored(a_lo, a_hi, b_lo, b_hi)
+            if not chosen:
+                cells = (a_hi - a_lo) * (b_hi - b_lo)
+                if cells <= min(_FALLBACK_MAX_CELLS, self.budget):
+                    self.budget -= cells
+                    found.extend(self._fallback(a_lo, a_hi, b_lo, b_hi))
+                continue
+            found.extend(chosen)
+            pa, pb = a_lo, b_lo
+            for i, j, n in chosen:  # align the gaps again: anchors may be unique there
+                stack.append((pa, i, pb, j))
+                pa, pb = i + n, j + n
+            stack.append((pa, a_hi, pb, b_hi))
+        found.sort()
+        return found
+
+    def _anchored(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
+        k = self.k
+        ua, pa, ca = np.unique(self.ha[a_lo : a_hi - k + 1], return_index=True, return_counts=True)
+        ub, pb, cb = np.unique(self.hb[b_lo : b_hi - k + 1], return_index=True, return_counts=True)
+        once_a, once_b = ca == 1, cb == 1
+        _, xa, xb = np.intersect1d(ua[once_a], ub[once_b], assume_unique=True, return_indices=True)
+        if xa.size == 0:
+            return []
+        ai = pa[once_a][xa] + a_lo
+        order = np.argsort(ai, kind="stable")
+        ai, bj = ai[order], (pb[once_b][xb] + b_lo)[order]
+        diag = bj - ai
+        brk = np.ones(ai.shape[0], dtype=bool)
+        brk[1:] = (np.diff(ai) != 1) | (np.diff(diag) != 0)
+        cands: list[tuple[int, int, int]] = []
+        covered: dict[int, int] = {}  # diagonal -> old end of the last match extended on it
+        for i0, j0 in zip(ai[brk].tolist(), bj[brk].tolist()):
+            d = j0 - i0
+            if i0 < covered.get(d, -1):
+                continue
+            right = _run_length(self.a, self.b, i0, j0, min(a_hi - i0, b_hi - j0))
+            if right < k:  # hash collision
+                continue
+            left = _run_length(self.a_rev, self.b_rev, len(self.a) - i0, len(self.b) - j0,
+                               min(i0 - a_lo, j0 - b_lo))
+            start, size = i0 - left, left + right
+            covered[d] = start + size
+            if size >= self.min_match:
+                cands.append((size, start, start + d))
+        # Longest first; keep a match only if it is consistent (monotone, non-overlapping) with the kept ones.
+        cands.sort(key=lambda c: (-c[0], c[1]))
+        keys: list[int] = []
+        sel: list[tuple[int, int, int]] = []
+        for n, i, j in cands:
+            p = bisect.bisect_left(keys, i)
+            if p > 0 and (sel[p - 1][0] + sel[p - 1][2] > i or sel[p - 1][1] + sel[p - 1][2] > j):
+                continue
+            if p < len(sel) and (i + n > sel[p][0] or j + n > sel[p][1]):
+                continue
+            keys.insert(p, i)
+            sel.insert(p, (i, j, n))
+        return sel
+
+    def _fallback(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
+        sm = difflib.SequenceMatcher(None, self.a[a_lo:a_hi].tolist(), self.b[b_lo:b_hi].tolist(), autojunk=False)
+        return [(a_lo + i, b_lo + j, n) for i, j, n in sm.get_matching_blocks() if n >= self.min_match]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8) -> Edit:
+    """Diff two context versions of one thread into prefix, edited spans and aligned suffix segments.
+
+    Args:
+        old_ids: token ids of ``C_old``: a list/tuple of ints, a 1-D integer numpy array, a 1-D tensor
+            (converted through ``tolist()`` if ``np.asarray`` fails) or any iterable of ints.
+        new_ids: token ids of ``C_new``, same forms.
+        min_match: shortest identical run inside the middle region that becomes an aligned segment
+            (shorter runs stay inside an edited span). ``P`` and the tail segment have no minimum.
+    Returns:
+        The :class:`Edit`.
+    Raises:
+        ValueError: if an input is not 1-D, holds non-integer values, or ``min_match < 1``.
+    """
+    if isinstance(min_match, bool) or not isinstance(min_match, (int, np.integer)) or min_match < 1:
+        raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
+    min_match = int(min_match)
+    old = _as_token_array(old_ids, "old_ids")
+    new = _as_token_array(new_ids, "new_ids")
+    n_old, n_new = old.shape[0], new.shape[0]
+    p = _run_length(old, new, 0, 0, min(n_old, n_new))
+    s = _run_length(old[::-1], new[::-1], 0, 0, min(n_old, n_new) - p)
+    a, b = old[p : n_old - s], new[p : n_new - s]
+    blocks = _Aligner(a, b, min_match).blocks() if min(a.shape[0], b.shape[0]) >= min_match else []
+    blocks.append((a.shape[0], b.shape[0], s))  # the tail segment (skipped below when s == 0)
+
+    spans: list[EditedSpan] = []
+    segments: list[AlignedSegment] = []
+    o, n = p, p
+    for i, j, size in blocks:
+        i, j = p + i, p + j
+        if i > o or j > n:
+            spans.append(EditedSpan(old_start=o, old_end=i, new_start=n, new_end=j))
+        elif size and segments:  # contiguous with the previous segment on both sides: merge
+            last = segments.pop()
+            size, i, j = size + last.length, last.old_start, last.new_start
+        if size:
+            segments.append(AlignedSegment(old_start=i, new_start=j, length=size))
+        o, n = i + size, j + size
+    return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments))
