@@ -58,6 +58,26 @@ def _count_tokens(eng):
     return lambda msgs: len(eng.encode(plain_messages(msgs)))
 
 
+def _token_counter_for(model: str):
+    """Chat-template token counter of a model's tokenizer (for `traces build --model`)."""
+    from transformers import AutoTokenizer
+
+    from .models import EMBEDDED_MODELS, ensure_embedded
+    from .replay import plain_messages
+
+    if model in EMBEDDED_MODELS or model.endswith(".gguf"):
+        path = ensure_embedded(model) if model in EMBEDDED_MODELS else __import__("pathlib").Path(model).resolve()
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(model)
+
+    def count(msgs):
+        text = tok.apply_chat_template(plain_messages(msgs), tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
 def cmd_replay(args) -> int:
     from .replay import read_jsonl, replay_episode, write_jsonl
 
@@ -86,7 +106,7 @@ def cmd_demo(args) -> int:
     list(replay_episode(eng, tr, ["exact"], max_new_tokens=2))  # warm-up: first calls pay allocator costs
     rows = list(tqdm(replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model),
                      total=len(strategies) * (len(tr["versions"]) - 1), desc="resume", unit="strategy"))
-    r0 = rows[0]
+    r0 = next(r for r in rows if r["strategy"] != "exact") if len(rows) > 1 else rows[0]
     print(f"\n{tr['id']}: {r0['prompt_tokens']} tokens, prefix {r0['prefix_tokens']}, new {r0['new_tokens']}, "
           f"suffix {r0['suffix_tokens']}; answers {tr.get('answers')}")
     print(_table(rows))
@@ -127,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .workloads import add_traces_cli
 
-    add_traces_cli(sub)
+    add_traces_cli(sub, token_counter_factory=_token_counter_for)
     return ap
 
 
