@@ -278,10 +278,11 @@ class PatchKVEngine:
                 plan = plan_full(edit, block_size=self.block_size)
         plan_s = time.perf_counter() - t0
 
-        src_k = ckpt.keys if ckpt is not None else None
-        src_v = ckpt.values if ckpt is not None else None
         t1 = time.perf_counter()
-        out = execute(self.model, self.spec, torch.from_numpy(new), plan, src_k, src_v)
+        if fallback is None:
+            out = strat.execute(self, ckpt, edit, plan, torch.from_numpy(new))
+        else:
+            out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
         ttft = time.perf_counter() - t1
         cache = to_dynamic_cache(self.model, out.keys, out.values)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+
 from .diff import Edit
 from .plan import LengthModel, plan_direct, plan_full, plan_repair
-from .recovery import FullRecompute, PlanLike
+from .recovery import FullRecompute, PlanLike, RecoveryOutput, execute
 from .store import Checkpoint
 
 if TYPE_CHECKING:
@@ -32,6 +34,16 @@ class Strategy:
 
     def plan(self, engine: "PatchKVEngine", ckpt: Checkpoint | None, edit: Edit) -> PlanLike:
         raise NotImplementedError
+
+    def execute(self, engine: "PatchKVEngine", ckpt: Checkpoint | None, edit: Edit, plan: PlanLike,
+                new_ids: "torch.Tensor") -> RecoveryOutput:
+        """Run the plan. The default is one forward over the recompute rows
+        (:func:`patchkv_agent.recovery.execute`); strategies with their own schedule (e.g. layer-wise
+        selection) override this and must return the same :class:`RecoveryOutput` (full K/V of C_new,
+        first-token logits, ``restore_s``/``recompute_s``/``recompute_tokens`` stats)."""
+        src_k = ckpt.keys if ckpt is not None else None
+        src_v = ckpt.values if ckpt is not None else None
+        return execute(engine.model, engine.spec, new_ids, plan, src_k, src_v)
 
 
 class ExactStrategy(Strategy):
