@@ -1,0 +1,253 @@
+"""Attention statistics in the checkpoint-creation pass (DESIGN.md section 4, offload step 2).
+
+Boundary: this module knows a Hugging Face model only through transformers' attention dispatch
+(``AttentionInterface`` / ``AttentionMaskInterface``) and the ``layer_idx`` / ``num_key_value_groups``
+attributes of its attention modules. It computes attention exactly as ``sdpa`` does and, for a
+sampled set of layers, also the softmax probabilities of the last ``w`` query rows over all keys,
+summed over heads, rows and layers per key token. It knows nothing about checkpoints, blocks,
+precision or plans: the caller stores :meth:`AttentionCapture.scores` wherever it likes.
+
+Cost: per sampled layer one ``[w, N]`` score matrix per head (never ``N x N``), kept on the model's
+device; nothing is synchronised with the host until :meth:`AttentionCapture.scores` is called.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+__all__ = ["AttentionCapture", "capture_attention_forward", "default_layers", "bench_capture"]
+
+# id(attention module) -> the capture recording it. The registered function is one module-level
+# dispatcher, so several captures (on different models) can share a registered name.
+_ACTIVE: dict[int, AttentionCapture] = {}
+
+
+def capture_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: ``sdpa_attention_forward``, plus recording for sampled layers.
+
+    Args:
+        module: the attention module (``layer_idx``, ``num_key_value_groups``, ``is_causal``).
+        query: ``[B, Hq, q, D]``; key, value: ``[B, Hkv, N, D]``.
+        attention_mask: None, a 4D boolean mask (True = attend) or a 4D additive float mask.
+        **kwargs: passed through to sdpa (``scaling``, ``dropout``, ``is_causal``, ...).
+    Returns:
+        ``(attn_output, None)`` exactly as ``sdpa_attention_forward``.
+    """
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    cap = _ACTIVE.get(id(module))
+    if cap is not None:
+        cap._record(module, query, key, attention_mask, kwargs)
+    return out
+
+
+def default_layers(n_layers: int, every: int = 4) -> tuple[int, ...]:
+    """Every ``every``-th layer from 0, always including the last one."""
+    return tuple(sorted(set(range(0, n_layers, every)) | {n_layers - 1}))
+
+
+def _window_probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, *, window: int,
+                  scaling: float | None, causal: bool, position_bias: torch.Tensor | None) -> torch.Tensor:
+    """Softmax probabilities of the last ``window`` query rows, summed over heads and rows: ``[B, N]``."""
+    b, hq, q_len, d = query.shape
+    hkv, n = key.shape[1], key.shape[2]
+    g = hq // hkv
+    w = min(window, q_len)
+    scale = scaling if scaling is not None else d**-0.5
+    q = query[:, :, q_len - w :, :].float().reshape(b, hkv, g * w, d)  # head h uses kv head h // g
+    logits = torch.matmul(q, key.float().transpose(-1, -2)).view(b, hq, w, n) * scale
+    if position_bias is not None:
+        logits = logits + position_bias[..., q_len - w :, :].float()
+    if mask is not None:
+        m = mask[..., q_len - w :, :]
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+    elif causal and q_len > 1:  # sdpa's is_causal: upper-left aligned, key j visible to query row i iff j <= i
+        rows = torch.arange(q_len - w, q_len, device=key.device)[:, None]
+        logits = logits.masked_fill(torch.arange(n, device=key.device)[None, :] > rows, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows (padding) contribute nothing
+    return probs.sum(dim=(1, 2))
+
+
+class AttentionCapture:
+    """Context manager: route a model's attention through the capturing sdpa function.
+
+    ``with AttentionCapture(model) as cap: model(ids)`` then ``cap.scores()``. Every forward inside the
+    block adds to the statistics (call :meth:`reset` between passes); a later pass with more keys
+    extends the accumulator.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, window: int = 32, layers: tuple[int, ...] | list[int] | None = None,
+                 name: str = "patchkv_capture") -> None:
+        """Args:
+            model: a transformers ``PreTrainedModel`` whose attention goes through ``AttentionInterface``.
+            window: the last ``w`` query rows of each pass whose attention is recorded, ``>= 1``.
+            layers: layer indices to sample; default every 4th layer from 0 plus the last.
+            name: the name registered in ``AttentionInterface`` / ``AttentionMaskInterface``.
+        Raises:
+            ValueError: if ``window < 1``, a layer index is out of range, or the model has no attention
+                module with an integer ``layer_idx`` among the sampled layers.
+        """
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.model = model
+        self.window = int(window)
+        self.name = name
+        n_layers = int(model.config.get_text_config().num_hidden_layers)
+        self.layers = default_layers(n_layers) if layers is None else tuple(sorted({int(i) for i in layers}))
+        bad = [i for i in self.layers if not 0 <= i < n_layers]
+        if bad:
+            raise ValueError(f"layer indices {bad} out of range for a {n_layers}-layer model")
+        self._modules = [m for m in model.modules()
+                         if isinstance(getattr(m, "layer_idx", None), int) and m.layer_idx in self.layers
+                         and hasattr(m, "num_key_value_groups")]
+        if not self._modules:
+            raise ValueError("no attention module with `layer_idx` and `num_key_value_groups` found for the sampled "
+                             "layers; AttentionCapture supports models that dispatch through AttentionInterface")
+        self._acc: torch.Tensor | None = None  # [B, N] float32 on the model's device
+        self._previous: str | None = None
+        self.n_records = 0
+
+    # -- context manager ------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> AttentionCapture:
+        AttentionInterface.register(self.name, capture_attention_forward)
+        if self.name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            AttentionMaskInterface.register(self.name, sdpa_mask)  # the same masks sdpa would get
+        for m in self._modules:
+            if id(m) in _ACTIVE and _ACTIVE[id(m)] is not self:
+                raise RuntimeError("this model is already inside another AttentionCapture")
+        self._previous = self.model.config._attn_implementation
+        self._set_impl(self.name)
+        for m in self._modules:
+            _ACTIVE[id(m)] = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for m in self._modules:
+            if _ACTIVE.get(id(m)) is self:
+                del _ACTIVE[id(m)]
+        if self._previous is not None:
+            self._set_impl(self._previous)
+            self._previous = None
+
+    def _set_impl(self, name: str) -> None:
+        if hasattr(self.model, "set_attn_implementation"):
+            self.model.set_attn_implementation(name)
+        else:  # a bare module tree: set the config the attention modules read
+            self.model.config._attn_implementation = name
+
+    # -- statistics -----------------------------------------------------------------------------------------------
+
+    def _record(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                attention_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> None:
+        is_causal = kwargs.get("is_causal")
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        with torch.no_grad():
+            mass = _window_probs(query.detach(), key.detach(), attention_mask, window=self.window,
+                                 scaling=kwargs.get("scaling"), causal=bool(causal),
+                                 position_bias=kwargs.get("position_bias"))
+        if self._acc is None:
+            self._acc = mass
+        else:
+            if self._acc.shape[0] != mass.shape[0]:
+                raise ValueError(f"batch size changed inside one capture ({self._acc.shape[0]} -> {mass.shape[0]}); "
+                                 "call reset() between passes of different batch sizes")
+            n = max(self._acc.shape[1], mass.shape[1])
+            if self._acc.shape[1] < n:
+                self._acc = torch.nn.functional.pad(self._acc, (0, n - self._acc.shape[1]))
+            self._acc[:, : mass.shape[1]] += mass
+        self.n_records += 1
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self._acc = None
+        self.n_records = 0
+
+    def raw_scores(self) -> torch.Tensor | None:
+        """Unnormalised attention mass ``[B, N]`` (float32, on the model's device), or None before a pass."""
+        return self._acc
+
+    def scores(self, batch_index: int = 0) -> np.ndarray:
+        """Attention mass per key token, normalised to sum 1.
+
+        Args:
+            batch_index: which sequence of the batch.
+        Returns:
+            float32 array ``[N]`` (N = the longest key length seen).
+        Raises:
+            RuntimeError: if no sampled layer ran inside the capture.
+        """
+        if self._acc is None:
+            raise RuntimeError("no attention was recorded: run a forward pass inside `with AttentionCapture(...)`")
+        row = self._acc[batch_index].double()
+        total = row.sum()
+        row = row / total if total > 0 else row
+        return row.float().cpu().numpy()
+
+
+def bench_capture(model: torch.nn.Module | None = None, *, n_tokens: int = 1024, n_layers: int = 4,
+                  hidden: int = 256, repeats: int = 5, window: int = 32, seed: int = 0) -> dict[str, float]:
+    """Median prefill time with and without capture, interleaved (the capture run includes switching in/out).
+
+    Args:
+        model: the model to time (on its device); default a tiny random llama built from the sizes below.
+        n_tokens: prompt length.
+        n_layers, hidden: size of the default model (heads: hidden // 64, kv heads: half of them).
+        repeats: timed passes per variant (after one warm-up each).
+        window: capture window.
+        seed: torch seed.
+    Returns:
+        ``{"plain_ms", "capture_ms", "overhead_pct", "n_tokens", "n_layers"}``.
+    """
+    torch.manual_seed(seed)
+    if model is None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        heads = max(2, hidden // 64)
+        cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 4,
+                          num_hidden_layers=n_layers, num_attention_heads=heads,
+                          num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(4096, n_tokens),
+                          attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg).eval()
+    n_layers = int(model.config.get_text_config().num_hidden_layers)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, int(model.config.get_text_config().vocab_size), (1, n_tokens), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    cap = AttentionCapture(model, window=window)
+
+    def run_plain() -> None:
+        model(ids, use_cache=False, logits_to_keep=1)
+
+    def run_capture() -> None:  # includes switching the attention implementation in and out
+        with cap:
+            cap.reset()
+            model(ids, use_cache=False, logits_to_keep=1)
+            cap.scores()
+
+    times: dict[Any, list[float]] = {run_plain: [], run_capture: []}
+    with torch.no_grad():
+        run_plain(), run_capture()  # warm-up
+        for _ in range(repeats):  # interleaved, so that load from other processes hits both alike
+            for fn, ts in times.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                ts.append(time.perf_counter() - t0)
+    plain, captured = (float(np.median(ts)) * 1e3 for ts in times.values())
+    return {"plain_ms": plain, "capture_ms": captured, "overhead_pct": 100.0 * (captured - plain) / plain,
+            "n_tokens": float(n_tokens), "n_layers": float(n_layers)}

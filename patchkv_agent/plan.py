@@ -1,0 +1,489 @@
+"""Repair planner: an :class:`~patchkv_agent.diff.Edit` (plus stored attention) -> a :class:`RepairPlan`.
+
+Boundary: numpy in, frozen dataclasses out. This module knows nothing about torch, models, KV tensors,
+checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix,
+restored from the checkpoint (``F``) or recomputed (``X`` and ``R``); the recovery executes that.
+
+Vocabulary (DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
+aligned segment from that segment's start in new coordinates, so a block never straddles an edited
+span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix_distance < d_hat``),
+``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored attention,
+``R = BlockRound(D | H)`` plus the block holding the last context token; ``F`` = the other blocks.
+
+Per-span length features (shared with the calibration profiler through :func:`span_features`): for
+edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k| + |M_new_k|``,
+``S_k`` = length of the aligned segment that follows it (the tokens whose ``d_i`` it defines).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # the planner reads an Edit; it never builds one
+    from .diff import Edit
+
+__all__ = [
+    "LengthModel",
+    "SuffixBlocks",
+    "RepairPlan",
+    "span_features",
+    "suffix_blocks",
+    "block_round",
+    "plan_repair",
+    "plan_full",
+    "plan_direct",
+    "bench_plan",
+]
+
+_N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.setflags(write=False)
+    return a
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Length model: d_hat per edited span
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthModel:
+    """Linear quantile model of ``log d*`` (dirty-window length) on log-length features.
+
+    ``d_hat = clip(exp(w . phi(a, b, c)), d_min, min(d_max, S_k))`` rounded up, with
+    ``a = log(1+P_k)``, ``b = log(1+E_k)``, ``c = log(1+S_k)`` and ``phi = [1, a, b, c, ab, ac, bc]``.
+    """
+
+    weights: tuple[float, ...]
+    d_min: int = 0
+    d_max: int | None = None
+    quantile: float | None = None  # the quantile the weights were fitted for (metadata)
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != _N_FEATURES or not all(math.isfinite(float(w)) for w in self.weights):
+            raise ValueError(f"LengthModel needs {_N_FEATURES} finite weights, got {self.weights!r}")
+        if self.d_min < 0 or (self.d_max is not None and self.d_max < self.d_min):
+            raise ValueError(f"LengthModel needs 0 <= d_min <= d_max, got d_min={self.d_min} d_max={self.d_max}")
+
+    @classmethod
+    def fixed(cls, d: int) -> LengthModel:
+        """A constant window of ``d`` tokens (clipped to the segment): the engine default before calibration.
+
+        Args:
+            d: window length in tokens, ``>= 0``.
+        Returns:
+            A model that predicts ``min(d, S_k)`` for every span.
+        Raises:
+            ValueError: if ``d < 0``.
+        """
+        if d < 0:
+            raise ValueError(f"fixed window must be >= 0, got {d}")
+        return cls(weights=(math.log(max(d, 1)),) + (0.0,) * (_N_FEATURES - 1), d_min=int(d), d_max=int(d))
+
+    @staticmethod
+    def features(prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
+        """Feature matrix ``phi`` [k, 7] from per-span lengths (token counts, not logs)."""
+        a = np.log1p(np.asarray(prefix_len, dtype=np.float64))
+        b = np.log1p(np.asarray(edit_len, dtype=np.float64))
+        c = np.log1p(np.asarray(suffix_len, dtype=np.float64))
+        return np.stack([np.ones_like(a), a, b, c, a * b, a * c, b * c], axis=-1)
+
+    def predict(self, prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
+        """Predicted window per span.
+
+        Args:
+            prefix_len, edit_len, suffix_len: per-span lengths ``P_k``, ``E_k``, ``S_k`` (same shape).
+        Returns:
+            int64 array of ``d_hat`` values in ``[0, S_k]``.
+        Raises:
+            ValueError: if the shapes differ.
+        """
+        s = np.asarray(suffix_len, dtype=np.int64)
+        if not (np.shape(prefix_len) == np.shape(edit_len) == s.shape):
+            raise ValueError("prefix_len, edit_len and suffix_len must have the same shape")
+        raw = np.exp(self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64))
+        hi = np.minimum(s, self.d_max) if self.d_max is not None else s
+        # 1e-6 slack: exp(log(32)) must give 32, not 33
+        d = np.ceil(np.maximum(raw, self.d_min) - 1e-6)
+        return np.minimum(d.astype(np.int64), hi)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form for calibration profiles."""
+        return {
+            "kind": "log_linear_quantile",
+            "features": ["1", "a", "b", "c", "ab", "ac", "bc"],
+            "weights": [float(w) for w in self.weights],
+            "d_min": int(self.d_min),
+            "d_max": None if self.d_max is None else int(self.d_max),
+            "quantile": self.quantile,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LengthModel:
+        """Inverse of :meth:`to_dict`.
+
+        Args:
+            data: a dict as written by :meth:`to_dict`.
+        Returns:
+            The model.
+        Raises:
+            ValueError: on an unknown ``kind`` or missing/invalid fields.
+        """
+        if data.get("kind", "log_linear_quantile") != "log_linear_quantile":
+            raise ValueError(f"unknown length model kind {data.get('kind')!r}; expected 'log_linear_quantile'")
+        try:
+            weights = tuple(float(w) for w in data["weights"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"length model dict needs a 'weights' list of {_N_FEATURES} numbers") from e
+        d_max = data.get("d_max")
+        q = data.get("quantile")
+        return cls(weights=weights, d_min=int(data.get("d_min", 0)), d_max=None if d_max is None else int(d_max),
+                   quantile=None if q is None else float(q))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Suffix blocks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class SuffixBlocks:
+    """The suffix of one Edit cut into blocks, plus the per-token suffix arrays (all in new order).
+
+    Block ``b`` covers new positions ``[starts[b], ends[b])``; ids are global and increase with position.
+    """
+
+    block_size: int
+    starts: np.ndarray  # [n_blocks] new position of the block's first token
+    ends: np.ndarray  # [n_blocks] exclusive
+    segment: np.ndarray  # [n_blocks] index of the aligned segment (in suffix order) holding the block
+    new_positions: np.ndarray  # [|S|] suffix tokens, new coordinates, increasing
+    old_positions: np.ndarray  # [|S|] the same tokens in old coordinates
+    distance: np.ndarray  # [|S|] d_i: distance from the end of the preceding edited span
+    token_block: np.ndarray  # [|S|] block id of each suffix token
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.starts.shape[0])
+
+
+def _suffix_segments(edit: Edit, keep_from: int) -> list[tuple[int, int, int, int]]:
+    """Aligned segments after the prefix as ``(new_start, old_start, length, distance_base)``, clipped."""
+    span_ends = np.sort(np.asarray([s.new_end for s in edit.spans], dtype=np.int64))
+    out = []
+    for seg in sorted(edit.segments, key=lambda s: s.new_start):
+        lo = max(seg.new_start, keep_from)
+        hi = seg.new_start + seg.length
+        if hi <= lo:
+            continue
+        k = int(np.searchsorted(span_ends, seg.new_start, side="right")) - 1
+        if k < 0:  # not preceded by an edited span: part of the prefix, never a suffix segment
+            continue
+        out.append((lo, seg.old_start + (lo - seg.new_start), hi - lo, int(span_ends[k])))
+    return out
+
+
+def suffix_blocks(edit: Edit, *, block_size: int = 32, keep_from: int | None = None) -> SuffixBlocks:
+    """Cut the suffix of ``edit`` into blocks.
+
+    Args:
+        edit: the diff of two context versions.
+        block_size: tokens per block, ``>= 1``.
+        keep_from: ignore suffix tokens at new positions below this (default: ``edit.prefix_len``).
+    Returns:
+        The blocks and the per-token suffix arrays.
+    Raises:
+        ValueError: if ``block_size < 1``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    segs = _suffix_segments(edit, edit.prefix_len if keep_from is None else keep_from)
+    if not segs:
+        e = np.zeros(0, dtype=np.int64)
+        return SuffixBlocks(block_size=block_size, starts=e, ends=e, segment=e, new_positions=e,
+                            old_positions=e, distance=e, token_block=e)
+    seg_new, seg_old, seg_len, seg_base = (np.asarray(c, dtype=np.int64) for c in zip(*segs))
+    n_per_seg = -(-seg_len // block_size)
+    seg_of_block = np.repeat(np.arange(len(segs), dtype=np.int64), n_per_seg)
+    first_block = np.cumsum(n_per_seg) - n_per_seg
+    local = np.arange(seg_of_block.shape[0], dtype=np.int64) - first_block[seg_of_block]
+    starts = seg_new[seg_of_block] + local * block_size
+    ends = np.minimum(starts + block_size, (seg_new + seg_len)[seg_of_block])
+
+    seg_of_tok = np.repeat(np.arange(len(segs), dtype=np.int64), seg_len)
+    offset = np.arange(seg_of_tok.shape[0], dtype=np.int64) - (np.cumsum(seg_len) - seg_len)[seg_of_tok]
+    new_pos = seg_new[seg_of_tok] + offset
+    return SuffixBlocks(
+        block_size=block_size,
+        starts=starts,
+        ends=ends,
+        segment=seg_of_block,
+        new_positions=new_pos,
+        old_positions=seg_old[seg_of_tok] + offset,
+        distance=new_pos - seg_base[seg_of_tok],
+        token_block=first_block[seg_of_tok] + offset // block_size,
+    )
+
+
+def block_round(positions: np.ndarray, blocks: SuffixBlocks) -> np.ndarray:
+    """``BlockRound(A)``: ids of all blocks that intersect the token set ``A``.
+
+    Args:
+        positions: new positions (any order, duplicates allowed); positions outside every block are ignored.
+        blocks: the suffix blocks of the edit.
+    Returns:
+        Sorted unique int64 block ids.
+    """
+    pos = np.asarray(positions, dtype=np.int64).ravel()
+    if pos.size == 0 or blocks.n_blocks == 0:
+        return np.zeros(0, dtype=np.int64)
+    b = np.searchsorted(blocks.starts, pos, side="right") - 1
+    ok = (b >= 0) & (pos < blocks.ends[np.maximum(b, 0)])
+    hit = np.zeros(blocks.n_blocks, dtype=bool)
+    hit[b[ok]] = True
+    return np.flatnonzero(hit).astype(np.int64)
+
+
+def span_features(edit: Edit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-span ``(P_k, E_k, S_k)`` token counts: the length-model inputs (see module docstring)."""
+    spans = sorted(edit.spans, key=lambda s: s.new_start)
+    if not spans:
+        e = np.zeros(0, dtype=np.int64)
+        return e, e, e
+    p = np.asarray([s.new_start for s in spans], dtype=np.int64)
+    e = np.asarray([(s.old_end - s.old_start) + (s.new_end - s.new_start) for s in spans], dtype=np.int64)
+    ends = np.asarray([s.new_end for s in spans], dtype=np.int64)
+    seg_len = {seg.new_start: seg.length for seg in edit.segments}
+    s = np.asarray([seg_len.get(int(x), 0) for x in ends], dtype=np.int64)
+    return p, e, s
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class RepairPlan:
+    """What the recovery executes: rows ``[0, prefix_len)`` reused, ``restore_*`` rows restored from the
+    checkpoint (RoPE-corrected from old to new position), ``recompute_positions`` run through the model.
+
+    The three sets partition ``[0, new_len)``. ``prefix_len`` may be one less than ``edit.prefix_len``
+    when the last context token lies in the prefix (it is recomputed to produce the first logits).
+    """
+
+    strategy: str  # "patchkv" | "prefix" | "direct"
+    new_len: int
+    old_len: int
+    prefix_len: int
+    recompute_positions: np.ndarray  # int64 sorted new positions: X, R, last token
+    restore_new_positions: np.ndarray  # int64 sorted new positions of F rows
+    restore_old_positions: np.ndarray  # int64, aligned with restore_new_positions
+    block_size: int
+    block_starts: np.ndarray  # [n_blocks] new position of each suffix block's first token
+    block_ends: np.ndarray  # [n_blocks] exclusive
+    repair_blocks: np.ndarray  # block ids in R (sorted)
+    restore_blocks: np.ndarray  # block ids in F (sorted)
+    d_hat: np.ndarray  # [n_spans] dirty window per edited span, new order ("prefix": whole segment, "direct": 0)
+    kappa: float = 0.0
+    n_new_tokens: int = 0  # |X|
+    n_suffix: int = 0  # |S|
+    n_dirty: int = 0  # |D|
+    n_high: int = 0  # |H|
+
+    @property
+    def n_recompute(self) -> int:
+        return int(self.recompute_positions.shape[0])
+
+    @property
+    def n_restore(self) -> int:
+        return int(self.restore_new_positions.shape[0])
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Recomputed rows as a fraction of the rows after the prefix."""
+        return self.n_recompute / max(1, self.new_len - self.prefix_len)
+
+
+def _x_positions(edit: Edit) -> np.ndarray:
+    parts = [np.arange(s.new_start, s.new_end, dtype=np.int64) for s in edit.spans if s.new_end > s.new_start]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
+    """Indices of the top ``ceil(kappa*n)`` values; ties broken by lower index (deterministic)."""
+    n = values.shape[0]
+    k = min(n, int(math.ceil(kappa * n - 1e-9))) if kappa > 0 else 0
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    kth = np.partition(values, n - k)[n - k]  # k-th largest value
+    above = np.flatnonzero(values > kth)
+    ties = np.flatnonzero(values == kth)[: k - above.shape[0]]
+    return np.sort(np.concatenate([above, ties]))
+
+
+def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strategy: str, prefix_len: int,
+           d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0) -> RepairPlan:
+    """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
+    new_len = edit.new_len
+    tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
+    # the last context token always produces the first logits
+    if blocks.new_positions.shape[0] and blocks.new_positions[-1] == new_len - 1:
+        tok_rec[-1] = True
+    x = _x_positions(edit)
+    extra = [x, blocks.new_positions[tok_rec]]
+    if prefix_len < edit.prefix_len:  # last token sits in the prefix (or versions identical)
+        extra.append(np.arange(prefix_len, edit.prefix_len, dtype=np.int64))
+    recompute = np.sort(np.concatenate(extra))
+    keep = ~tok_rec
+    ids = np.arange(blocks.n_blocks, dtype=np.int64)
+    return RepairPlan(
+        strategy=strategy,
+        new_len=new_len,
+        old_len=edit.old_len,
+        prefix_len=prefix_len,
+        recompute_positions=_readonly(recompute),
+        restore_new_positions=_readonly(blocks.new_positions[keep]),
+        restore_old_positions=_readonly(blocks.old_positions[keep]),
+        block_size=blocks.block_size,
+        block_starts=_readonly(blocks.starts),
+        block_ends=_readonly(blocks.ends),
+        repair_blocks=_readonly(ids[repair_mask]),
+        restore_blocks=_readonly(ids[~repair_mask]),
+        d_hat=_readonly(d_hat),
+        kappa=float(kappa),
+        n_new_tokens=int(x.shape[0]),
+        n_suffix=int(blocks.new_positions.shape[0]),
+        n_dirty=int(n_dirty),
+        n_high=int(n_high),
+    )
+
+
+def _prep(edit: Edit, block_size: int) -> tuple[int, SuffixBlocks]:
+    if edit.new_len < 1:
+        raise ValueError("the new context is empty: there is no last token to produce logits from")
+    prefix_len = min(edit.prefix_len, edit.new_len - 1)
+    return prefix_len, suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
+
+
+def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
+                block_size: int = 32) -> RepairPlan:
+    """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H)`` and the last token; restore ``F``.
+
+    Args:
+        edit: diff of the checkpointed (old) and the new context version.
+        scores: stored attention per OLD position (length ``edit.old_len``), or None (then ``H`` is empty).
+        length_model: gives ``d_hat`` per edited span.
+        kappa: fraction of the suffix tokens outside ``D`` to add as high-attention tokens, in ``[0, 1]``.
+        block_size: suffix tokens per block.
+    Returns:
+        The plan.
+    Raises:
+        ValueError: on an empty new context, ``kappa`` outside ``[0, 1]``, a bad ``block_size`` or a
+            ``scores`` array whose length is not ``edit.old_len``.
+    """
+    if not 0.0 <= kappa <= 1.0:
+        raise ValueError(f"kappa must be in [0, 1], got {kappa}")
+    prefix_len, blocks = _prep(edit, block_size)
+    p, e, s = span_features(edit)
+    d_hat = length_model.predict(p, e, s)
+    # d_hat is per span in new order; each suffix token's window is that of the span preceding its segment
+    span_ends = np.sort(np.asarray([sp.new_end for sp in edit.spans], dtype=np.int64))
+    tok_span = np.searchsorted(span_ends, blocks.new_positions - blocks.distance, side="left")
+    dirty = blocks.distance < d_hat[tok_span] if d_hat.size else np.zeros(blocks.distance.shape, dtype=bool)
+
+    high = np.zeros_like(dirty)
+    if scores is not None and kappa > 0:
+        sc = np.asarray(scores, dtype=np.float64).ravel()
+        if sc.shape[0] != edit.old_len:
+            raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
+        outside = np.flatnonzero(~dirty)
+        vals = np.nan_to_num(sc[blocks.old_positions[outside]], nan=0.0)
+        high[outside[_top_fraction(vals, kappa)]] = True
+
+    repair = np.zeros(blocks.n_blocks, dtype=bool)
+    repair[blocks.token_block[dirty | high]] = True
+    if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
+        repair[-1] = True  # the block holding the last context token
+    return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
+                  n_dirty=int(dirty.sum()), n_high=int(high.sum()))
+
+
+def plan_full(edit: Edit, *, block_size: int = 32) -> RepairPlan:
+    """The prefix-cache baseline: reuse ``P``, recompute every row after it.
+
+    Args:
+        edit: the diff.
+        block_size: suffix block size (for the block bookkeeping only).
+    Returns:
+        A plan with every suffix block in ``repair_blocks`` and nothing restored.
+    Raises:
+        ValueError: on an empty new context.
+    """
+    prefix_len, blocks = _prep(edit, block_size)
+    _, _, s = span_features(edit)
+    return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="prefix", prefix_len=prefix_len,
+                  d_hat=s, n_dirty=blocks.new_positions.shape[0])
+
+
+def plan_direct(edit: Edit, *, block_size: int = 32) -> RepairPlan:
+    """Direct reuse: recompute ``X`` and the last context token, restore all of ``S``.
+
+    Args:
+        edit: the diff.
+        block_size: suffix block size (for the block bookkeeping only).
+    Returns:
+        A plan with every suffix block in ``restore_blocks``; if the last token is a suffix token it is
+        recomputed while the rest of its block is restored.
+    Raises:
+        ValueError: on an empty new context.
+    """
+    prefix_len, blocks = _prep(edit, block_size)
+    return _build(edit, blocks, np.zeros(blocks.n_blocks, dtype=bool), strategy="direct", prefix_len=prefix_len,
+                  d_hat=np.zeros(len(edit.spans), dtype=np.int64))
+
+
+def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, seed: int = 0) -> dict[str, float]:
+    """Median wall time of :func:`plan_repair` (the diff is not timed) on a synthetic context.
+
+    Args:
+        n_tokens: context length.
+        repeats: timed calls.
+        n_spans: edited spans (each replaces 64 tokens by 96).
+        seed: RNG seed for scores.
+    Returns:
+        ``{"n_tokens", "n_spans", "median_ms", "min_ms", "n_recompute"}``.
+    """
+    from .diff import diff_versions
+
+    rng = np.random.default_rng(seed)
+    old = np.arange(n_tokens, dtype=np.int64) + 1000
+    new, cut, marker = [], 0, 10 * n_tokens
+    for k in range(n_spans):
+        start = (k + 1) * n_tokens // (n_spans + 1)
+        new.append(old[cut:start])
+        new.append(np.arange(marker, marker + 96, dtype=np.int64))
+        marker += 96
+        cut = start + 64
+    new.append(old[cut:])
+    edit = diff_versions(old, np.concatenate(new))
+    scores = rng.random(n_tokens).astype(np.float32)
+    model = LengthModel(weights=(1.0, 0.1, 0.2, 0.1, 0.0, 0.0, 0.0), d_min=16)
+    times = []
+    plan = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=32)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"n_tokens": float(n_tokens), "n_spans": float(n_spans), "median_ms": float(np.median(times)),
+            "min_ms": float(np.min(times)), "n_recompute": float(plan.n_recompute if plan else 0)}
