@@ -11,7 +11,7 @@ Knows models, diff, plan, strategies and recovery; knows nothing about LangGraph
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,7 +27,8 @@ from .recovery import (
     greedy_decode,
     to_dynamic_cache,
 )
-from .store import Checkpoint
+from .precision import PrecisionPolicy
+from .store import Checkpoint, CorruptCheckpoint, build_mixed
 from .strategies import Strategy, get_strategy
 
 DEFAULT_DIRTY_WINDOW = 64
@@ -70,6 +71,8 @@ class PatchKVEngine:
         kappa: fraction of suffix tokens outside the window recomputed by attention score.
         length_model: a calibrated :class:`~patchkv_agent.plan.LengthModel` (overrides ``dirty_window``).
         capture_window: how many final query positions the attention statistics look from.
+        mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
+        precision_policy: thresholds of the per-block precision rule.
 
     Raises:
         ValueError: the model's attention implementation cannot take per-token masks.
@@ -85,6 +88,8 @@ class PatchKVEngine:
         kappa: float = 0.0,
         length_model: LengthModel | None = None,
         capture_window: int = 32,
+        mixed_precision: bool = True,
+        precision_policy: PrecisionPolicy | None = None,
     ):
         check_attn_implementation(model)
         if block_size < 1:
@@ -96,6 +101,8 @@ class PatchKVEngine:
         self.kappa = kappa
         self.length_model = length_model or LengthModel.fixed(dirty_window)
         self.capture_window = capture_window
+        self.mixed_precision = mixed_precision
+        self.precision_policy = precision_policy or PrecisionPolicy()
         self.device = next(model.parameters()).device
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -198,16 +205,25 @@ class PatchKVEngine:
             scores = cap.scores()
         ckpt = self._offload(ids, out.keys, out.values, scores)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats["recompute_s"],
-                          stats_s=getattr(cap, "elapsed_s", None), quantize_s=0.0, source="prefill")
+                          stats_s=getattr(cap, "elapsed_s", None), source="prefill")
         return ckpt
 
     def _offload(self, ids, keys, values, scores) -> Checkpoint:
+        t0 = time.perf_counter()
+        mixed = None
+        if self.mixed_precision:
+            mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
+                                block_size=self.block_size, policy=self.precision_policy)
+            mixed = replace(mixed, payloads=[[p.to("cpu") for p in layer] for layer in mixed.payloads])
+        quantize_s = time.perf_counter() - t0
         return Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
             keys=[k[0].detach().to("cpu", copy=True) for k in keys],
             values=[v[0].detach().to("cpu", copy=True) for v in values],
             fingerprint=self.spec.fingerprint,
             scores=scores,
+            mixed=mixed,
+            stats={"quantize_s": quantize_s},
         )
 
     @torch.no_grad()
@@ -237,7 +253,7 @@ class PatchKVEngine:
             scores = cap.scores()
         ckpt = self._offload(ids, result.keys, result.values, scores)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=getattr(cap, "elapsed_s", None),
-                          quantize_s=0.0, source="resume")
+                          source="resume")
         return ckpt
 
     # ---------------------------------------------------------------- resume
@@ -279,19 +295,23 @@ class PatchKVEngine:
         plan_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        out = None
         if fallback is None:
-            out = strat.execute(self, ckpt, edit, plan, torch.from_numpy(new))
-        else:
+            try:
+                out = strat.execute(self, ckpt, edit, plan, torch.from_numpy(new))
+            except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
+                fallback = f"exact recompute: {e}"
+                plan = plan_full(edit, block_size=self.block_size)
+        if out is None:
             out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
         ttft = time.perf_counter() - t1
         cache = to_dynamic_cache(self.model, out.keys, out.values)
         output_ids = greedy_decode(self.model, cache, out.logits, len(new), max_new_tokens, self.eos_ids)
         assert not output_ids or output_ids[0] == first
-        n_restore = len(restore_new) if fallback is None else 0
+        n_restore = len(plan.restore_new_positions)
         prefix_tokens = min(edit.prefix_len, len(new))
         denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-        bpt = ckpt.bytes_per_token if ckpt is not None else 0
         stats: dict[str, Any] = {
             "strategy": strat.name,
             "prompt_tokens": len(new),
@@ -301,7 +321,7 @@ class PatchKVEngine:
             "recompute_tokens": int(out.stats["recompute_tokens"]),
             "recompute_ratio": out.stats["recompute_tokens"] / denom,
             "restore_tokens": int(n_restore),
-            "payload_bytes": int(n_restore * bpt),
+            "payload_bytes": int(out.stats.get("payload_bytes", 0)),
             "ttft_s": ttft,
             "plan_s": plan_s,
             "restore_s": out.stats["restore_s"],

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
+from .kernels import dequantize_scatter
 from .kernels.rope import rope_delta_reference
 from .models import ModelSpec
+
+if TYPE_CHECKING:
+    from .store import MixedKV
 
 
 class PlanLike(Protocol):
@@ -192,6 +196,68 @@ def restore_rows(
         dst_v[layer][0].index_copy_(1, new_t, v.to(dst_v[layer].dtype))
 
 
+def restore_rows_mixed(
+    spec: ModelSpec,
+    mixed: "MixedKV",
+    n_old: int,
+    dst_k: list[torch.Tensor],
+    dst_v: list[torch.Tensor],
+    old_pos: np.ndarray,
+    new_pos: np.ndarray,
+) -> int:
+    """Restore rows from mixed-precision runs: verify, dequantize, RoPE-correct, scatter.
+
+    A run whose rows are all wanted goes straight to its destination rows; a run only partly wanted
+    is decoded into a scratch buffer and the wanted rows are copied out.
+
+    Args:
+        spec: the model spec (per-layer RoPE).
+        mixed: the checkpoint's :class:`~patchkv_agent.store.MixedKV`.
+        n_old: tokens in the checkpoint.
+        dst_k, dst_v: per layer ``[1, H, N_new, D]`` destinations.
+        old_pos, new_pos: aligned int64 rows to restore.
+
+    Returns:
+        Payload bytes read (whole runs touched, all layers).
+
+    Raises:
+        CorruptCheckpoint: a run failed its checksum (nothing is served from it).
+    """
+    if len(old_pos) == 0:
+        return 0
+    dst_of = np.full(n_old, -1, dtype=np.int64)
+    dst_of[np.asarray(old_pos)] = np.asarray(new_pos)
+    read = 0
+    for i in range(len(mixed.runs)):
+        a, b = mixed.run_rows(i, n_old)
+        dst = dst_of[a:b]
+        want = dst >= 0
+        if not want.any():
+            continue
+        full = bool(want.all())
+        src_rows = np.arange(a, b, dtype=np.int64)
+        delta = torch.from_numpy(np.where(want, dst - src_rows, 0))
+        dst_t = torch.from_numpy(dst[want].copy()).to(dst_k[0].device)
+        for layer in range(spec.num_layers):
+            p = mixed.verify(layer, i)
+            read += p.nbytes
+            rope = spec.rope_for_layer(layer)
+            inv = rope.inv_freq if rope.supported else None
+            if full:
+                dequantize_scatter(p, dst_k[layer][0], dst_v[layer][0], dst_t, delta, inv,
+                                   interleaved=rope.interleaved)
+            else:
+                shape = (spec.num_kv_heads, b - a, spec.head_dim)
+                tk = torch.empty(shape, dtype=dst_k[layer].dtype, device=dst_k[layer].device)
+                tv = torch.empty_like(tk)
+                dequantize_scatter(p, tk, tv, torch.arange(b - a, device=tk.device), delta, inv,
+                                   interleaved=rope.interleaved)
+                sel = torch.from_numpy(np.flatnonzero(want)).to(tk.device)
+                dst_k[layer][0].index_copy_(1, dst_t, tk.index_select(1, sel))
+                dst_v[layer][0].index_copy_(1, dst_t, tv.index_select(1, sel))
+    return read
+
+
 @torch.no_grad()
 def execute(
     model,
@@ -200,6 +266,7 @@ def execute(
     plan: PlanLike,
     src_k: list[torch.Tensor] | None = None,
     src_v: list[torch.Tensor] | None = None,
+    mixed: "MixedKV | None" = None,
 ) -> RecoveryOutput:
     """Run a plan: restore prefix and F rows, recompute the rest in one forward.
 
@@ -209,12 +276,15 @@ def execute(
         new_ids: int64 ``[N_new]`` token ids of ``C_new``.
         plan: restore/recompute positions; ``recompute_positions`` must include ``N_new - 1``.
         src_k, src_v: per layer ``[H, N_old, D]`` checkpoint K/V (needed when the plan restores rows).
+        mixed: restore the F rows from these mixed-precision runs instead of ``src_k/src_v``
+            (prefix rows always come from the full-precision rows).
 
     Returns:
         :class:`RecoveryOutput` with first-token logits, full K/V and ``restore_s``/``recompute_s``.
 
     Raises:
         ValueError: the plan does not recompute the last token or does not cover C_new exactly.
+        CorruptCheckpoint: a mixed run failed its checksum.
     """
     n_new = int(new_ids.numel())
     rec = np.array(plan.recompute_positions, dtype=np.int64)  # writable copy for torch
@@ -235,9 +305,14 @@ def execute(
         for layer in range(spec.num_layers):
             keys[layer][0, :, :n_prefix] = src_k[layer][:, :n_prefix].to(device)
             values[layer][0, :, :n_prefix] = src_v[layer][:, :n_prefix].to(device)
-    if n_restore:
+    payload = 0
+    if n_restore and mixed is not None:
+        payload = restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values,
+                                     np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions))
+    elif n_restore:
         restore_rows(spec, src_k, src_v, keys, values,
                      np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions))
+        payload = n_restore * sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in src_k)
     t1 = time.perf_counter()
 
     q_pos = torch.from_numpy(rec).to(device)
@@ -256,7 +331,7 @@ def execute(
     t2 = time.perf_counter()
     return RecoveryOutput(
         logits=logits, keys=keys, values=values,
-        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec)},
+        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec), "payload_bytes": payload},
     )
 
 

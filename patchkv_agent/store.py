@@ -1,8 +1,14 @@
 """KV checkpoints: one context version's KV held off the accelerator, with the metadata a resume needs.
 
 A :class:`Checkpoint` holds, for one thread version, every layer's K/V rows ``[H, N, D]`` in CPU
-memory, the token ids, the model fingerprint, per-token attention scores from the checkpoint pass,
-and the off-path costs of writing it. It knows nothing about plans or models beyond the fingerprint.
+memory at full precision (what the ``prefix``/``direct``/``cacheblend`` baselines restore), the
+token ids, the model fingerprint, per-token attention scores from the checkpoint pass, the off-path
+costs of writing it, and (optionally) a :class:`MixedKV`: the same rows grouped into blocks, each
+block tagged FP16 / K8V8 / K8V4 by the precision policy, blocks of one tag clustered into runs, one
+:class:`~patchkv_agent.kernels.RunPayload` per (layer, run) with an xxhash checksum.
+Checkpoints are immutable once built, so publication is atomic: a reader holds either the whole
+object or none. Knows kernels and the precision policy; nothing about plans or models beyond the
+fingerprint.
 """
 
 from __future__ import annotations
@@ -12,6 +18,98 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
+
+from .kernels import RunPayload, quantize_gather, value_residual_4bit
+from .precision import PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint run failed its integrity check; callers fall back to exact recomputation."""
+
+
+def payload_checksum(p: RunPayload) -> int:
+    """xxh3-64 over every tensor of a run payload (data, scales, zeros) and its header."""
+    h = xxhash.xxh3_64()
+    h.update(f"{p.tag}:{p.n_rows}:{p.num_kv_heads}:{p.head_dim}:{p.block_size}:{p.v_group}".encode())
+    for name, t in p.tensors().items():
+        h.update(name.encode())
+        t = t.detach().contiguous().cpu()
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.intdigest()
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MixedKV:
+    """Mixed-precision copy of a checkpoint's rows.
+
+    Attributes:
+        block_size: tokens per block (blocks start at old position 0).
+        tags: int8 ``[n_blocks]`` :class:`~patchkv_agent.precision.Tag` per block.
+        runs: consecutive blocks of one tag.
+        payloads: ``payloads[layer][run]``.
+        checksums: ``checksums[layer][run]``, xxh3-64 of each payload.
+    """
+
+    block_size: int
+    tags: np.ndarray
+    runs: tuple[Run, ...]
+    payloads: list[list[RunPayload]]
+    checksums: list[list[int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for layer in self.payloads for p in layer)
+
+    def run_rows(self, i: int, n_tokens: int) -> tuple[int, int]:
+        """Old-position row range ``[start, end)`` of run ``i``."""
+        r = self.runs[i]
+        return r.first_block * self.block_size, min((r.first_block + r.n_blocks) * self.block_size, n_tokens)
+
+    def verify(self, layer: int, i: int) -> RunPayload:
+        """The payload of (layer, run i) after checking its checksum.
+
+        Raises:
+            CorruptCheckpoint: the bytes do not match the checksum written with them.
+        """
+        p = self.payloads[layer][i]
+        if payload_checksum(p) != self.checksums[layer][i]:
+            raise CorruptCheckpoint(f"checksum mismatch in run {i} ({p.tag}) of layer {layer}")
+        return p
+
+    def tag_counts(self) -> dict[str, int]:
+        return {t.name: int((self.tags == int(t)).sum()) for t in Tag}
+
+
+def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np.ndarray | None, *,
+                block_size: int = 32, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
+    """Tag blocks by risk (attention x 4-bit value residual) and quantize every layer's runs.
+
+    Args:
+        keys, values: per layer ``[H, N, D]``.
+        scores: per-token attention ``[N]`` (None: uniform).
+        block_size: tokens per block.
+        policy: precision thresholds.
+
+    Returns:
+        The :class:`MixedKV`.
+    """
+    n = keys[0].shape[1]
+    resid = value_residual_4bit(torch.stack([v.float() for v in values])).cpu().numpy()
+    attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
+    tags = assign_tags(attn, resid, block_size, policy)
+    runs = tuple(cluster_runs(tags))
+    payloads, checksums = [], []
+    for k, v in zip(keys, values):
+        lp, lc = [], []
+        for r in runs:
+            rows = torch.arange(r.first_block * block_size, min((r.first_block + r.n_blocks) * block_size, n))
+            p = quantize_gather(k, v, rows, Tag(r.tag).name, block_size)
+            lp.append(p)
+            lc.append(payload_checksum(p))
+        payloads.append(lp)
+        checksums.append(lc)
+    return MixedKV(block_size=block_size, tags=tags, runs=runs, payloads=payloads, checksums=checksums)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -24,6 +122,7 @@ class Checkpoint:
         fingerprint: :func:`patchkv_agent.models.fingerprint` of the model that wrote it.
         scores: float32 ``[N]`` normalized attention mass per token from the checkpoint pass, or None.
         stats: off-path costs (``offload_s``, ``stats_s``, ``quantize_s``) and provenance.
+        mixed: the mixed-precision runs (``patchkv`` restores from these), or None.
     """
 
     token_ids: np.ndarray
@@ -32,6 +131,7 @@ class Checkpoint:
     fingerprint: str
     scores: np.ndarray | None = None
     stats: dict[str, Any] = field(default_factory=dict)
+    mixed: MixedKV | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

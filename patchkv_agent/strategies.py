@@ -5,6 +5,7 @@ plan that :func:`patchkv_agent.recovery.execute` runs.
 - ``prefix``: reuse ``P``, recompute all of ``M_new + S`` (the Prefix Cache baseline; exact).
 - ``direct``: recompute ``X`` and the last token, restore all of ``S`` RoPE-corrected (stale history).
 - ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H)`` and the last block; restore ``F``.
+- ``cacheblend``: the CacheBlend baseline (:mod:`patchkv_agent.cacheblend`, registered on import below).
 
 A new strategy subclasses :class:`Strategy` and is added with :func:`register_strategy`.
 Knows plans and the engine's settings, not models or LangGraph.
@@ -43,7 +44,11 @@ class Strategy:
         first-token logits, ``restore_s``/``recompute_s``/``recompute_tokens`` stats)."""
         src_k = ckpt.keys if ckpt is not None else None
         src_v = ckpt.values if ckpt is not None else None
-        return execute(engine.model, engine.spec, new_ids, plan, src_k, src_v)
+        mixed = ckpt.mixed if ckpt is not None and getattr(self, "precision", "fp16") == "mixed" else None
+        if getattr(self, "precision", "fp16") == "mixed" and ckpt is not None and mixed is None:
+            raise ValueError("precision='mixed' needs a checkpoint written with mixed precision "
+                             "(PatchKVEngine(..., mixed_precision=True))")
+        return execute(engine.model, engine.spec, new_ids, plan, src_k, src_v, mixed=mixed)
 
 
 class ExactStrategy(Strategy):
@@ -64,7 +69,12 @@ class PrefixStrategy(Strategy):
 
 
 class DirectStrategy(Strategy):
+    """Restore all of S. ``precision="fp16"`` (the baseline's definition) or ``"mixed"`` (block tags)."""
+
     name = "direct"
+
+    def __init__(self, *, precision: str = "fp16"):
+        self.precision = _check_precision(precision)
 
     def plan(self, engine, ckpt, edit):
         return plan_direct(edit, block_size=engine.block_size)
@@ -77,12 +87,21 @@ class PatchKVStrategy(Strategy):
         dirty_window: fixed ``d_hat`` in tokens (overrides the engine's length model).
         kappa: fraction of suffix tokens outside the window picked by attention score.
         block_size: block size in tokens.
+        precision: ``"mixed"`` (default: each restored block at its checkpoint tag) or ``"fp16"``.
     """
 
     name = "patchkv"
 
-    def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None, block_size: int | None = None):
+    def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
+                 block_size: int | None = None, precision: str = "mixed"):
         self.dirty_window, self.kappa, self.block_size = dirty_window, kappa, block_size
+        self.precision = _check_precision(precision)
+
+    def execute(self, engine, ckpt, edit, plan, new_ids):
+        if self.precision == "mixed" and ckpt is not None and ckpt.mixed is None:
+            self_fp16 = PatchKVStrategy(precision="fp16")  # checkpoint written without mixed runs
+            return Strategy.execute(self_fp16, engine, ckpt, edit, plan, new_ids)
+        return super().execute(engine, ckpt, edit, plan, new_ids)
 
     def plan(self, engine, ckpt, edit):
         lm = LengthModel.fixed(self.dirty_window) if self.dirty_window is not None else engine.length_model
@@ -90,6 +109,12 @@ class PatchKVStrategy(Strategy):
         bs = engine.block_size if self.block_size is None else self.block_size
         scores = ckpt.scores if ckpt is not None else None
         return plan_repair(edit, scores, length_model=lm, kappa=kappa, block_size=bs)
+
+
+def _check_precision(precision: str) -> str:
+    if precision not in ("fp16", "mixed"):
+        raise ValueError(f"precision must be 'fp16' or 'mixed', got {precision!r}")
+    return precision
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -118,3 +143,6 @@ def get_strategy(strategy: "str | Strategy", **options) -> Strategy:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[strategy](**options)
+
+
+from . import cacheblend as _cacheblend  # noqa: E402,F401  registers "cacheblend" (it imports this module)

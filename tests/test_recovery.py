@@ -87,8 +87,8 @@ def test_direct_rope_correction_is_exact_at_layer0(family):
     edit = res.edit
     assert any(s.delta != 0 for s in edit.segments), "test needs shifted segments"
     fresh = eng.checkpoint(new)  # layer-0 K/V depend on the token and position only
-    newp = edit.suffix_new_positions[:-1]  # the last token is recomputed, not restored
-    oldp = edit.suffix_old_positions[:-1]
+    newp = np.array(edit.suffix_new_positions[:-1])  # the last token is recomputed, not restored
+    oldp = np.array(edit.suffix_old_positions[:-1])
     k_rest = res.keys[0][0][:, newp]
     assert (k_rest - fresh.keys[0][:, newp]).abs().max().item() <= TOL
     # without the correction they would differ: the test can fail
@@ -129,7 +129,39 @@ def test_patchkv_recomputes_window_and_last_block_only():
     # X (17) + window of 8 (one block of 8) + the last block of the suffix (block-aligned from the segment start)
     assert s["recompute_tokens"] == 17 + 8 + (100 % 8 or 8)
     assert 0 < s["recompute_ratio"] < 1
-    assert s["payload_bytes"] == s["restore_tokens"] * eng.checkpoint(old).bytes_per_token
+    full = s["restore_tokens"] * eng.checkpoint(old).bytes_per_token
+    assert 0 < s["payload_bytes"] < full  # mixed-precision runs are smaller than full-precision rows
+    d = eng.resume(eng.checkpoint(old), new, strategy="direct", max_new_tokens=1).stats
+    assert d["payload_bytes"] == d["restore_tokens"] * eng.checkpoint(old).bytes_per_token
+
+
+def test_mixed_precision_restore_is_close_and_smaller():
+    eng = engine("llama")
+    old, new = multi_edit_pair(eng.spec.vocab_size)
+    ckpt = eng.checkpoint(old)
+    assert ckpt.mixed is not None and ckpt.mixed.nbytes < ckpt.nbytes
+    fp = eng.resume(ckpt, new, strategy="direct", max_new_tokens=1)
+    mx = eng.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=1)
+    newp = np.array(fp.edit.suffix_new_positions[:-1])
+    for layer in range(eng.spec.num_layers):
+        for a, b in ((fp.keys, mx.keys), (fp.values, mx.values)):
+            x, y = a[layer][0][:, newp], b[layer][0][:, newp]
+            rel = ((x - y).norm() / x.norm()).item()
+            assert 0 <= rel < 0.1, rel
+    assert mx.stats["payload_bytes"] < fp.stats["payload_bytes"]
+
+
+def test_corrupted_run_falls_back_to_exact_and_says_why():
+    eng = engine("llama")
+    old, new = edited_pair(eng.spec.vocab_size)
+    ckpt = eng.checkpoint(old)
+    last = len(ckpt.mixed.runs) - 1  # the run holding the suffix tail: always restored
+    ckpt.mixed.payloads[0][last].k_data.view(-1)[0] ^= 0x5A
+    res = eng.resume(ckpt, new, strategy="patchkv", max_new_tokens=1)
+    assert res.stats["fallback"] and "checksum" in res.stats["fallback"]
+    ref_logits, ref_cache = oracle(eng.model, new)
+    assert (res.logits - ref_logits).abs().max().item() <= TOL
+    assert_cache_equal(res.cache, ref_cache, eng.spec.num_layers)
 
 
 def test_continuation_from_cache_matches_generate():
