@@ -145,8 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results.jsonl")
     p.set_defaults(func=cmd_replay)
 
+    from . import transport_bench
     from .workloads import add_traces_cli
 
+    transport_bench.add_cli(sub)
     add_traces_cli(sub, token_counter_factory=_token_counter_for)
     return ap
 

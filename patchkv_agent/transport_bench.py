@@ -1,0 +1,180 @@
+"""Transport benchmark: payload size, store (quantize_gather) and restore (dequantize_scatter + RoPE)
+time of a real checkpoint at FP16, INT8 (K8V8), INT4 (K8V4) and the mixed policy, plus the
+first-token KL that mixed precision adds to ``direct`` on edited contexts.
+
+Knows the engine, kernels and precision policy; writes JSON. Timings are medians over repeats
+measured side by side in one run; nothing here is asserted by tests.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .kernels import dequantize_scatter, quantize_gather, value_residual_4bit
+from .precision import Tag, assign_tags, cluster_runs
+
+
+def _context(engine, n_tokens: int, seed: int = 0) -> list[int]:
+    from .workloads import load_qa
+
+    rng = np.random.default_rng(seed)
+    data = load_qa("2wikimqa")
+    text, ids = "", []
+    while len(ids) < n_tokens:
+        ex = data[int(rng.integers(len(data)))]
+        text += "\n\n" + ex["context"]
+        ids = engine.encode(text)
+    return ids[:n_tokens]
+
+
+def _time(fn, repeats: int) -> float:
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: int = 17) -> dict[str, Any]:
+    """Measure the four formats on one real checkpoint of ``n_tokens``.
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
+        n_tokens: checkpoint length.
+        repeats: timing repeats (median reported).
+        shift: position delta applied on restore (exercises the RoPE correction).
+
+    Returns:
+        ``{"n_tokens", "formats": {name: {payload_mib, store_ms, restore_ms, ...}}, "ratios": ...}``.
+    """
+    ids = _context(engine, n_tokens)
+    t0 = time.perf_counter()
+    ckpt = engine.checkpoint(ids)
+    prefill_s = time.perf_counter() - t0
+    keys = [k.half() for k in ckpt.keys]  # the FP16 baseline stores half precision, as on an accelerator
+    values = [v.half() for v in ckpt.values]
+    spec, bs = engine.spec, engine.block_size
+    n = len(ids)
+    resid = value_residual_4bit(torch.stack([v.float() for v in values])).numpy()
+    mixed_tags = assign_tags(ckpt.scores if ckpt.scores is not None else np.ones(n), resid, bs,
+                             engine.precision_policy)
+    n_blocks = len(mixed_tags)
+    layouts = {
+        "FP16": np.full(n_blocks, int(Tag.FP16), np.int8),
+        "INT8": np.full(n_blocks, int(Tag.K8V8), np.int8),
+        "INT4": np.full(n_blocks, int(Tag.K8V4), np.int8),
+        "mixed": mixed_tags,
+    }
+    dst_rows = torch.arange(n) + shift
+    dst_k = [torch.empty(spec.num_kv_heads, n + shift, spec.head_dim) for _ in range(spec.num_layers)]
+    dst_v = [torch.empty_like(d) for d in dst_k]
+    out: dict[str, Any] = {"n_tokens": n, "repeats": repeats, "prefill_s": prefill_s, "formats": {}}
+    for name, tags in tqdm(layouts.items(), desc="formats"):
+        runs = cluster_runs(tags)
+
+        def store():
+            return [[quantize_gather(keys[li], values[li],
+                                     torch.arange(r.first_block * bs, min((r.first_block + r.n_blocks) * bs, n)),
+                                     Tag(r.tag).name, bs) for r in runs] for li in range(spec.num_layers)]
+
+        payloads = store()
+
+        def restore():
+            for li in range(spec.num_layers):
+                rope = spec.rope_for_layer(li)
+                for r, p in zip(runs, payloads[li]):
+                    a = r.first_block * bs
+                    rows = dst_rows[a:a + p.n_rows]
+                    dequantize_scatter(p, dst_k[li], dst_v[li], rows, torch.full((p.n_rows,), shift),
+                                       rope.inv_freq, interleaved=rope.interleaved)
+
+        store_s = _time(store, repeats)
+        restore_s = _time(restore, repeats)
+        restore()
+        # error of values (keys are rotated, compare values which are placed unrotated)
+        got_v = torch.cat([dst_v[li][:, shift:] for li in range(spec.num_layers)])
+        ref_v = torch.cat([values[li].float() for li in range(spec.num_layers)])
+        out["formats"][name] = {
+            "payload_mib": sum(p.nbytes for layer in payloads for p in layer) / 2**20,
+            "store_ms": store_s * 1e3,
+            "restore_ms": restore_s * 1e3,
+            "runs": len(runs),
+            "blocks": {t.name: int((tags == int(t)).sum()) for t in Tag},
+            "value_rel_err": float((got_v - ref_v).norm() / ref_v.norm()),
+        }
+    f = out["formats"]
+    out["ratios"] = {
+        "mixed_payload_vs_fp16": f["mixed"]["payload_mib"] / f["FP16"]["payload_mib"],
+        "mixed_restore_vs_fp16": f["mixed"]["restore_ms"] / f["FP16"]["restore_ms"],
+    }
+    return out
+
+
+def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) -> dict[str, Any]:
+    """First-token KL vs exact of direct@FP16 and direct@mixed on edited SmolLM2 contexts.
+
+    Returns:
+        per-context KLs and their means, and the relative increase of the mean.
+    """
+    from .replay import first_token_kl, plain_messages, version_ids
+    from .workloads import build_traces
+
+    count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
+    traces = build_traces("hotpotqa-e", "replace_tool_result", n=n_contexts, split="eval",
+                          target_tokens=target_tokens, count_tokens=count)
+    rows = []
+    for tr in tqdm(traces, desc="kl"):
+        old, new = (version_ids(engine, v) for v in tr["versions"][:2])
+        ckpt = engine.checkpoint(old)
+        ref = engine.resume(None, new, strategy="exact", max_new_tokens=0)
+        fp = engine.resume(ckpt, new, strategy="direct", precision="fp16", max_new_tokens=0)
+        mx = engine.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=0)
+        pk = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
+        rows.append({"id": tr["id"], "kl_direct_fp16": first_token_kl(ref.logits, fp.logits),
+                     "kl_direct_mixed": first_token_kl(ref.logits, mx.logits),
+                     "kl_patchkv_mixed": first_token_kl(ref.logits, pk.logits),
+                     "payload_fp16": fp.stats["payload_bytes"], "payload_mixed": mx.stats["payload_bytes"]})
+    m_fp = statistics.fmean(r["kl_direct_fp16"] for r in rows)
+    m_mx = statistics.fmean(r["kl_direct_mixed"] for r in rows)
+    return {"contexts": rows, "mean_kl_direct_fp16": m_fp, "mean_kl_direct_mixed": m_mx,
+            "mixed_adds_to_direct_kl": (m_mx - m_fp) / m_fp if m_fp > 0 else None}
+
+
+def main(args) -> int:
+    from .engine import PatchKVEngine
+
+    eng = PatchKVEngine.from_pretrained(args.model)
+    result = {"model": args.model, "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
+    if args.kl_contexts:
+        result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    for name, f in result["transport"]["formats"].items():
+        print(f"{name:>6}: {f['payload_mib']:8.2f} MiB  store {f['store_ms']:8.1f} ms  restore {f['restore_ms']:8.1f} ms"
+              f"  blocks {f['blocks']}")
+    print("ratios", result["transport"]["ratios"])
+    if "kl" in result:
+        k = result["kl"]
+        print(f"direct KL fp16 {k['mean_kl_direct_fp16']:.4f}  mixed {k['mean_kl_direct_mixed']:.4f}  "
+              f"(+{100 * (k['mixed_adds_to_direct_kl'] or 0):.1f}%)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("bench-transport", help="payload/store/restore of FP16, INT8, INT4 and mixed checkpoints")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kl-contexts", type=int, default=4)
+    p.add_argument("--out", default="runs/transport.json")
+    p.set_defaults(func=main)
