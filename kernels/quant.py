@@ -294,11 +294,24 @@ def reference_dequantize(payload: RunPayload) -> tuple[torch.Tensor, torch.Tenso
     tag = normalize_tag(p.tag)
     if tag == FP16:
         return p.k_data.float(), p.v_data.float()
-    blk = torch.arange(p.n_rows, device=p.k_data.device) // p.block_size
-    k = p.k_data.float() * p.k_scale[:, blk].float() + p.k_zero[:, blk].float()
+    h, r, d = p.num_kv_heads, p.n_rows, p.head_dim
+    nb, bs = p.k_scale.shape[1], p.block_size
+    # keys: one scale/zero per (head, block, channel); broadcast over the block's rows
+    k = torch.empty((h, nb * bs, d), dtype=torch.float32, device=p.k_data.device)
+    k[:, :r] = p.k_data
+    kb = k.view(h, nb, bs, d)
+    kb.mul_(p.k_scale.float()[:, :, None, :]).add_(p.k_zero.float()[:, :, None, :])
+    k = k[:, :r]
+    # values: one scale/zero per (head, row, group); broadcast over the group's channels
     vq = unpack4(p.v_data) if tag == K8V4 else p.v_data
-    gid = torch.arange(p.head_dim, device=vq.device) // p.v_group
-    v = vq.float() * p.v_scale[..., gid].float() + p.v_zero[..., gid].float()
+    ng = p.v_scale.shape[-1]
+    g = -(-d // ng)
+    if ng * g == d:
+        v = vq.float().view(h, r, ng, g).mul_(p.v_scale.float()[..., None]).add_(p.v_zero.float()[..., None])
+        v = v.view(h, r, d)
+    else:
+        gid = torch.arange(d, device=vq.device) // p.v_group
+        v = vq.float() * p.v_scale[..., gid].float() + p.v_zero[..., gid].float()
     return k, v
 
 
@@ -332,8 +345,8 @@ def reference_dequantize_scatter(
     if needs_rotation(delta, inv_freq):
         k = rope_delta_reference(k, delta.to(k.device), inv_freq.to(k.device), interleaved=interleaved)
     idx = dst_rows.to(dst_k.device)
-    dst_k[:, idx] = k.to(dst_k.dtype)
-    dst_v[:, idx] = v.to(dst_v.dtype)
+    dst_k.index_copy_(1, idx, k.to(dst_k.dtype))
+    dst_v.index_copy_(1, idx, v.to(dst_v.dtype))
 
 
 # ---------------------------------------------------------------------------- residual for the policy

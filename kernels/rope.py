@@ -23,6 +23,8 @@ import torch
 def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Cos/sin of ``delta * inv_freq``, computed in float64 for accuracy.
 
+    Shifts repeat (one per aligned segment), so the trigonometry runs once per distinct shift.
+
     Args:
         delta: int tensor ``[R]``, position shift per row.
         inv_freq: float tensor ``[rotary_dim // 2]``.
@@ -30,8 +32,31 @@ def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Te
     Returns:
         ``(cos, sin)``, each float32 ``[R, rotary_dim // 2]`` on ``inv_freq``'s device.
     """
-    ang = delta.to(device=inv_freq.device, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
-    return torch.cos(ang).float(), torch.sin(ang).float()
+    delta = delta.to(device=inv_freq.device)
+    uniq, inverse = torch.unique(delta, return_inverse=True)
+    ang = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
+    return cos[inverse], sin[inverse]
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the leading ``2 * cos.shape[-1]`` channels of float rows ``x`` ``[..., R, D]`` by
+    per-row angles given as ``cos``/``sin`` ``[R, rotary_dim // 2]``; other channels pass through.
+
+    Returns:
+        A new float tensor like ``x``.
+    """
+    half = cos.shape[-1]
+    rot = 2 * half
+    if interleaved:
+        x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half:rot]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if rot < x.shape[-1]:
+        out = torch.cat((out, x[..., rot:]), dim=-1)
+    return out
 
 
 def rope_delta_reference(
@@ -57,20 +82,9 @@ def rope_delta_reference(
         ValueError: if shapes disagree.
     """
     half = inv_freq.shape[-1]
-    rot = 2 * half
-    if rot > k.shape[-1]:
-        raise ValueError(f"rotary_dim {rot} exceeds head_dim {k.shape[-1]}")
+    if 2 * half > k.shape[-1]:
+        raise ValueError(f"rotary_dim {2 * half} exceeds head_dim {k.shape[-1]}")
     if delta.shape[-1] != k.shape[-2]:
         raise ValueError(f"delta has {delta.shape[-1]} rows, k has {k.shape[-2]}")
     cos, sin = delta_cos_sin(delta, inv_freq.to(k.device))
-    x = k.float()
-    out = x.clone()
-    if interleaved:
-        x1, x2 = x[..., 0:rot:2], x[..., 1:rot:2]
-        out[..., 0:rot:2] = x1 * cos - x2 * sin
-        out[..., 1:rot:2] = x2 * cos + x1 * sin
-    else:
-        x1, x2 = x[..., :half], x[..., half:rot]
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half:rot] = x2 * cos + x1 * sin
-    return out.to(k.dtype)
+    return rope_rotate(k.float(), cos, sin, interleaved=interleaved).to(k.dtype)

@@ -214,7 +214,7 @@ class PatchKVEngine:
         if self.mixed_precision:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
                                 block_size=self.block_size, policy=self.precision_policy)
-            mixed = replace(mixed, payloads=[[p.to("cpu") for p in layer] for layer in mixed.payloads])
+            mixed = replace(mixed, payloads=[{t: p.to("cpu") for t, p in layer.items()} for layer in mixed.payloads])
         quantize_s = time.perf_counter() - t0
         return Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),

@@ -23,7 +23,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from .kernels import dequantize_scatter
-from .kernels.rope import rope_delta_reference
+from .kernels.quant import reference_dequantize
+from .kernels.rope import delta_cos_sin, rope_rotate
 from .models import ModelSpec
 
 if TYPE_CHECKING:
@@ -184,6 +185,7 @@ def restore_rows(
     new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64)).to(device)
     delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
     shifted = bool((delta != 0).any())
+    cos_sin: dict[int, tuple] = {}
     for layer in range(spec.num_layers):
         k = src_k[layer].index_select(1, old_t).to(device)
         v = src_v[layer].index_select(1, old_t).to(device)
@@ -191,7 +193,9 @@ def restore_rows(
             rope = spec.rope_for_layer(layer)
             if not rope.supported:
                 raise RuntimeError(f"bug: restoring shifted rows under unsupported RoPE ({rope.reason})")
-            k = rope_delta_reference(k, delta.to(device), rope.inv_freq.to(device), interleaved=rope.interleaved)
+            if id(rope) not in cos_sin:
+                cos_sin[id(rope)] = delta_cos_sin(delta, rope.inv_freq.to(device))
+            k = rope_rotate(k.float(), *cos_sin[id(rope)], interleaved=rope.interleaved)
         dst_k[layer][0].index_copy_(1, new_t, k.to(dst_k[layer].dtype))
         dst_v[layer][0].index_copy_(1, new_t, v.to(dst_v[layer].dtype))
 
@@ -205,10 +209,10 @@ def restore_rows_mixed(
     old_pos: np.ndarray,
     new_pos: np.ndarray,
 ) -> int:
-    """Restore rows from mixed-precision runs: verify, dequantize, RoPE-correct, scatter.
+    """Restore rows from mixed-precision payloads: verify, dequantize, RoPE-correct, scatter.
 
-    A run whose rows are all wanted goes straight to its destination rows; a run only partly wanted
-    is decoded into a scratch buffer and the wanted rows are copied out.
+    A tag payload whose rows are all wanted goes straight to its destination rows; one only partly
+    wanted is decoded into a scratch buffer and the wanted rows are copied out.
 
     Args:
         spec: the model spec (per-layer RoPE).
@@ -218,43 +222,45 @@ def restore_rows_mixed(
         old_pos, new_pos: aligned int64 rows to restore.
 
     Returns:
-        Payload bytes read (whole runs touched, all layers).
+        Payload bytes read (whole tag payloads touched, all layers).
 
     Raises:
-        CorruptCheckpoint: a run failed its checksum (nothing is served from it).
+        CorruptCheckpoint: a payload failed its checksum (nothing is served from it).
     """
     if len(old_pos) == 0:
         return 0
+    device = dst_k[0].device
     dst_of = np.full(n_old, -1, dtype=np.int64)
     dst_of[np.asarray(old_pos)] = np.asarray(new_pos)
     read = 0
-    for i in range(len(mixed.runs)):
-        a, b = mixed.run_rows(i, n_old)
-        dst = dst_of[a:b]
+    for tag, rows in mixed.tag_rows.items():
+        dst = dst_of[rows]
         want = dst >= 0
         if not want.any():
             continue
         full = bool(want.all())
-        src_rows = np.arange(a, b, dtype=np.int64)
-        delta = torch.from_numpy(np.where(want, dst - src_rows, 0))
-        dst_t = torch.from_numpy(dst[want].copy()).to(dst_k[0].device)
+        delta = torch.from_numpy(np.where(want, dst - rows, 0))
+        dst_t = torch.from_numpy(dst[want].copy()).to(device)
+        sel = None if full else torch.from_numpy(np.flatnonzero(want)).to(device)
+        cos_sin: dict[int, tuple] = {}
         for layer in range(spec.num_layers):
-            p = mixed.verify(layer, i)
+            p = mixed.verify(layer, tag)
             read += p.nbytes
             rope = spec.rope_for_layer(layer)
             inv = rope.inv_freq if rope.supported else None
             if full:
                 dequantize_scatter(p, dst_k[layer][0], dst_v[layer][0], dst_t, delta, inv,
                                    interleaved=rope.interleaved)
-            else:
-                shape = (spec.num_kv_heads, b - a, spec.head_dim)
-                tk = torch.empty(shape, dtype=dst_k[layer].dtype, device=dst_k[layer].device)
-                tv = torch.empty_like(tk)
-                dequantize_scatter(p, tk, tv, torch.arange(b - a, device=tk.device), delta, inv,
-                                   interleaved=rope.interleaved)
-                sel = torch.from_numpy(np.flatnonzero(want)).to(tk.device)
-                dst_k[layer][0].index_copy_(1, dst_t, tk.index_select(1, sel))
-                dst_v[layer][0].index_copy_(1, dst_t, tv.index_select(1, sel))
+                continue
+            k, v = reference_dequantize(p.to(device))
+            k, v = k.index_select(1, sel), v.index_select(1, sel)
+            if inv is not None:
+                key = id(rope)
+                if key not in cos_sin:
+                    cos_sin[key] = delta_cos_sin(delta[want], inv.to(device))
+                k = rope_rotate(k, *cos_sin[key], interleaved=rope.interleaved)
+            dst_k[layer][0].index_copy_(1, dst_t, k.to(dst_k[layer].dtype))
+            dst_v[layer][0].index_copy_(1, dst_t, v.to(dst_v[layer].dtype))
     return read
 
 

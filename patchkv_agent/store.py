@@ -43,47 +43,50 @@ def payload_checksum(p: RunPayload) -> int:
 class MixedKV:
     """Mixed-precision copy of a checkpoint's rows.
 
+    Blocks of one tag are clustered into runs (``runs``: metadata that scales with runs, not
+    tokens); per layer, all runs of one tag are packed into one payload, so a restore makes at most
+    three kernel calls per layer whatever the fragmentation. Key scales stay per block: every block
+    but the sequence's last is full, so blocks keep their boundaries inside the packed payload.
+
     Attributes:
         block_size: tokens per block (blocks start at old position 0).
         tags: int8 ``[n_blocks]`` :class:`~patchkv_agent.precision.Tag` per block.
-        runs: consecutive blocks of one tag.
-        payloads: ``payloads[layer][run]``.
-        checksums: ``checksums[layer][run]``, xxh3-64 of each payload.
+        runs: consecutive blocks of one tag, in block order.
+        tag_rows: per tag name, the sorted old positions packed in that tag's payloads.
+        payloads: ``payloads[layer][tag name]``.
+        checksums: ``checksums[layer][tag name]``, xxh3-64 of each payload.
     """
 
     block_size: int
     tags: np.ndarray
     runs: tuple[Run, ...]
-    payloads: list[list[RunPayload]]
-    checksums: list[list[int]]
+    tag_rows: dict[str, np.ndarray]
+    payloads: list[dict[str, RunPayload]]
+    checksums: list[dict[str, int]]
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for layer in self.payloads for p in layer)
+        return sum(p.nbytes for layer in self.payloads for p in layer.values())
 
-    def run_rows(self, i: int, n_tokens: int) -> tuple[int, int]:
-        """Old-position row range ``[start, end)`` of run ``i``."""
-        r = self.runs[i]
-        return r.first_block * self.block_size, min((r.first_block + r.n_blocks) * self.block_size, n_tokens)
-
-    def verify(self, layer: int, i: int) -> RunPayload:
-        """The payload of (layer, run i) after checking its checksum.
+    def verify(self, layer: int, tag: str) -> RunPayload:
+        """The payload of (layer, tag) after checking its checksum.
 
         Raises:
             CorruptCheckpoint: the bytes do not match the checksum written with them.
         """
-        p = self.payloads[layer][i]
-        if payload_checksum(p) != self.checksums[layer][i]:
-            raise CorruptCheckpoint(f"checksum mismatch in run {i} ({p.tag}) of layer {layer}")
+        p = self.payloads[layer][tag]
+        if payload_checksum(p) != self.checksums[layer][tag]:
+            raise CorruptCheckpoint(f"checksum mismatch in the {tag} payload of layer {layer}")
         return p
 
     def tag_counts(self) -> dict[str, int]:
+        """Blocks per tag name."""
         return {t.name: int((self.tags == int(t)).sum()) for t in Tag}
 
 
 def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np.ndarray | None, *,
                 block_size: int = 32, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
-    """Tag blocks by risk (attention x 4-bit value residual) and quantize every layer's runs.
+    """Tag blocks by risk (attention x 4-bit value residual) and quantize every layer's rows per tag.
 
     Args:
         keys, values: per layer ``[H, N, D]``.
@@ -92,24 +95,24 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
         policy: precision thresholds.
 
     Returns:
-        The :class:`MixedKV`.
+        The :class:`MixedKV` (payloads on the device of ``keys``).
     """
     n = keys[0].shape[1]
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).cpu().numpy()
     attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
     tags = assign_tags(attn, resid, block_size, policy)
     runs = tuple(cluster_runs(tags))
+    block_of_row = np.arange(n) // block_size
+    tag_rows = {Tag(t).name: np.flatnonzero(tags[block_of_row] == t).astype(np.int64)
+                for t in np.unique(tags).tolist()}
     payloads, checksums = [], []
     for k, v in zip(keys, values):
-        lp, lc = [], []
-        for r in runs:
-            rows = torch.arange(r.first_block * block_size, min((r.first_block + r.n_blocks) * block_size, n))
-            p = quantize_gather(k, v, rows, Tag(r.tag).name, block_size)
-            lp.append(p)
-            lc.append(payload_checksum(p))
+        lp = {name: quantize_gather(k, v, torch.from_numpy(rows).to(k.device), name, block_size)
+              for name, rows in tag_rows.items()}
         payloads.append(lp)
-        checksums.append(lc)
-    return MixedKV(block_size=block_size, tags=tags, runs=runs, payloads=payloads, checksums=checksums)
+        checksums.append({name: payload_checksum(p) for name, p in lp.items()})
+    return MixedKV(block_size=block_size, tags=tags, runs=runs, tag_rows=tag_rows, payloads=payloads,
+                   checksums=checksums)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

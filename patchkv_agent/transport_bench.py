@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from .kernels import dequantize_scatter, quantize_gather, value_residual_4bit
-from .precision import Tag, assign_tags, cluster_runs
+from .precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
 
 
 def _context(engine, n_tokens: int, seed: int = 0) -> list[int]:
@@ -68,34 +68,48 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     mixed_tags = assign_tags(ckpt.scores if ckpt.scores is not None else np.ones(n), resid, bs,
                              engine.precision_policy)
     n_blocks = len(mixed_tags)
+    scores = ckpt.scores if ckpt.scores is not None else np.ones(n)
+    grid = []
+    elem_bytes = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
+    for tau_h in (2.0, 4.0, 8.0, 16.0):
+        for tau_l in (0.25, 0.5, 1.0, 2.0):
+            if tau_l >= tau_h:
+                continue
+            pol = PrecisionPolicy(alpha=engine.precision_policy.alpha, tau_L=tau_l, tau_H=tau_h,
+                                  g4=engine.precision_policy.g4)
+            t = assign_tags(scores, resid, bs, pol)
+            grid.append({"tau_L": tau_l, "tau_H": tau_h,
+                         "blocks": {g.name: int((t == int(g)).sum()) for g in Tag},
+                         "payload_vs_fp16_est": float(np.mean([elem_bytes[int(x)] for x in t]) / 4.0)})
     layouts = {
         "FP16": np.full(n_blocks, int(Tag.FP16), np.int8),
         "INT8": np.full(n_blocks, int(Tag.K8V8), np.int8),
         "INT4": np.full(n_blocks, int(Tag.K8V4), np.int8),
         "mixed": mixed_tags,
     }
-    dst_rows = torch.arange(n) + shift
     dst_k = [torch.empty(spec.num_kv_heads, n + shift, spec.head_dim) for _ in range(spec.num_layers)]
     dst_v = [torch.empty_like(d) for d in dst_k]
-    out: dict[str, Any] = {"n_tokens": n, "repeats": repeats, "prefill_s": prefill_s, "formats": {}}
+    out: dict[str, Any] = {"n_tokens": n, "repeats": repeats, "prefill_s": prefill_s, "formats": {},
+                           "policy": vars(engine.precision_policy) if hasattr(engine.precision_policy, "__dict__")
+                           else str(engine.precision_policy), "policy_grid": grid}
     for name, tags in tqdm(layouts.items(), desc="formats"):
         runs = cluster_runs(tags)
+        block_of_row = np.arange(n) // bs
+        tag_rows = {Tag(t).name: torch.from_numpy(np.flatnonzero(tags[block_of_row] == t))
+                    for t in np.unique(tags).tolist()}
 
-        def store():
-            return [[quantize_gather(keys[li], values[li],
-                                     torch.arange(r.first_block * bs, min((r.first_block + r.n_blocks) * bs, n)),
-                                     Tag(r.tag).name, bs) for r in runs] for li in range(spec.num_layers)]
+        def store():  # as store.build_mixed: one payload per (layer, tag)
+            return [{t: quantize_gather(keys[li], values[li], rows, t, bs) for t, rows in tag_rows.items()}
+                    for li in range(spec.num_layers)]
 
         payloads = store()
 
         def restore():
             for li in range(spec.num_layers):
                 rope = spec.rope_for_layer(li)
-                for r, p in zip(runs, payloads[li]):
-                    a = r.first_block * bs
-                    rows = dst_rows[a:a + p.n_rows]
-                    dequantize_scatter(p, dst_k[li], dst_v[li], rows, torch.full((p.n_rows,), shift),
-                                       rope.inv_freq, interleaved=rope.interleaved)
+                for t, rows in tag_rows.items():
+                    dequantize_scatter(payloads[li][t], dst_k[li], dst_v[li], rows + shift,
+                                       torch.full((len(rows),), shift), rope.inv_freq, interleaved=rope.interleaved)
 
         store_s = _time(store, repeats)
         restore_s = _time(restore, repeats)
@@ -104,7 +118,7 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
         got_v = torch.cat([dst_v[li][:, shift:] for li in range(spec.num_layers)])
         ref_v = torch.cat([values[li].float() for li in range(spec.num_layers)])
         out["formats"][name] = {
-            "payload_mib": sum(p.nbytes for layer in payloads for p in layer) / 2**20,
+            "payload_mib": sum(p.nbytes for layer in payloads for p in layer.values()) / 2**20,
             "store_ms": store_s * 1e3,
             "restore_ms": restore_s * 1e3,
             "runs": len(runs),

@@ -155,8 +155,8 @@ def test_corrupted_run_falls_back_to_exact_and_says_why():
     eng = engine("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
-    last = len(ckpt.mixed.runs) - 1  # the run holding the suffix tail: always restored
-    ckpt.mixed.payloads[0][last].k_data.view(-1)[0] ^= 0x5A
+    for tag in ckpt.mixed.tag_rows:  # corrupt every payload of layer 0: one of them is restored
+        ckpt.mixed.payloads[0][tag].k_data.view(torch.uint8).view(-1)[0] ^= 0x5A
     res = eng.resume(ckpt, new, strategy="patchkv", max_new_tokens=1)
     assert res.stats["fallback"] and "checksum" in res.stats["fallback"]
     ref_logits, ref_cache = oracle(eng.model, new)
