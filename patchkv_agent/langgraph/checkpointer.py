@@ -1,0 +1,183 @@
+"""``PatchKVCheckpointSaver``: any LangGraph checkpoint saver, plus the KV handle of every thread version.
+
+Wraps a ``BaseCheckpointSaver`` (in-memory, SQLite, Postgres, ...) and delegates everything to it.
+``put`` adds to the checkpoint *metadata* (JSON, never graph state, never tensors)::
+
+    {"patchkv": {"threads": [{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv"}, ...]}}
+
+one handle per registry key of the graph thread and namespace: the context version the KV belongs to,
+a hash of its token ids, and where the KV was (``resident``/``offloading``/``offloaded``). ``get_tuple``
+reads the handles back and tells the registry (:meth:`~patchkv_agent.threads.ThreadRegistry.expect`):
+in a new process, or with a new registry, the KV is gone, so the thread's next generation is an exact
+recompute whose ``stats["fallback"]`` says so, and the version numbers continue from the checkpoint's.
+
+Knows LangGraph's saver interface and the registry's handles; nothing about models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import BaseCheckpointSaver, ChannelVersions, Checkpoint, CheckpointMetadata, CheckpointTuple
+
+from ..threads import ThreadRegistry, thread_key
+from .keys import base_ns, canonical_ns
+
+META_KEY = "patchkv"
+
+
+class PatchKVCheckpointSaver(BaseCheckpointSaver):
+    """Delegate to ``inner``; record KV handles in checkpoint metadata; announce them on load.
+
+    Args:
+        inner: the saver that stores everything.
+        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` whose handles are recorded.
+    """
+
+    def __init__(self, inner: BaseCheckpointSaver, registry: ThreadRegistry):
+        if not isinstance(inner, BaseCheckpointSaver):
+            raise TypeError(f"inner must be a LangGraph BaseCheckpointSaver, got {type(inner).__name__}")
+        super().__init__(serde=inner.serde)
+        self.serde = inner.serde
+        self.inner, self.registry = inner, registry
+
+    def __getattr__(self, name: str) -> Any:  # saver-specific extras (setup, conn, ...)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def config_specs(self) -> list:
+        return self.inner.config_specs
+
+    # ----------------------------------------------------------- handles
+
+    def kv_metadata(self, config: RunnableConfig) -> dict[str, Any] | None:
+        """The ``patchkv`` metadata entry for a checkpoint of ``config``'s thread and namespace (None if none)."""
+        conf = config.get("configurable") or {}
+        tid = conf.get("thread_id")
+        if tid is None:
+            return None
+        ns = canonical_ns(conf.get("checkpoint_ns", ""))
+        handles = [h for h in self.registry.handles(str(tid)) if base_ns(h["checkpoint_ns"]) == ns]
+        return {"threads": handles} if handles else None
+
+    def _with_kv(self, config: RunnableConfig, metadata: CheckpointMetadata) -> CheckpointMetadata:
+        entry = self.kv_metadata(config)
+        return {**metadata, META_KEY: entry} if entry else metadata
+
+    def _announce(self, tup: CheckpointTuple | None) -> CheckpointTuple | None:
+        entry = (tup.metadata or {}).get(META_KEY) if tup is not None else None
+        for h in (entry or {}).get("threads", []) if isinstance(entry, Mapping) else []:
+            self.registry.expect(thread_key(h["thread_id"], h.get("checkpoint_ns", "")), h)
+        return tup
+
+    # -------------------------------------------------------------- sync
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Fetch a checkpoint tuple from ``inner`` and announce its KV handles to the registry.
+
+        Returns:
+            The tuple, or None if not found.
+        """
+        return self._announce(self.inner.get_tuple(config))
+
+    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+             before: RunnableConfig | None = None, limit: int | None = None) -> Iterator[CheckpointTuple]:
+        """Delegate to ``inner.list``."""
+        return self.inner.list(config, filter=filter, before=before, limit=limit)
+
+    def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+            new_versions: ChannelVersions) -> RunnableConfig:
+        """Store through ``inner`` with the KV handles added to ``metadata``.
+
+        Returns:
+            ``inner.put``'s config.
+        """
+        return self.inner.put(config, checkpoint, self._with_kv(config, metadata), new_versions)
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
+                   task_path: str = "") -> None:
+        """Delegate to ``inner.put_writes``."""
+        return self.inner.put_writes(config, writes, task_id, task_path)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete the thread in ``inner`` and drop its KV from the registry."""
+        self.inner.delete_thread(thread_id)
+        self.registry.forget(thread_id)
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delegate to ``inner.delete_for_runs``."""
+        return self.inner.delete_for_runs(run_ids)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy the thread in ``inner``; the copy's registry keys start from the source's KV."""
+        self.inner.copy_thread(source_thread_id, target_thread_id)
+        self._fork(source_thread_id, target_thread_id)
+
+    def _fork(self, source_thread_id: str, target_thread_id: str) -> None:
+        for k in self.registry.keys():
+            if k[0] == str(source_thread_id):
+                self.registry.fork(k, thread_key(target_thread_id, k[1]))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Delegate to ``inner.prune``."""
+        return self.inner.prune(thread_ids, strategy=strategy)
+
+    def get_next_version(self, current: Any, channel: None = None) -> Any:
+        """Delegate to ``inner.get_next_version``."""
+        return self.inner.get_next_version(current, channel)
+
+    def get_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]):
+        """Delegate to ``inner.get_delta_channel_history``."""
+        return self.inner.get_delta_channel_history(config=config, channels=channels)
+
+    def with_allowlist(self, extra_allowlist) -> "PatchKVCheckpointSaver":
+        """The same wrapper around ``inner.with_allowlist(extra_allowlist)``."""
+        inner = self.inner.with_allowlist(extra_allowlist)
+        return self if inner is self.inner else PatchKVCheckpointSaver(inner, self.registry)
+
+    # ------------------------------------------------------------- async
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Async twin of :meth:`get_tuple`."""
+        return self._announce(await self.inner.aget_tuple(config))
+
+    async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+                    before: RunnableConfig | None = None, limit: int | None = None) -> AsyncIterator[CheckpointTuple]:
+        """Async twin of :meth:`list`."""
+        async for tup in self.inner.alist(config, filter=filter, before=before, limit=limit):
+            yield tup
+
+    async def aput(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+                   new_versions: ChannelVersions) -> RunnableConfig:
+        """Async twin of :meth:`put`."""
+        return await self.inner.aput(config, checkpoint, self._with_kv(config, metadata), new_versions)
+
+    async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
+                          task_path: str = "") -> None:
+        """Async twin of :meth:`put_writes`."""
+        return await self.inner.aput_writes(config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Async twin of :meth:`delete_thread`."""
+        await self.inner.adelete_thread(thread_id)
+        self.registry.forget(thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Async twin of :meth:`delete_for_runs`."""
+        return await self.inner.adelete_for_runs(run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Async twin of :meth:`copy_thread`."""
+        await self.inner.acopy_thread(source_thread_id, target_thread_id)
+        self._fork(source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Async twin of :meth:`prune`."""
+        return await self.inner.aprune(thread_ids, strategy=strategy)
+
+    async def aget_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]):
+        """Async twin of :meth:`get_delta_channel_history`."""
+        return await self.inner.aget_delta_channel_history(config=config, channels=channels)

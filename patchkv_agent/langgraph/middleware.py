@@ -1,0 +1,158 @@
+"""``PatchKVMiddleware``: KV resume and background offload for LangChain >= 1 ``create_agent`` agents.
+
+- ``wrap_model_call``: runs the model call under the graph thread's key, so the
+  :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` resumes that thread's previous context
+  version (diff, plan, restore, recompute; waiting first for a pending offload of the thread). When the
+  response asks for tools, the thread's KV is offloaded in the registry's background worker at once, so
+  the checkpoint work runs while the tools run.
+- ``wrap_tool_call``: makes sure the offload has started (idempotent) and times the tool, so the next
+  response's ``response_metadata["patchkv"]`` reports ``tool_s`` beside ``offload_s`` /
+  ``offload_wait_s`` (``offload_hidden_share``: the part of the offload that the tools hid).
+
+Use it with a ``PatchKVChatModel`` sharing the same registry. Knows LangChain's middleware interface,
+the registry, and the thread keys; no tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any, Awaitable, Callable
+
+from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
+from langchain_core.messages import AIMessage
+
+from ..threads import ThreadKey, ThreadRegistry
+from .chat_model import PatchKVChatModel
+from .keys import thread_key_from_config, using_thread_key
+
+
+def response_message(result: Any) -> AIMessage | None:
+    """The last AIMessage of a model-call result (``ModelResponse``, ``AIMessage`` or extended response)."""
+    if isinstance(result, AIMessage):
+        return result
+    inner = getattr(result, "model_response", result)
+    for m in reversed(getattr(inner, "result", None) or []):
+        if isinstance(m, AIMessage):
+            return m
+    return None
+
+
+def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
+    """Add ``tool_s`` and ``offload_hidden_share`` to a response's PatchKV stats (in place)."""
+    st = msg.response_metadata.get("patchkv") if msg is not None else None
+    if not isinstance(st, dict):
+        return
+    if tool_s is not None:
+        st["tool_s"] = tool_s
+    off, wait = st.get("offload_s"), st.get("offload_wait_s") or 0.0
+    if st.get("base") == "background" and off:
+        st["offload_hidden_share"] = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
+
+
+class PatchKVMiddleware(AgentMiddleware):
+    """Per-thread KV resume and background offload around ``create_agent`` model calls.
+
+    Args:
+        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` of the agent's ``PatchKVChatModel``.
+        scope: optional key scope (separates this agent's context from other LLM contexts of the thread).
+        offload: ``"tool_calls"`` (offload when the model asks for tools), ``"always"`` or ``"never"``.
+
+    Raises:
+        ValueError: an unknown ``offload`` policy; at call time, a ``PatchKVChatModel`` with another registry.
+    """
+
+    def __init__(self, registry: ThreadRegistry, *, scope: str | None = None, offload: str = "tool_calls"):
+        super().__init__()
+        if offload not in ("tool_calls", "always", "never"):
+            raise ValueError(f"offload must be 'tool_calls', 'always' or 'never', got {offload!r}")
+        self.registry, self.scope, self.offload = registry, scope, offload
+        self._tool_s: dict[ThreadKey, float] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    # --------------------------------------------------------------- helpers
+
+    def _key(self, config: Any = None) -> ThreadKey | None:
+        if config is None:
+            try:
+                from langgraph.config import get_config
+
+                config = get_config()
+            except RuntimeError:
+                config = None
+        return thread_key_from_config(config, scope=self.scope)
+
+    def _check_model(self, model: Any) -> None:
+        model = getattr(model, "bound", model)  # a RunnableBinding (e.g. model.bind(...))
+        if isinstance(model, PatchKVChatModel):
+            if model.registry is not self.registry:
+                raise ValueError("PatchKVMiddleware and the agent's PatchKVChatModel use different registries; "
+                                 "build both from one ThreadRegistry: PatchKVChatModel(registry=reg), "
+                                 "PatchKVMiddleware(reg)")
+        elif not self._warned:
+            self._warned = True
+            warnings.warn(f"PatchKVMiddleware: the agent's model is a {type(model).__name__}, not a "
+                          "PatchKVChatModel; KV resume and offload do nothing for it", stacklevel=3)
+
+    def _after(self, key: ThreadKey | None, result: Any) -> None:
+        msg = response_message(result)
+        with self._lock:
+            tool_s = self._tool_s.pop(key, None)
+        annotate(msg, tool_s)
+        if key is None or self.offload == "never":
+            return
+        if self.offload == "always" or (msg is not None and msg.tool_calls):
+            self.registry.offload_async(key)
+
+    def _tool_key(self, request: Any) -> ThreadKey | None:
+        runtime = getattr(request, "runtime", None)
+        return self._key(getattr(runtime, "config", None))
+
+    def _add_tool_time(self, key: ThreadKey | None, dt: float) -> None:
+        with self._lock:
+            self._tool_s[key] = self._tool_s.get(key, 0.0) + dt
+
+    # ----------------------------------------------------------------- hooks
+
+    def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]):
+        """Run the model call under the thread's key; offload in the background when it asks for tools."""
+        self._check_model(request.model)
+        key = self._key()
+        with using_thread_key(key):
+            result = handler(request)
+        self._after(key, result)
+        return result
+
+    async def awrap_model_call(self, request: ModelRequest,
+                               handler: Callable[[ModelRequest], Awaitable[ModelResponse]]):
+        """Async twin of :meth:`wrap_model_call`."""
+        self._check_model(request.model)
+        key = self._key()
+        with using_thread_key(key):
+            result = await handler(request)
+        self._after(key, result)
+        return result
+
+    def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]):
+        """Run the tool while the thread's offload proceeds; time the tool."""
+        key = self._tool_key(request)
+        if self.offload != "never":
+            self.registry.offload_async(key)
+        t0 = time.perf_counter()
+        try:
+            return handler(request)
+        finally:
+            self._add_tool_time(key, time.perf_counter() - t0)
+
+    async def awrap_tool_call(self, request: Any, handler: Callable[[Any], Awaitable[Any]]):
+        """Async twin of :meth:`wrap_tool_call`."""
+        key = self._tool_key(request)
+        if self.offload != "never":
+            self.registry.offload_async(key)
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            self._add_tool_time(key, time.perf_counter() - t0)

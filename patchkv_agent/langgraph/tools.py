@@ -1,0 +1,293 @@
+"""The JSON tool-call protocol for chat templates without tool support, and a tolerant parser.
+
+Protocol (appended to the system prompt when tools are bound and the chat template ignores ``tools=``):
+the model lists the tools as JSON schemas and is asked to reply, to call one, with exactly::
+
+    <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>
+
+which is also how :func:`patchkv_agent.replay.plain_messages` writes earlier calls back into the
+context (tool results as ``<tool_response>...</tool_response>``), so a call the model wrote and the
+same call re-rendered are the same text.
+
+:func:`parse_tool_calls` reads model output tolerantly: tagged calls (also an unterminated last one),
+bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also in code fences, also
+``{"function": {...}}``), arguments given as a JSON string, truncated JSON repaired where possible,
+Python-literal dicts; what cannot be read becomes an ``invalid_tool_calls`` entry, never an exception.
+
+Also converts LangChain messages to the message dicts of ``shared/TRACES.md``. Knows LangChain message
+classes; nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.json import parse_partial_json
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```|$)", re.S)
+_NAME = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
+_ARG_KEYS = ("arguments", "args", "parameters", "tool_input")
+
+PROTOCOL_HEADER = "You can call tools. Available tools (JSON schemas):"
+PROTOCOL_FOOTER = (
+    "To call a tool, reply with only this line:\n"
+    + TOOL_CALL_OPEN + '{"name": "<tool name>", "arguments": {<arguments>}}' + TOOL_CALL_CLOSE
+    + "\nOtherwise reply with your answer."
+)
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """Model output split into text and tool calls (LangChain ``ToolCall`` / ``InvalidToolCall`` dicts)."""
+
+    content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    invalid_tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# --------------------------------------------------------------------------- protocol
+
+def tool_schemas(tools: Iterable[Any]) -> list[dict[str, Any]]:
+    """OpenAI-format tool schemas of LangChain tools, functions, pydantic classes or dicts."""
+    return [convert_to_openai_tool(t) for t in tools]
+
+
+def tool_protocol_prompt(tools: Sequence[dict[str, Any]]) -> str:
+    """The protocol text for ``tools`` (OpenAI-format schemas): one compact JSON schema a line."""
+    lines = [PROTOCOL_HEADER]
+    for t in tools:
+        fn = t.get("function", t)
+        lines.append(json.dumps({"name": fn.get("name"), "description": fn.get("description", ""),
+                                 "parameters": fn.get("parameters", {})}, separators=(",", ":")))
+    lines.append(PROTOCOL_FOOTER)
+    return "\n".join(lines)
+
+
+def with_tool_protocol(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trace-format messages with the protocol appended to the system message (one is added if none).
+
+    Args:
+        messages: TRACES.md message dicts.
+        tools: OpenAI-format tool schemas (nothing changes when empty).
+
+    Returns:
+        A new list; the input is not modified.
+    """
+    if not tools:
+        return list(messages)
+    proto = tool_protocol_prompt(tools)
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = ((out[0].get("content") or "") + "\n\n" + proto).strip()
+    else:
+        out.insert(0, {"role": "system", "content": proto})
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content or []:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(block.get("text", ""))
+    return "".join(parts)
+
+
+def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as ``shared/TRACES.md`` message dicts.
+
+    Returns:
+        ``{"role", "content"}`` dicts; assistant tool calls as ``tool_calls: [{"id", "name", "args"}]``,
+        tool results with ``tool_call_id``.
+
+    Raises:
+        TypeError: a message that is not a LangChain message.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            out.append({"role": "system", "content": _text(m.content)})
+        elif isinstance(m, HumanMessage):
+            out.append({"role": "user", "content": _text(m.content)})
+        elif isinstance(m, AIMessage):
+            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content)}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "args": c.get("args", {})}
+                                   for c in m.tool_calls]
+            out.append(d)
+        elif isinstance(m, ToolMessage):
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)})
+        elif isinstance(m, ChatMessage):
+            out.append({"role": m.role, "content": _text(m.content)})
+        elif isinstance(m, BaseMessage):
+            out.append({"role": m.type, "content": _text(m.content)})
+        else:
+            raise TypeError(f"expected LangChain messages, got {type(m).__name__}")
+    return out
+
+
+# --------------------------------------------------------------------------- parser
+
+def _loads(blob: str) -> Any:
+    """JSON, else repaired partial JSON, else a Python literal; raises ValueError when none reads it."""
+    blob = blob.strip()
+    fence = _FENCE.fullmatch(blob)
+    if fence:
+        blob = fence.group(1)
+    try:
+        return json.loads(blob)
+    except ValueError:
+        pass
+    try:
+        val = parse_partial_json(blob)
+        if val is not None:
+            return val
+    except Exception:
+        pass
+    try:
+        return ast.literal_eval(blob)
+    except Exception:
+        raise ValueError("not JSON") from None
+
+
+def _call_from(obj: Any) -> tuple[str | None, dict | None, str | None]:
+    """(name, args, error) of one decoded call object."""
+    if not isinstance(obj, dict):
+        return None, None, f"a tool call must be a JSON object, got {type(obj).__name__}"
+    fn = obj.get("function") if isinstance(obj.get("function"), dict) else obj
+    name = fn.get("name", obj.get("tool"))
+    args: Any = {}
+    for k in _ARG_KEYS:
+        if k in fn:
+            args = fn[k]
+            break
+    if isinstance(args, str):
+        try:
+            args = _loads(args) if args.strip() else {}
+        except ValueError:
+            return name if isinstance(name, str) else None, None, "arguments are not JSON"
+    if not isinstance(name, str) or not name:
+        return None, None, "tool call without a name"
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return name, None, f"arguments must be an object, got {type(args).__name__}"
+    return name, args, None
+
+
+def _decode(blob: str, calls: list, invalid: list) -> None:
+    try:
+        obj = _loads(blob)
+    except ValueError:
+        m = _NAME.search(blob)
+        invalid.append({"name": m.group(1) if m else None, "args": blob.strip(), "id": new_call_id(),
+                        "error": "tool call is not valid JSON", "type": "invalid_tool_call"})
+        return
+    for o in obj if isinstance(obj, list) else [obj]:
+        name, args, err = _call_from(o)
+        if err is None:
+            calls.append({"name": name, "args": args, "id": new_call_id(), "type": "tool_call"})
+        else:
+            invalid.append({"name": name, "args": json.dumps(o) if not isinstance(o, str) else o,
+                            "id": new_call_id(), "error": err, "type": "invalid_tool_call"})
+
+
+def _bare_calls(text: str, tool_names: set[str] | None) -> list[tuple[int, int, Any]]:
+    """Spans ``(start, end, obj)`` of bare JSON objects that look like calls (known names only, when given)."""
+    dec = json.JSONDecoder()
+    spans, i = [], 0
+    while (i := text.find("{", i)) >= 0:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except ValueError:
+            tail = text[i:]
+            if not _NAME.search(tail[:200]):
+                i += 1
+                continue
+            try:
+                obj, end = parse_partial_json(tail), len(text)
+            except Exception:
+                obj = None
+            if obj is None:
+                i += 1
+                continue
+        name, _, _ = _call_from(obj)
+        looks = isinstance(obj, dict) and name is not None and (
+            any(k in obj for k in _ARG_KEYS) or "function" in obj or (tool_names is not None and name in tool_names))
+        if looks and (tool_names is None or name in tool_names):
+            spans.append((i, end, obj))
+            i = end
+        else:
+            i += 1
+    return spans
+
+
+def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None) -> ParsedOutput:
+    """Split model output into content and tool calls, tolerating malformed and absent calls.
+
+    Tagged calls (``<tool_call>...</tool_call>``) are read whatever their name; without tags, bare JSON
+    objects count as calls only when they carry a name (and, when ``tool_names`` is given, a known one).
+
+    Args:
+        text: the decoded model output.
+        tool_names: names of the bound tools (None: any name).
+
+    Returns:
+        A :class:`ParsedOutput`: ``content`` is the text without the call spans (stripped); calls carry
+        fresh ids; unreadable calls are ``invalid_tool_calls`` with the raw text as ``args``.
+    """
+    names = set(tool_names) if tool_names is not None else None
+    calls: list[dict] = []
+    invalid: list[dict] = []
+    tagged = list(_TAGGED.finditer(text))
+    if tagged:
+        for m in tagged:
+            _decode(m.group(1), calls, invalid)
+        content = _TAGGED.sub("", text)
+    else:
+        spans = _bare_calls(text, names)
+        pieces, last = [], 0
+        for start, end, obj in spans:
+            pieces.append(text[last:start])
+            _decode(json.dumps(obj), calls, invalid)
+            last = end
+        pieces.append(text[last:])
+        content = "".join(pieces)
+        if spans:
+            content = re.sub(r"```(?:json)?\s*```", "", content)
+    return ParsedOutput(content=content.strip(), tool_calls=calls, invalid_tool_calls=invalid)
+
+
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """Length of the prefix of ``text`` that can be shown while streaming: up to the first marker, and
+    not into a trailing partial marker (``"<tool_"`` at the end may become ``"<tool_call>"``)."""
+    safe = len(text)
+    for mk in markers:
+        if not mk:
+            continue
+        idx = text.find(mk)
+        if idx >= 0:
+            safe = min(safe, idx)
+            continue
+        for k in range(min(len(mk) - 1, len(text)), 0, -1):
+            if text.endswith(mk[:k]):
+                safe = min(safe, len(text) - k)
+                break
+    return safe

@@ -1,0 +1,221 @@
+"""ThreadRegistry: per-thread versions, resident/offloaded KV, background offload, budgets, isolation."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from patchkv_agent.threads import ThreadRegistry, ids_hash, run_stream, thread_key
+from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+A, B = thread_key("a"), thread_key("b")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+def ctx(seed: int, n: int = 300) -> list[int]:
+    return np.random.default_rng(seed).integers(5, 100, n).tolist()
+
+
+def edited(ids: list[int], at: int = 80, new: list[int] | None = None) -> list[int]:
+    return ids[:at] + (new or [7, 8, 9, 10, 11, 12]) + ids[at + 4:]
+
+
+def exact(engine, ids, n=6):
+    return engine.resume(None, ids, strategy="exact", max_new_tokens=n)
+
+
+def test_new_thread_is_exact_then_middle_edit_takes_patchkv(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(0)
+    r0 = reg.generate(A, c0, max_new_tokens=4)
+    ref = exact(engine, c0, 4)
+    assert r0.stats["strategy"] == "exact" and r0.stats["fallback"] is None and r0.stats["version"] == 1
+    assert r0.output_ids == ref.output_ids
+    torch.testing.assert_close(r0.logits, ref.logits)
+    r1 = reg.generate(A, edited(c0), max_new_tokens=4)
+    st = r1.stats
+    assert st["strategy"] == "patchkv" and st["version"] == 2 and st["base_version"] == 1
+    assert st["prefix_tokens"] == 80 and st["restore_tokens"] > 0 and st["recompute_tokens"] < len(c0)
+    assert st["base"] == "on_path" and st["offload_on_path_s"] > 0  # no pause signal: offload on the path
+
+
+def test_prefix_strategy_through_registry_equals_exact(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(1)
+    reg.generate(A, c0, max_new_tokens=3)
+    c1 = edited(c0, at=150)
+    r = reg.generate(A, c1, strategy="prefix", max_new_tokens=5)
+    ref = exact(engine, c1, 5)
+    assert r.stats["prefix_tokens"] == 150
+    torch.testing.assert_close(r.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert r.output_ids == ref.output_ids
+
+
+def test_decoded_tokens_join_the_resident_version(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(2, 200)
+    r0 = reg.generate(A, c0, max_new_tokens=6)
+    nxt = c0 + r0.output_ids[:-1] + ctx(3, 40)
+    r1 = reg.generate(A, nxt, strategy="prefix", max_new_tokens=4)
+    assert r1.stats["prefix_tokens"] == len(c0) + len(r0.output_ids) - 1
+    ref = exact(engine, nxt, 4)
+    torch.testing.assert_close(r1.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_background_offload_is_waited_for_and_used(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(4)
+    reg.generate(A, c0, max_new_tokens=2)
+    fut = reg.offload_async(A)
+    assert fut is not None and reg.offload_async(A) in (fut, None)
+    r1 = reg.generate(A, edited(c0), max_new_tokens=3)  # may run before the offload ends: it waits
+    assert fut.done()
+    assert r1.stats["base"] == "background" and r1.stats["offload_on_path_s"] == 0.0
+    assert r1.stats["offload_wait_s"] >= 0.0 and r1.stats["strategy"] == "patchkv"
+    # the same resume after a synchronous offload gives the same result (offload timing changes nothing)
+    reg2 = ThreadRegistry(engine)
+    reg2.generate(A, c0, max_new_tokens=2)
+    assert reg2.offload(A) > 0 and reg2.handle(A)["kv"] == "offloaded"
+    r2 = reg2.generate(A, edited(c0), max_new_tokens=3)
+    assert r2.output_ids == r1.output_ids
+    torch.testing.assert_close(r2.logits, r1.logits)
+    reg.close()
+
+
+def test_interleaved_threads_equal_each_thread_alone(engine):
+    a = [ctx(10), None]
+    a[1] = edited(a[0], at=60)
+    b = [ctx(11), None]
+    b[1] = edited(b[0], at=120, new=[20, 21])
+
+    def alone(seq):
+        reg = ThreadRegistry(engine)
+        return [reg.generate(A, v, max_new_tokens=5) for v in seq]
+
+    ra, rb = alone(a), alone(b)
+    reg = ThreadRegistry(engine)
+    ia0 = reg.generate(A, a[0], max_new_tokens=5)
+    ib0 = reg.generate(B, b[0], max_new_tokens=5)
+    reg.offload_async(B)
+    ia1 = reg.generate(A, a[1], max_new_tokens=5)
+    ib1 = reg.generate(B, b[1], max_new_tokens=5)
+    for got, want in [(ia0, ra[0]), (ib0, rb[0]), (ia1, ra[1]), (ib1, rb[1])]:
+        assert got.output_ids == want.output_ids
+        torch.testing.assert_close(got.logits, want.logits)
+    assert ia1.stats["thread_id"] == "a" and ib1.stats["thread_id"] == "b"
+
+
+def test_concurrent_os_threads_equal_sequential(engine):
+    seqs = {A: [ctx(20), None], B: [ctx(21), None]}
+    for k, s in seqs.items():
+        s[1] = edited(s[0], at=90)
+    seq_reg = ThreadRegistry(engine)
+    want = {k: [seq_reg.generate(k, v, max_new_tokens=4).output_ids for v in s] for k, s in seqs.items()}
+    reg, got, errors = ThreadRegistry(engine), {}, []
+
+    def run(k):
+        try:
+            got[k] = []
+            for v in seqs[k]:
+                got[k].append(reg.generate(k, v, max_new_tokens=4).output_ids)
+                reg.offload_async(k)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(k,)) for k in seqs]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors and got == want
+
+
+@pytest.mark.parametrize("policy", ["offload", "drop"])
+def test_lru_eviction_beyond_resident_budget(engine, policy):
+    reg = ThreadRegistry(engine, resident_budget_bytes=1, on_evict=policy)
+    ca, cb = ctx(30), ctx(31)
+    reg.generate(A, ca, max_new_tokens=2)
+    reg.generate(B, cb, max_new_tokens=2)  # A is least recently used: evicted
+    reg.wait(A)
+    assert reg.handle(A)["kv"] == ("offloaded" if policy == "offload" else "none")
+    assert reg.handle(B)["kv"] == "resident"
+    assert reg.events[0]["event"] == f"evict_{policy}" and reg.events[0]["key"] == A
+    r = reg.generate(A, edited(ca), max_new_tokens=2)
+    if policy == "offload":
+        assert r.stats["base"] == "evicted" and r.stats["strategy"] == "patchkv" and r.stats["fallback"] is None
+    else:
+        assert r.stats["strategy"] == "exact" and "evicted" in r.stats["fallback"]
+
+
+def test_offload_budget_drops_checkpoints_and_says_so(engine):
+    reg = ThreadRegistry(engine, offload_budget_bytes=1)
+    reg.generate(A, ctx(40), max_new_tokens=2)
+    reg.offload(A)
+    reg.generate(B, ctx(41), max_new_tokens=2)
+    reg.offload(B)  # over budget: A's checkpoint (least recently used) is dropped
+    r = reg.generate(A, edited(ctx(40)), max_new_tokens=2)
+    assert r.stats["strategy"] == "exact" and "offload budget" in r.stats["fallback"]
+
+
+def test_expect_after_restart_falls_back_and_continues_versions(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(50)
+    reg.generate(A, c0, max_new_tokens=2)
+    reg.generate(A, c0 + [5, 6], max_new_tokens=2)
+    handle = reg.handle(A)
+    assert handle["version"] == 2 and handle["ids_hash"] == ids_hash(c0 + [5, 6])
+    json.dumps(handle)  # JSON only, no tensors
+    fresh = ThreadRegistry(engine)
+    fresh.expect(A, handle)
+    r = fresh.generate(A, edited(c0), max_new_tokens=2)
+    assert r.stats["strategy"] == "exact" and "does not hold" in r.stats["fallback"] and r.stats["version"] == 3
+    r2 = fresh.generate(A, edited(c0) + [9], max_new_tokens=2)
+    assert r2.stats["fallback"] is None and r2.stats["version"] == 4
+    reg.expect(A, handle)  # a registry that holds the version ignores it
+    assert reg.handle(A)["kv"] == "resident"
+
+
+def test_stream_matches_generate_and_early_close_commits(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(60, 150)
+    s = reg.stream(A, c0, max_new_tokens=6)
+    toks = list(s)
+    assert toks == exact(engine, c0, 6).output_ids and s.stats["decode_s"] >= 0
+    s2 = reg.stream(B, c0, max_new_tokens=50)
+    res = run_stream(s2, on_token=lambda t: len(s2.result.output_ids) >= 3)
+    assert res.output_ids == toks[:3] and res.stats["output_tokens"] == 3
+    nxt = c0 + toks[:2] + [9, 9]
+    assert reg.generate(B, nxt, strategy="prefix", max_new_tokens=1).stats["prefix_tokens"] == len(c0) + 2
+
+
+def test_no_key_is_stateless_exact(engine):
+    reg = ThreadRegistry(engine)
+    r = reg.generate(None, ctx(70, 100), max_new_tokens=3)
+    assert r.stats["strategy"] == "exact" and r.stats["thread_id"] is None and reg.keys() == []
+    assert reg.offload_async(None) is None
+
+
+def test_bad_options_raise(engine):
+    with pytest.raises(ValueError, match="on_evict"):
+        ThreadRegistry(engine, on_evict="later")
+    with pytest.raises(ValueError):
+        ThreadRegistry(engine).generate(A, [], max_new_tokens=1)
+
+
+def test_fork_starts_a_thread_from_another_threads_kv(engine):
+    reg = ThreadRegistry(engine)
+    c0 = ctx(80, 200)
+    reg.generate(A, c0, max_new_tokens=3)
+    assert reg.fork(A, B) and not reg.fork(thread_key("nobody"), B)
+    rb = reg.generate(B, edited(c0), max_new_tokens=3)
+    ra = reg.generate(A, edited(c0), max_new_tokens=3)
+    assert rb.stats["strategy"] == "patchkv" and rb.stats["version"] == 2 and rb.stats["thread_id"] == "b"
+    assert rb.output_ids == ra.output_ids
+    torch.testing.assert_close(rb.logits, ra.logits)
