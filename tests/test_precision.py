@@ -27,7 +27,7 @@ def test_precision_does_not_import_torch():
 
 def test_policy_is_frozen_and_validated():
     p = PrecisionPolicy()
-    assert (p.alpha, p.tau_L, p.tau_H, p.g4) == (0.7, 0.25, 2.0, 0.15)
+    assert (p.alpha, p.tau_L, p.tau_H, p.g4) == (0.7, 1.0, 8.0, 0.15)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.alpha = 0.1
     for bad in (dict(alpha=1.5), dict(tau_L=2.0, tau_H=1.0), dict(tau_L=-0.1), dict(g4=0.0)):
@@ -58,9 +58,10 @@ def test_assign_tags_exact():
 
 def test_thresholds_are_inclusive_from_below():
     ones = np.ones(4)
-    assert assign_tags(ones, np.full(4, 0.25), 4).tolist() == [Tag.K8V8]  # r == tau_L
-    assert assign_tags(ones, np.full(4, 0.125), 4).tolist() == [Tag.K8V4]
-    assert assign_tags(ones, np.full(4, 2.0), 4).tolist() == [Tag.FP16]  # r == tau_H
+    pol = PrecisionPolicy(alpha=0.7, tau_L=0.25, tau_H=2.0, g4=0.15)
+    assert assign_tags(ones, np.full(4, 0.25), 4, pol).tolist() == [Tag.K8V8]  # r == tau_L
+    assert assign_tags(ones, np.full(4, 0.125), 4, pol).tolist() == [Tag.K8V4]
+    assert assign_tags(ones, np.full(4, 2.0), 4, pol).tolist() == [Tag.FP16]  # r == tau_H
 
 
 def test_alpha_weighs_max_against_mean():
