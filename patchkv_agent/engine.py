@@ -256,6 +256,23 @@ class PatchKVEngine:
                           source="resume")
         return ckpt
 
+    def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
+        """A zero-copy checkpoint view of a resident result (no statistics, no mixed-precision runs).
+
+        Resuming from it skips the offload pass entirely (the KV never left the device); ``patchkv``
+        then restores at full precision and picks no attention blocks (there are no scores).
+
+        Args:
+            result: a :class:`ResumeResult` of this engine.
+
+        Returns:
+            A :class:`Checkpoint` sharing ``result``'s K/V tensors; do not mutate them while it is used.
+        """
+        return Checkpoint(token_ids=np.asarray(result.context_ids, dtype=np.int64),
+                          keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
+                          fingerprint=self.spec.fingerprint, scores=None, mixed=None,
+                          stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
+
     # ---------------------------------------------------------------- resume
 
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
@@ -263,7 +280,8 @@ class PatchKVEngine:
         """Recover the KV of an edited context from a checkpoint and decode greedily.
 
         Args:
-            ckpt: the checkpoint of the previous version (may be None for ``exact``).
+            ckpt: the checkpoint of the previous version (may be None for ``exact``), or a resident
+                :class:`ResumeResult` of this engine (resumed from without an offload pass).
             new_token_ids: ids of ``C_new`` (list of ints or 1-D tensor).
             strategy: ``exact``, ``prefix``, ``direct``, ``patchkv`` (or a :class:`Strategy`).
             max_new_tokens: greedy tokens to decode (0: only the first-token logits).
@@ -277,6 +295,8 @@ class PatchKVEngine:
         """
         new = self._validate_ids(new_token_ids, "new_token_ids")
         strat = get_strategy(strategy, **options)
+        if isinstance(ckpt, ResumeResult):
+            ckpt = self.as_checkpoint(ckpt)
         if ckpt is None and strat.uses_checkpoint:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
         if ckpt is not None:

@@ -239,3 +239,14 @@ def test_tensor_input_and_identical_versions():
     assert res.stats["recompute_tokens"] == 1  # only the last token, for the logits
     ref_logits, _ = oracle(eng.model, old)
     assert (res.logits - ref_logits).abs().max().item() <= TOL
+
+
+def test_resume_from_resident_result_without_offload():
+    eng = engine("qwen3")
+    v0, v1 = edited_pair(eng.spec.vocab_size)
+    v2 = v1[:60] + [7, 8] + v1[64:]
+    r1 = eng.resume(eng.checkpoint(v0), v1, strategy="prefix", max_new_tokens=1)
+    r2 = eng.resume(r1, v2, strategy="patchkv", dirty_window=10**6, max_new_tokens=1)
+    ref_logits, _ = oracle(eng.model, v2)
+    assert (r2.logits - ref_logits).abs().max().item() <= TOL
+    assert r2.stats["prefix_tokens"] == 60 and r2.stats["offload_s"] == 0.0
