@@ -1,4 +1,4 @@
-"""The `patchkv-agent` command line: demo, replay, traces (and the commands later issues add).
+"""The `patchkv-agent` command line: demo, replay, bench, traces (and the commands later issues add).
 
 Knows the engine, replay and workload builder through their public functions; prints tables and
 writes JSON Lines, nothing more.
@@ -117,6 +117,29 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import markdown_table, read_results, run_bench, write_summary
+
+    if args.summarize:
+        summary = write_summary(read_results(args.summarize), args.out_dir)
+    else:
+        from .workloads import build_traces
+
+        eng = _engine(args)
+        count = _count_tokens(eng)
+        traces = []
+        for wl in args.workloads.split(","):
+            traces += build_traces(wl, args.edit, n=args.n, split="eval", target_tokens=args.target_tokens,
+                                   seed=args.seed, count_tokens=count)
+        summary = run_bench(eng, traces, args.strategies.split(","), args.out_dir,
+                            max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume)
+        for e in summary["errors"]:
+            print(f"skipped {e['id']}: {e['error']}", file=sys.stderr)
+    print(markdown_table(summary))
+    print("wrote " + ", ".join(summary["files"]), file=sys.stderr)
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
     p.add_argument("--block-size", type=int, default=32)
@@ -144,6 +167,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--out", default="results.jsonl")
     p.set_defaults(func=cmd_replay)
+
+    from .bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS
+
+    p = sub.add_parser("bench", help="replay the workloads' eval episodes under every strategy; summary + plots")
+    _common(p)
+    p.set_defaults(strategies=",".join(DEFAULT_STRATEGIES))
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
+    p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
+    p.add_argument("--n", type=int, default=30, help="episodes per workload")
+    p.add_argument("--target-tokens", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip episodes already in it")
+    p.add_argument("--summarize", metavar="RESULTS", default=None,
+                   help="only summarize this results.jsonl into --out-dir (no model is loaded)")
+    p.set_defaults(func=cmd_bench)
 
     from . import transport_bench
     from .workloads import add_traces_cli

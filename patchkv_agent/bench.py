@@ -1,0 +1,330 @@
+"""Benchmark: replay the workloads' evaluation episodes under every strategy, then summarize.
+
+:func:`run_bench` replays traces (``shared/TRACES.md``) with :func:`patchkv_agent.replay.replay_episode`
+and appends each finished episode's result rows to ``results.jsonl`` as it goes, so an interrupted run
+keeps what it finished and ``resume=True`` runs only the (episode, strategy) pairs still missing.
+:func:`write_summary` turns result rows into ``summary.json``, ``summary.md`` and one
+``frontier_<workload>.png`` per workload.
+
+The summary functions (:func:`summarize`, :func:`markdown_table`, :func:`plot_frontier`) are pure: rows
+in, dict / text / figure out; they import neither torch nor the engine, so notebooks and tests reuse
+them on any results file. Knows the result format and the replay function; nothing about models,
+strategies' internals or LangGraph. Times are compared only within one run (TRACES.md).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
+DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
+RESULTS_FILE = "results.jsonl"
+ALL = "all"  # the pooled group in a summary with several workloads
+
+_COLUMNS = (  # (summary key, Markdown header, format)
+    ("n", "n", "d"),
+    ("ttft_ms_median", "TTFT ms (median)", ".1f"),
+    ("speedup_vs_prefix", "speedup vs prefix", ".2f"),
+    ("recompute_ratio_mean", "recompute ratio", ".3f"),
+    ("payload_mib_mean", "payload MiB", ".2f"),
+    ("f1_mean", "F1", ".3f"),
+    ("top1_agree", "top-1 agree", ".3f"),
+    ("tf_agree", "TF agree", ".3f"),
+    ("exact_continuation", "exact cont.", ".3f"),
+)
+
+
+# --------------------------------------------------------------------------- results file
+
+def read_results(path: str | Path) -> list[dict]:
+    """Read a results file, ignoring a last line cut off by an interrupted write.
+
+    Args:
+        path: a JSON Lines results file.
+
+    Returns:
+        The rows (empty if the file does not exist).
+
+    Raises:
+        ValueError: a malformed line other than an unterminated last one.
+    """
+    p = Path(path)
+    if not p.exists():
+        return []
+    text = p.read_text()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]  # an unterminated tail was never completely written
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{i}: not a JSON result row ({e}); remove the line or rerun without --resume") from e
+    return rows
+
+
+def _truncate_partial_tail(p: Path) -> None:
+    if not p.exists():
+        return
+    data = p.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(p, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+# --------------------------------------------------------------------------- running
+
+def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir: str | Path, *,
+              max_new_tokens: int = 16, model_name: str = "", resume: bool = False, warmup: bool = True,
+              progress: bool = True) -> dict[str, Any]:
+    """Replay traces under strategies, append rows to ``out_dir/results.jsonl``, write the summary.
+
+    Each episode's rows are appended (and flushed) when the episode finishes, so the file only ever
+    holds whole episodes plus, after a kill, at most one cut-off line (dropped on resume).
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
+        traces: TRACES.md episodes (``messages``, ``text`` or ``token_ids`` versions).
+        strategies: strategy names; ``exact`` always runs as the reference.
+        out_dir: output directory (created).
+        max_new_tokens: greedy tokens per resume.
+        model_name: the rows' ``model`` field.
+        resume: keep an existing results file and skip (episode id, strategy) pairs it already holds;
+            otherwise the file is started afresh.
+        warmup: replay the first pending episode once (1 token, rows discarded) before timing, so first
+            calls do not pay one-off allocation costs.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        The summary (see :func:`summarize`) of every row in the results file, with ``files`` and
+        ``errors`` (episodes refused with a ``ValueError``, e.g. longer than the model's context).
+
+    Raises:
+        ValueError: unknown strategy or a malformed results file when resuming.
+    """
+    from tqdm import tqdm
+
+    from .replay import replay_episode
+    from .strategies import STRATEGIES
+
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS_FILE
+    if resume:
+        _truncate_partial_tail(path)
+        done = {(r.get("id"), r.get("strategy")) for r in read_results(path)}
+    else:
+        path.write_text("")
+        done = set()
+    pending = [(tr, [s for s in strategies if (tr.get("id"), s) not in done]) for tr in traces]
+    pending = [(tr, todo) for tr, todo in pending if todo]
+    errors: list[dict] = []
+    if warmup and pending:
+        try:
+            list(replay_episode(engine, pending[0][0], list(strategies), max_new_tokens=1))
+        except ValueError:
+            pass  # reported when the episode itself runs
+    bar = tqdm(pending, desc="bench", unit="episode", disable=not progress, file=sys.stderr)
+    for tr, todo in bar:
+        bar.set_postfix_str(str(tr.get("id")))
+        try:
+            rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name))
+        except ValueError as e:
+            errors.append({"id": tr.get("id"), "error": str(e)})
+            bar.write(f"skipped {tr.get('id')}: {e}")
+            continue
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    summary = write_summary(read_results(path), out)
+    summary["errors"] = errors
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# --------------------------------------------------------------------------- summary
+
+def _mean(values: Iterable[Any]) -> float | None:
+    vals = [float(v) for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def _order(names: Iterable[str], canonical: Sequence[str]) -> list[str]:
+    seen = list(dict.fromkeys(names))
+    return [s for s in canonical if s in seen] + [s for s in seen if s not in canonical]
+
+
+def _group(rows: list[dict], prefix_ttft: float | None) -> dict[str, Any]:
+    ttft = statistics.median(float(r["ttft_s"]) for r in rows)
+    payload = _mean(r.get("payload_bytes") for r in rows)
+    return {
+        "n": len(rows),
+        "episodes": len({r.get("id") for r in rows}),
+        "ttft_s_median": ttft,
+        "ttft_ms_median": ttft * 1e3,
+        "speedup_vs_prefix": (prefix_ttft / ttft) if prefix_ttft is not None and ttft > 0 else None,
+        "recompute_ratio_mean": _mean(r.get("recompute_ratio") for r in rows),
+        "payload_mib_mean": None if payload is None else payload / 2**20,
+        "f1_mean": _mean(r.get("f1") for r in rows),
+        "first_token_kl_mean": _mean(r.get("first_token_kl") for r in rows),
+        "top1_agree": _mean(r.get("top1_agree") for r in rows),
+        "tf_agree": _mean(r.get("tf_agree") for r in rows),
+        "exact_continuation": _mean(r.get("exact_continuation") for r in rows),
+        "fallbacks": sum(1 for r in rows if r.get("fallback")),
+    }
+
+
+def _by_strategy(rows: list[dict], strategies: list[str]) -> dict[str, dict]:
+    groups = {s: [r for r in rows if r["strategy"] == s] for s in strategies}
+    prefix = groups.get("prefix")
+    prefix_ttft = statistics.median(float(r["ttft_s"]) for r in prefix) if prefix else None
+    return {s: _group(rs, prefix_ttft) for s, rs in groups.items() if rs}
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, Any]:
+    """Per workload x strategy aggregates of result rows (TRACES.md fields).
+
+    Medians for ``ttft_s``; ``speedup_vs_prefix`` = median TTFT of ``prefix`` over the strategy's
+    (a ratio of medians, within the workload); means over non-null values for ``recompute_ratio``,
+    ``payload_bytes`` (as MiB), ``f1``, ``first_token_kl``; rates for ``top1_agree``, ``tf_agree``,
+    ``exact_continuation`` (None for ``exact``, whose fidelity fields are null). With several
+    workloads a pooled group ``"all"`` is added.
+
+    Args:
+        rows: result rows (any order; rows of several models are pooled, so pass one model's rows).
+
+    Returns:
+        ``{"n_rows", "models", "workloads", "strategies", "by_workload": {workload: {strategy: {...}}}}``;
+        each group holds ``n``, ``episodes``, ``ttft_s_median``, ``ttft_ms_median``,
+        ``speedup_vs_prefix``, ``recompute_ratio_mean``, ``payload_mib_mean``, ``f1_mean``,
+        ``first_token_kl_mean``, ``top1_agree``, ``tf_agree``, ``exact_continuation``, ``fallbacks``.
+
+    Raises:
+        KeyError: a row without ``strategy`` or ``ttft_s``.
+    """
+    rows = list(rows)
+    strategies = _order((r["strategy"] for r in rows), DEFAULT_STRATEGIES)
+    workloads = _order((str(r.get("workload")) for r in rows), DEFAULT_WORKLOADS)
+    by = {w: _by_strategy([r for r in rows if str(r.get("workload")) == w], strategies) for w in workloads}
+    if len(workloads) > 1:
+        by[ALL] = _by_strategy(rows, strategies)
+    return {
+        "n_rows": len(rows),
+        "models": sorted({str(r.get("model")) for r in rows}),
+        "workloads": workloads,
+        "strategies": strategies,
+        "by_workload": by,
+    }
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """One Markdown table, a row per workload x strategy (see :func:`summarize` for the columns).
+
+    Args:
+        summary: the output of :func:`summarize`.
+
+    Returns:
+        The table (``-`` for null values), ending with a newline.
+    """
+    head = ["workload", "strategy"] + [h for _, h, _ in _COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * len(_COLUMNS)]
+    for w, groups in summary["by_workload"].items():
+        for s, g in groups.items():
+            cells = [w, s]
+            for key, _, spec in _COLUMNS:
+                v = g.get(key)
+                cells.append("-" if v is None else format(v, spec) + ("x" if key == "speedup_vs_prefix" else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_frontier(rows: Sequence[dict], path: str | Path | None = None, *, title: str | None = None):
+    """TTFT-vs-quality frontier: mean F1 and mean teacher-forced agreement against median TTFT.
+
+    One point per strategy, labelled; ``exact`` is drawn at ``tf_agree = 1`` (it is the reference).
+    Pass one workload's rows for a per-workload plot.
+
+    Args:
+        rows: result rows.
+        path: if given, the PNG is written there (parent directories created).
+        title: figure title (default: the workloads in ``rows``).
+
+    Returns:
+        The :class:`matplotlib.figure.Figure` (built without pyplot: no global backend state).
+    """
+    from matplotlib.figure import Figure
+
+    summary = summarize(rows)
+    groups = summary["by_workload"].get(ALL) or next(iter(summary["by_workload"].values()), {})
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    axes = fig.subplots(1, 2)
+    markers = "osD^vP*Xh"
+    for ax, key, label in ((axes[0], "f1_mean", "mean F1 vs gold answers"),
+                           (axes[1], "tf_agree", "teacher-forced agreement with exact")):
+        plotted = 0
+        for j, (s, g) in enumerate(groups.items()):
+            y = 1.0 if key == "tf_agree" and s == "exact" else g.get(key)
+            if y is None:
+                continue
+            ax.scatter(g["ttft_ms_median"], y, s=45, zorder=3, color=f"C{j}", marker=markers[j % len(markers)],
+                       label=s)
+            # labels alternate above/below so points at the same place stay readable
+            ax.annotate(s, (g["ttft_ms_median"], y), textcoords="offset points", xytext=(5, 5 if j % 2 else -11),
+                        fontsize=8, color=f"C{j}")
+            plotted += 1
+        if not plotted:
+            ax.text(0.5, 0.5, "no values (no gold answers?)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlim(left=0)
+        ax.set_ylim(-0.05, 1.08)
+        ax.set_xlabel("median TTFT (ms)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    handles = max((ax.get_legend_handles_labels() for ax in axes), key=lambda hl: len(hl[0]))
+    if handles[0]:
+        fig.legend(*handles, loc="outside right upper", fontsize=8)
+    fig.suptitle(title or ", ".join(summary["workloads"]) + f"  ({', '.join(summary['models'])})")
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
+    """Write ``summary.json``, ``summary.md`` and ``frontier_<workload>.png`` (one per workload).
+
+    Args:
+        rows: result rows.
+        out_dir: output directory (created).
+
+    Returns:
+        The summary with ``files``: the paths written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(rows)
+    summary = summarize(rows)
+    files = []
+    for w in summary["workloads"]:
+        png = out / f"frontier_{_safe(w)}.png"
+        plot_frontier([r for r in rows if str(r.get("workload")) == w], png, title=w)
+        files.append(str(png))
+    md = out / "summary.md"
+    md.write_text(f"# Benchmark summary ({', '.join(summary['models'])}; {summary['n_rows']} rows)\n\n"
+                  + markdown_table(summary))
+    js = out / "summary.json"
+    summary["files"] = [str(js), str(md)] + files
+    js.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

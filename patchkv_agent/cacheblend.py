@@ -1,0 +1,251 @@
+"""CacheBlend baseline: layer-wise selective recompute picked by value drift at a check layer.
+
+CacheBlend (Yao et al., EuroSys'25, "CacheBlend: Fast LLM Serving for RAG with Cached Knowledge
+Fusion") fuses independently precomputed KV chunks. It loads every chunk's cached KV, recomputes the
+first layer for all tokens, measures at a check layer how far each token's freshly computed KV
+deviates from the cached one, and from then on recomputes only the tokens with the largest deviation
+(about 15%), carrying their hidden states layer by layer; the other tokens keep their cached KV.
+The public code (github.com/YaoJiayi/CacheBlend, ``vllm_blend``: the xformers backend and
+``models/llama.py``) checks at layer 1, ranks by the summed squared value difference over heads and
+channels, keeps ``int(n * recomp_ratio)`` tokens plus the query suffix (always recomputed), writes the
+check layer's fresh K/V for every token and runs its attention for the selected queries only.
+
+Here, on an edited agent context:
+- start from the same stale KV as ``direct``: prefix rows exact, all suffix rows restored from the
+  checkpoint with the RoPE correction (:func:`~patchkv_agent.recovery.restore_rows` on the
+  :func:`~patchkv_agent.plan.plan_direct` plan);
+- layers ``0..check_layer`` recompute every non-prefix token (``X`` and all of ``S``);
+- at the check layer, rank suffix tokens by ``||V_recomputed - V_restored||`` (L2 over KV heads and
+  channels) and keep the top ``floor(ratio * |S|)`` (the public code's ``int(n * ratio)``), plus all
+  new tokens ``X`` and the last context token (CacheBlend's always-recomputed query);
+- layers after the check layer recompute only those tokens; every other row keeps its restored K/V.
+
+Where this differs from the original, deliberately:
+- a true per-token causal mask (:func:`~patchkv_agent.recovery.build_masks` for the queries being
+  recomputed), not the public code's bottom-right mask, which lets a recomputed token see rows at later
+  positions than its own;
+- one selection at the check layer, not the paper's gradual filtering over several layers (the public
+  code also selects once);
+- the check layer runs as a whole Hugging Face decoder layer, so its attention and MLP also run for the
+  tokens that are then dropped (the public code runs them for the selected queries only): the K/V and
+  the selected tokens' hidden states are the same, the extra cost is one layer over the dropped tokens;
+- restored rows come at FP16/full precision from our checkpoint (no quantization), and the ranked set
+  is the aligned suffix ``S`` (the prefix is exact, so its deviation is zero by construction);
+- no pipelining of KV loading with recompute (the restore happens before the first layer).
+
+Supported families are those whose decoder loop is replicated faithfully here: llama, qwen2, qwen3,
+glm and gemma3 (text). Anything else raises ``ValueError`` naming the strategies that work.
+Knows models, plans and the recovery helpers; nothing about planning policy or LangGraph.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .plan import plan_direct
+from .recovery import RecoveryOutput, ScatterCache, build_masks, restore_rows
+from .strategies import Strategy, register_strategy
+
+if TYPE_CHECKING:
+    from .diff import Edit
+    from .engine import PatchKVEngine
+    from .store import Checkpoint
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "glm", "gemma3_text"})
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def select_top_deviation(deviation: np.ndarray, ratio: float) -> np.ndarray:
+    """Indices of the ``floor(ratio * n)`` largest deviations, sorted ascending (ties: lower index).
+
+    Args:
+        deviation: float ``[n]`` per-token deviation.
+        ratio: fraction in ``[0, 1]``.
+
+    Returns:
+        Sorted int64 indices into ``deviation``.
+
+    Raises:
+        ValueError: ``ratio`` outside ``[0, 1]``.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"cacheblend ratio must be in [0, 1], got {ratio}")
+    dev = np.asarray(deviation, dtype=np.float64)
+    k = min(dev.shape[0], int(dev.shape[0] * ratio + 1e-9))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(-dev, kind="stable")  # stable: equal deviations keep position order
+    return np.sort(order[:k]).astype(np.int64)
+
+
+def check_supported(model) -> None:
+    """Raise ``ValueError`` unless the model's decoder loop is one this module replicates.
+
+    Args:
+        model: a transformers causal LM.
+
+    Raises:
+        ValueError: unsupported family or layout (the message names the strategies that work).
+    """
+    mt = str(getattr(_text_config(model), "model_type", ""))
+    base = getattr(model, "model", None)
+    ok = mt in SUPPORTED_MODEL_TYPES and all(
+        hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head")
+    if not ok:
+        raise ValueError(
+            f"the cacheblend strategy drives decoder layers by hand and supports model types "
+            f"{sorted(SUPPORTED_MODEL_TYPES)} (as *ForCausalLM), not {mt!r}; use 'direct', 'patchkv', "
+            "'prefix' or 'exact' with this model")
+
+
+@register_strategy
+class CacheBlendStrategy(Strategy):
+    """CacheBlend: full recompute up to a check layer, then only the top value-deviation tokens.
+
+    Args:
+        ratio: fraction of suffix tokens recomputed after the check layer (default 0.15).
+        check_layer: the layer at which deviation is measured (default 1); layers ``<=`` it recompute
+            every non-prefix token.
+
+    Raises:
+        ValueError: ``ratio`` outside ``[0, 1]`` or a negative ``check_layer``.
+    """
+
+    name = "cacheblend"
+
+    def __init__(self, *, ratio: float = 0.15, check_layer: int = 1):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"cacheblend ratio must be in [0, 1], got {ratio}")
+        if check_layer < 0:
+            raise ValueError(f"cacheblend check_layer must be >= 0, got {check_layer}")
+        self.ratio, self.check_layer = float(ratio), int(check_layer)
+
+    def plan(self, engine, ckpt, edit):
+        return plan_direct(edit, block_size=engine.block_size)
+
+    @torch.no_grad()
+    def execute(self, engine: "PatchKVEngine", ckpt: "Checkpoint | None", edit: "Edit", plan,
+                new_ids: torch.Tensor) -> RecoveryOutput:
+        """Restore like ``direct``, then recompute layer by layer with the CacheBlend selection.
+
+        Args:
+            engine: the engine (model and spec).
+            ckpt: the checkpoint of the previous version.
+            edit: the diff (unused beyond the plan).
+            plan: a ``plan_direct`` plan: ``recompute_positions`` = X + last token, restore = all of S.
+            new_ids: int64 ``[N_new]`` ids of ``C_new``.
+
+        Returns:
+            :class:`RecoveryOutput`; ``stats`` holds ``restore_s``, ``recompute_s``, ``payload_bytes``,
+            ``recompute_tokens``
+            (tokens run through the layers after the check layer; all non-prefix tokens when no layer
+            follows it), ``cacheblend_full_layers``, ``cacheblend_full_tokens``, ``cacheblend_selected``
+            (suffix tokens picked by deviation) and ``cacheblend_selected_positions``.
+
+        Raises:
+            ValueError: unsupported model family, or a plan that does not recompute the last token.
+        """
+        model, spec = engine.model, engine.spec
+        check_supported(model)
+        n = int(new_ids.numel())
+        always = np.asarray(plan.recompute_positions, dtype=np.int64)
+        rest_new = np.array(plan.restore_new_positions, dtype=np.int64)  # writable copies for torch
+        rest_old = np.array(plan.restore_old_positions, dtype=np.int64)
+        n_prefix = int(plan.prefix_len)
+        if len(always) == 0 or always[-1] != n - 1:
+            raise ValueError("plan must recompute the last context token (it produces the first logits)")
+        if n_prefix + len(rest_new) + len(always) != n:
+            raise ValueError(f"plan covers {n_prefix}+{len(rest_new)}+{len(always)} rows, context has {n}")
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+
+        # ---- restore: exact prefix rows, RoPE-corrected suffix rows (the `direct` starting point)
+        t0 = time.perf_counter()
+        shape = (1, spec.num_kv_heads, n, spec.head_dim)
+        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        for layer in range(spec.num_layers if n_prefix else 0):
+            keys[layer][0, :, :n_prefix] = ckpt.keys[layer][:, :n_prefix].to(device)
+            values[layer][0, :, :n_prefix] = ckpt.values[layer][:, :n_prefix].to(device)
+        payload = 0
+        if len(rest_new):
+            restore_rows(spec, ckpt.keys, ckpt.values, keys, values, rest_old, rest_new)
+            payload = len(rest_new) * sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in ckpt.keys)
+        t1 = time.perf_counter()
+
+        # ---- layer-wise recompute
+        base = model.model
+        active = np.arange(n_prefix, n, dtype=np.int64)  # every non-prefix token, sorted
+        ids = new_ids.to(device)
+        pos_t = torch.from_numpy(active).to(device)
+        hidden = base.embed_tokens(ids[pos_t][None])
+        cache = ScatterCache(keys, values)
+        layer_types = list(spec.layer_types)
+        per_type_rope = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+        rest_new_t = torch.from_numpy(rest_new).to(device)
+        selected = rest_new  # with no layer after the check layer, everything stays recomputed
+
+        def prepare(pos: torch.Tensor):
+            cache.set_targets(pos)
+            masks = build_masks(spec, model, pos, n, dtype)
+            if per_type_rope:
+                rope = {lt: base.rotary_emb(hidden, pos[None], lt) for lt in set(layer_types)}
+            else:
+                rope = base.rotary_emb(hidden, pos[None])
+            return masks, rope
+
+        masks, rope = prepare(pos_t)
+        full_layers = min(self.check_layer + 1, spec.num_layers)
+        full_tokens = len(active)
+        for i, decoder_layer in enumerate(base.layers[: spec.num_layers]):
+            lt = layer_types[i]
+            check = i == self.check_layer and i + 1 < spec.num_layers
+            if check:  # the restored (stale) values of the suffix rows, before this layer overwrites them
+                v_cached = values[i][0].index_select(1, rest_new_t).float()
+            hidden = decoder_layer(
+                hidden,
+                attention_mask=masks[lt] if isinstance(masks, dict) else masks,
+                position_embeddings=rope[lt] if per_type_rope else rope,
+                position_ids=pos_t[None],
+                cache=cache,
+                use_cache=True,
+            )
+            if check:
+                v_fresh = values[i][0].index_select(1, rest_new_t).float()
+                # [H, S, D] -> [S]: L2 over heads and channels
+                dev = (v_fresh - v_cached).pow(2).sum(dim=(0, 2)).sqrt().cpu().numpy()
+                selected = rest_new[select_top_deviation(dev, self.ratio)]
+                keep = np.sort(np.concatenate([selected, always]))
+                idx = torch.from_numpy(np.searchsorted(active, keep)).to(device)
+                hidden = hidden.index_select(1, idx)
+                active = keep
+                pos_t = torch.from_numpy(active).to(device)
+                masks, rope = prepare(pos_t)
+        hidden = base.norm(hidden[:, -1:])
+        logits = model.lm_head(hidden)[0, -1].float()
+        cap = getattr(_text_config(model), "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        t2 = time.perf_counter()
+        return RecoveryOutput(
+            logits=logits, keys=keys, values=values,
+            stats={
+                "restore_s": t1 - t0,
+                "recompute_s": t2 - t1,
+                "recompute_tokens": len(active),
+                "payload_bytes": payload,
+                "cacheblend_full_layers": full_layers,
+                "cacheblend_full_tokens": full_tokens,
+                "cacheblend_selected": int(len(selected)),
+                "cacheblend_selected_positions": np.asarray(selected, dtype=np.int64),
+            },
+        )
