@@ -351,6 +351,7 @@ class PatchKVEngine:
             "quantize_s": ckpt.stats.get("quantize_s") if ckpt is not None else None,
             "fallback": fallback,
         }
+        stats.update({k: v for k, v in out.stats.items() if k not in stats})  # strategy-specific extras
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
                             context_ids=new, keys=out.keys, values=out.values, edit=edit)
 

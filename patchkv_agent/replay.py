@@ -173,6 +173,9 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
         )
     row["f1"] = token_f1(text, answers) if answers else None
     row["fallback"] = st.get("fallback")
+    for key, val in st.items():  # optional extras (TRACES.md allows new fields): restore_tokens, cacheblend_*
+        if key not in row and key != "strategy" and isinstance(val, (int, float, str, bool, list, type(None))):
+            row[key] = val
     return row
 
 
