@@ -44,11 +44,16 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def _engine(args):
+    import torch
+
     from .engine import PatchKVEngine
 
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     t = time.perf_counter()
     eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window)
-    print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s (profile: {eng.profile_path or 'none'}; "
+          f"block {eng.block_size}, kappa {eng.kappa})", file=sys.stderr)
     return eng
 
 
@@ -142,8 +147,10 @@ def cmd_bench(args) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--dirty-window", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=None, help="default: the model's calibration profile, else 32")
+    p.add_argument("--dirty-window", type=int, default=None,
+                   help="fixed dirty window; default: the profile's length model, else 64 tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--strategies", default="exact,prefix,direct,patchkv")
 

@@ -73,6 +73,9 @@ class PatchKVEngine:
         capture_window: how many final query positions the attention statistics look from.
         mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
+        profile: ``"auto"`` (default) loads this model's calibration profile from
+            ``calibration/profiles/`` by fingerprint (or by the name it was loaded by); a dict applies
+            that profile; None uses the built-in defaults. Explicit arguments above override it.
 
     Raises:
         ValueError: the model's attention implementation cannot take per-token masks.
@@ -83,31 +86,61 @@ class PatchKVEngine:
         model,
         tokenizer=None,
         *,
-        block_size: int = 32,
-        dirty_window: int = DEFAULT_DIRTY_WINDOW,
-        kappa: float = 0.0,
+        block_size: int | None = None,
+        dirty_window: int | None = None,
+        kappa: float | None = None,
         length_model: LengthModel | None = None,
         capture_window: int = 32,
         mixed_precision: bool = True,
         precision_policy: PrecisionPolicy | None = None,
+        profile: dict | str | None = "auto",
     ):
         check_attn_implementation(model)
-        if block_size < 1:
+        if block_size is not None and block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec: ModelSpec = model_spec(model, tokenizer)
-        self.block_size = block_size
-        self.kappa = kappa
-        self.length_model = length_model or LengthModel.fixed(dirty_window)
+        self.block_size, self.kappa = 32, 0.0
+        self.length_model = LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
+        self.precision_policy = PrecisionPolicy()
+        self.profile_path: str | None = None
+        self._apply_profile(profile)
+        # explicit arguments win over the profile
+        if block_size is not None:
+            self.block_size = block_size
+        if kappa is not None:
+            self.kappa = kappa
+        if dirty_window is not None:
+            self.length_model = LengthModel.fixed(dirty_window)
+        if length_model is not None:
+            self.length_model = length_model
+        if precision_policy is not None:
+            self.precision_policy = precision_policy
         self.capture_window = capture_window
         self.mixed_precision = mixed_precision
-        self.precision_policy = precision_policy or PrecisionPolicy()
         self.device = next(model.parameters()).device
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    def _apply_profile(self, profile) -> None:
+        if profile is None:
+            return
+        from .profiles import apply_profile, load_profile
+
+        if profile == "auto":
+            profile = load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None))
+            if profile is None:
+                return
+        elif not isinstance(profile, dict):
+            raise ValueError("profile must be 'auto', a profile dict (patchkv_agent.profiles.load_profile) or None")
+        apply_profile(self, profile)
+        pol = profile.get("precision_policy")
+        if isinstance(pol, dict):
+            self.precision_policy = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
+                                                       if k in pol})
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,

@@ -250,3 +250,24 @@ def test_resume_from_resident_result_without_offload():
     ref_logits, _ = oracle(eng.model, v2)
     assert (r2.logits - ref_logits).abs().max().item() <= TOL
     assert r2.stats["prefix_tokens"] == 60 and r2.stats["offload_s"] == 0.0
+
+
+def test_engine_loads_its_profile_automatically_and_arguments_win(tmp_path, monkeypatch):
+    import json
+
+    model = tiny_model("llama")
+    fp = PatchKVEngine(model, None, profile=None).spec.fingerprint
+    prof = {"schema": 1, "model": "tiny", "fingerprint": fp, "kappa": 0.02, "block_size": 16,
+            "precision_policy": {"tau_L": 0.5, "tau_H": 4.0}}
+    from patchkv_agent.plan import LengthModel
+
+    prof["length_model"] = LengthModel.fixed(40).to_dict()
+    (tmp_path / "tiny.json").write_text(json.dumps(prof))
+    monkeypatch.setenv("PATCHKV_PROFILE_DIR", str(tmp_path))
+    eng = PatchKVEngine(model, None)
+    assert (eng.block_size, eng.kappa) == (16, 0.02) and eng.profile_path.endswith("tiny.json")
+    assert eng.length_model == LengthModel.fixed(40)
+    assert (eng.precision_policy.tau_L, eng.precision_policy.tau_H) == (0.5, 4.0)
+    eng2 = PatchKVEngine(model, None, block_size=8, kappa=0.0)
+    assert (eng2.block_size, eng2.kappa) == (8, 0.0)
+    assert PatchKVEngine(model, None, profile=None).profile_path is None

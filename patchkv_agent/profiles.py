@@ -1,0 +1,168 @@
+"""Frozen per-model calibration profiles: find, load and apply them.
+
+A profile is one JSON file written by ``patchkv-agent calibrate`` (``patchkv_agent.calibration``):
+model name and fingerprint, the dirty-window :class:`~patchkv_agent.plan.LengthModel`, ``kappa``,
+``block_size``, the precision policy and the provenance of all of it. See ``docs/calibration.md``.
+
+Search path, first match wins within each pass: ``$PATCHKV_PROFILE_DIR`` (``os.pathsep``-separated
+folders), ``<user cache>/profiles`` (:func:`patchkv_agent.models.cache_dir`), then the profiles shipped in
+the package (``calibration/profiles/*.json``). Matching: first by model fingerprint (exact), then by
+model name (the name the model was loaded by, e.g. ``"smollm2-135m"``); a name-only match whose
+fingerprint differs is returned with a warning (e.g. the same weights under another transformers
+version change the config part of the fingerprint).
+
+Boundary: reads JSON files and sets three documented engine attributes; knows nothing about models
+beyond ``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about how profiles are made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from .plan import LengthModel
+
+__all__ = ["PROFILE_SCHEMA", "profile_dirs", "iter_profiles", "load_profile", "profile_length_model",
+           "apply_profile", "is_profile"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_SCHEMA = 1
+_REQUIRED = ("schema", "model", "fingerprint", "length_model", "kappa", "block_size")
+
+
+def profile_dirs() -> list[Path]:
+    """Folders searched for profiles, in order (see the module docstring).
+
+    Returns:
+        Existing and non-existing folders alike; callers skip missing ones.
+    """
+    dirs = [Path(p) for p in os.environ.get("PATCHKV_PROFILE_DIR", "").split(os.pathsep) if p]
+    from .models import cache_dir
+
+    dirs.append(cache_dir() / "profiles")
+    import patchkv_agent.calibration as _cal
+
+    dirs.append(Path(_cal.__file__).resolve().parent / "profiles")
+    return dirs
+
+
+def is_profile(data: Any) -> bool:
+    """True when ``data`` looks like a calibration profile (a dict with the required keys)."""
+    return isinstance(data, dict) and all(k in data for k in _REQUIRED)
+
+
+def iter_profiles(dirs: list[Path] | None = None) -> Iterator[tuple[Path, dict]]:
+    """Every readable profile in the search path, in search order (unreadable files are logged, skipped).
+
+    Args:
+        dirs: folders to search instead of :func:`profile_dirs`.
+    Yields:
+        ``(path, profile dict)``.
+    """
+    for d in profile_dirs() if dirs is None else dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for path in sorted(d.glob("*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                log.warning("skipping unreadable profile %s: %s", path, e)
+                continue
+            if is_profile(data):
+                yield path, data
+
+
+def _key(spec_or_fingerprint: Any) -> tuple[str | None, str | None]:
+    """(fingerprint, model name) from an engine, a ModelSpec, a model, or a string."""
+    obj = spec_or_fingerprint
+    if isinstance(obj, str):
+        return (obj, None) if ":" in obj else (None, obj)
+    name = None
+    model = getattr(obj, "model", None)
+    if model is not None:
+        name = getattr(model, "patchkv_source", None)
+    if name is None:
+        name = getattr(obj, "patchkv_source", None)
+    spec = getattr(obj, "spec", obj)
+    return getattr(spec, "fingerprint", None), name
+
+
+def _names(name: str) -> set[str]:
+    base = os.path.basename(str(name).rstrip("/"))
+    stem = base[:-5] if base.endswith(".gguf") else base
+    return {str(name), base, stem}
+
+
+def load_profile(spec_or_fingerprint: Any, *, model_name: str | None = None,
+                 dirs: list[Path] | None = None) -> dict | None:
+    """The calibration profile of a model, or None when there is none.
+
+    Args:
+        spec_or_fingerprint: a :class:`~patchkv_agent.engine.PatchKVEngine`, a
+            :class:`~patchkv_agent.models.ModelSpec`, a fingerprint string (``"<model_type>:<hex>"``) or a
+            model name (e.g. ``"smollm2-135m"``, an HF id or a path).
+        model_name: name to fall back on when no profile matches the fingerprint (default: the name the
+            engine's model was loaded by, if known).
+        dirs: folders to search instead of :func:`profile_dirs`.
+    Returns:
+        A copy of the profile dict plus ``"_source": {"path", "match"}`` (``match`` is ``"fingerprint"``
+        or ``"name"``), or None.
+    """
+    fp, name = _key(spec_or_fingerprint)
+    name = model_name or name
+    found = list(iter_profiles(dirs))
+    if fp:
+        for path, data in found:
+            if data.get("fingerprint") == fp:
+                return {**data, "_source": {"path": str(path), "match": "fingerprint"}}
+    if name:
+        wanted = _names(name)
+        for path, data in found:
+            if _names(str(data.get("model", ""))) & wanted:
+                if fp and data.get("fingerprint") != fp:
+                    log.warning("profile %s matches model name %r but not its fingerprint (%s != %s); using it",
+                                path, name, str(data.get("fingerprint"))[:24], fp[:24])
+                return {**data, "_source": {"path": str(path), "match": "name"}}
+    return None
+
+
+def profile_length_model(profile: dict) -> LengthModel:
+    """The profile's dirty-window length model.
+
+    Args:
+        profile: a profile dict.
+    Returns:
+        The :class:`LengthModel`.
+    Raises:
+        ValueError: the profile has no valid ``length_model``.
+    """
+    lm = profile.get("length_model") if isinstance(profile, dict) else None
+    if not isinstance(lm, dict):
+        raise ValueError("profile has no 'length_model' object")
+    return LengthModel.from_dict(lm)
+
+
+def apply_profile(engine: Any, profile: dict) -> None:
+    """Set an engine's planner settings from a profile: ``length_model``, ``kappa``, ``block_size``.
+
+    Also records the profile's path as ``engine.profile_path`` (None when unknown). The precision
+    policy is left to the caller (``profile["precision_policy"]``) until the engine quantizes.
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine` (any object with those attributes).
+        profile: a profile dict (e.g. from :func:`load_profile`).
+    Raises:
+        ValueError: the profile is malformed (bad length model, kappa outside ``[0, 1]``, block < 1).
+    """
+    lm = profile_length_model(profile)
+    kappa = float(profile["kappa"])
+    block = int(profile["block_size"])
+    if not 0.0 <= kappa <= 1.0 or block < 1:
+        raise ValueError(f"profile has kappa={kappa} (need [0, 1]) and block_size={block} (need >= 1)")
+    engine.length_model, engine.kappa, engine.block_size = lm, kappa, block
+    engine.profile_path = (profile.get("_source") or {}).get("path")
