@@ -247,12 +247,12 @@ class PatchKVEngine:
         if self.mixed_precision:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
                                 block_size=self.block_size, policy=self.precision_policy)
-            mixed = replace(mixed, payloads=[{t: p.to("cpu") for t, p in layer.items()} for layer in mixed.payloads])
+            mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         quantize_s = time.perf_counter() - t0
         return Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
-            keys=[k[0].detach().to("cpu", copy=True) for k in keys],
-            values=[v[0].detach().to("cpu", copy=True) for v in values],
+            keys=[_host(k[0].detach()) for k in keys],
+            values=[_host(v[0].detach()) for v in values],
             fingerprint=self.spec.fingerprint,
             scores=scores,
             mixed=mixed,
@@ -387,6 +387,12 @@ class PatchKVEngine:
         stats.update({k: v for k, v in out.stats.items() if k not in stats})  # strategy-specific extras
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
                             context_ids=new, keys=out.keys, values=out.values, edit=edit)
+
+
+def _host(x):
+    """A CPU copy of a tensor or RunPayload, pinned when CUDA is present (for non-blocking restores)."""
+    x = x.to("cpu") if not isinstance(x, torch.Tensor) else x.to("cpu", copy=True)
+    return x.pin_memory() if torch.cuda.is_available() else x
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -72,6 +72,7 @@ class ScatterLayer(CacheLayerMixin):
         self.device = keys.device
         self.is_initialized = True
         self.targets: torch.Tensor | None = None
+        self.ready: Any = None  # CUDA event: restored rows of this layer are in place
 
     def lazy_initialization(self, key_states, value_states) -> None:  # pragma: no cover - preallocated
         return None
@@ -79,6 +80,9 @@ class ScatterLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if self.targets is None or self.targets.numel() != key_states.shape[-2]:
             raise RuntimeError("bug: ScatterLayer.update called without matching scatter targets")
+        if self.ready is not None:  # restore runs on a side stream; attention must see its rows
+            torch.cuda.current_stream(self.keys.device).wait_event(self.ready)
+            self.ready = None
         self.keys.index_copy_(2, self.targets, key_states.to(self.keys.dtype))
         self.values.index_copy_(2, self.targets, value_states.to(self.values.dtype))
         return self.keys, self.values
@@ -166,6 +170,7 @@ def restore_rows(
     dst_v: list[torch.Tensor],
     old_pos: np.ndarray,
     new_pos: np.ndarray,
+    layers: Sequence[int] | None = None,
 ) -> None:
     """Copy checkpoint rows ``old_pos`` into ``new_pos`` of every layer, rotating keys by the shift.
 
@@ -174,6 +179,7 @@ def restore_rows(
         src_k, src_v: per layer ``[H, N_old, D]`` checkpoint tensors (CPU).
         dst_k, dst_v: per layer ``[1, H, N_new, D]`` destination tensors.
         old_pos, new_pos: aligned int64 arrays of rows.
+        layers: restrict to these layers (default all).
 
     Raises:
         RuntimeError: if a shifted row would need an unsupported RoPE (a bug: callers check first).
@@ -186,9 +192,13 @@ def restore_rows(
     delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
     shifted = bool((delta != 0).any())
     cos_sin: dict[int, tuple] = {}
-    for layer in range(spec.num_layers):
-        k = src_k[layer].index_select(1, old_t).to(device)
-        v = src_v[layer].index_select(1, old_t).to(device)
+    for layer in range(spec.num_layers) if layers is None else layers:
+        if device.type == "cpu":
+            k, v = src_k[layer].index_select(1, old_t), src_v[layer].index_select(1, old_t)
+        else:  # copy the (pinned) layer asynchronously, gather on the device
+            idx = old_t.to(device, non_blocking=True)
+            k = src_k[layer].to(device, non_blocking=True).index_select(1, idx)
+            v = src_v[layer].to(device, non_blocking=True).index_select(1, idx)
         if shifted:
             rope = spec.rope_for_layer(layer)
             if not rope.supported:
@@ -208,6 +218,7 @@ def restore_rows_mixed(
     dst_v: list[torch.Tensor],
     old_pos: np.ndarray,
     new_pos: np.ndarray,
+    layers: Sequence[int] | None = None,
 ) -> int:
     """Restore rows from mixed-precision payloads: verify, dequantize, RoPE-correct, scatter.
 
@@ -220,6 +231,7 @@ def restore_rows_mixed(
         n_old: tokens in the checkpoint.
         dst_k, dst_v: per layer ``[1, H, N_new, D]`` destinations.
         old_pos, new_pos: aligned int64 rows to restore.
+        layers: restrict to these layers (default all).
 
     Returns:
         Payload bytes read (whole tag payloads touched, all layers).
@@ -243,7 +255,7 @@ def restore_rows_mixed(
         dst_t = torch.from_numpy(dst[want].copy()).to(device)
         sel = None if full else torch.from_numpy(np.flatnonzero(want)).to(device)
         cos_sin: dict[int, tuple] = {}
-        for layer in range(spec.num_layers):
+        for layer in range(spec.num_layers) if layers is None else layers:
             p = mixed.verify(layer, tag)
             read += p.nbytes
             rope = spec.rope_for_layer(layer)
@@ -307,23 +319,40 @@ def execute(
     t0 = time.perf_counter()
     keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
     values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-    if n_prefix:
-        for layer in range(spec.num_layers):
-            keys[layer][0, :, :n_prefix] = src_k[layer][:, :n_prefix].to(device)
-            values[layer][0, :, :n_prefix] = src_v[layer][:, :n_prefix].to(device)
-    payload = 0
-    if n_restore and mixed is not None:
-        payload = restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values,
-                                     np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions))
-    elif n_restore:
-        restore_rows(spec, src_k, src_v, keys, values,
-                     np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions))
-        payload = n_restore * sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in src_k)
+    old_pos, new_pos = np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions)
+
+    def restore(layers: Sequence[int]) -> int:
+        for layer in layers if n_prefix else ():
+            keys[layer][0, :, :n_prefix].copy_(src_k[layer][:, :n_prefix], non_blocking=True)
+            values[layer][0, :, :n_prefix].copy_(src_v[layer][:, :n_prefix], non_blocking=True)
+        if n_restore and mixed is not None:
+            return restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values, old_pos, new_pos, layers)
+        if n_restore:
+            restore_rows(spec, src_k, src_v, keys, values, old_pos, new_pos, layers)
+            return len(layers) * n_restore * src_k[0].shape[0] * src_k[0].shape[2] * src_k[0].element_size() * 2
+        return 0
+
+    events = None
+    if device.type == "cuda" and (n_prefix or n_restore):
+        # Restore layer by layer on a side stream; layer l's attention waits only for layer l's rows,
+        # so the restore of deeper layers overlaps the recompute forward of shallower ones.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        events = [torch.cuda.Event() for _ in range(spec.num_layers)]
+        payload = 0
+        with torch.cuda.stream(side):
+            for layer in range(spec.num_layers):
+                payload += restore([layer])
+                events[layer].record(side)
+    else:
+        payload = restore(range(spec.num_layers))
     t1 = time.perf_counter()
 
     q_pos = torch.from_numpy(rec).to(device)
     cache = ScatterCache(keys, values)
     cache.set_targets(q_pos)
+    for layer, ev in enumerate(events or ()):
+        cache.layers[layer].ready = ev
     mask = build_masks(spec, model, q_pos, n_new, dtype)
     out = model(
         input_ids=new_ids.to(device)[q_pos][None],
@@ -334,6 +363,8 @@ def execute(
         logits_to_keep=1,
     )
     logits = out.logits[0, -1].float()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the decode waits for every restored row
     t2 = time.perf_counter()
     return RecoveryOutput(
         logits=logits, keys=keys, values=values,

@@ -3,3 +3,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Triton kernels are tested on CPU through the interpreter. Triton reads TRITON_INTERPRET when a
+# @triton.jit function is created, so it must be set before any test module imports the kernels.
+try:
+    import torch
+
+    _cuda = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _cuda = False
+if not _cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
