@@ -138,7 +138,7 @@ class PatchKVEngine:
             raise ValueError("profile must be 'auto', a profile dict (patchkv_agent.profiles.load_profile) or None")
         apply_profile(self, profile)
         pol = profile.get("precision_policy")
-        if isinstance(pol, dict):
+        if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
             self.precision_policy = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
                                                        if k in pol})
 
