@@ -1,4 +1,4 @@
-"""The `patchkv-agent` command line: demo, replay, bench, traces (and the commands later issues add).
+"""The `patchkv-agent` command line: demo, replay, bench, bench-transport, stress, traces, calibrate.
 
 Knows the engine, replay and workload builder through their public functions; prints tables and
 writes JSON Lines, nothing more.
@@ -192,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from . import transport_bench
+    from .stress import add_stress_cli
     from .workloads import add_traces_cli
 
     transport_bench.add_cli(sub)
+    add_stress_cli(sub)
     add_traces_cli(sub, token_counter_factory=_token_counter_for)
     return ap
 

@@ -1,0 +1,313 @@
+"""The abstract KV checkpoint store every tier implements, with its byte budget and LRU eviction.
+
+A store holds checkpoints of one *deployment* under :class:`~.codec.CheckpointKey` s. The base class
+owns the contract and the bookkeeping (budget, least-recently-used order, eviction, the record of
+why a key is gone); a tier implements how entries are written, read and removed, and may keep the
+bookkeeping elsewhere (Redis keeps it on the server so several processes share it).
+
+Contract (``tests/test_kvstore.py`` checks it for every tier):
+
+- ``put`` publishes atomically: a reader sees the whole entry or none, never a part.
+- ``get`` returns a checkpoint only after every byte matched the checksum written with it and the entry
+  matched the requested key; otherwise it raises :class:`~patchkv_agent.store.CorruptCheckpoint`
+  (:class:`~.codec.ForeignCheckpoint` for another key's content). A key that is not there raises
+  :class:`CheckpointMissing` whose ``reason`` says whether it was evicted, never stored, too large or
+  expired. A tier that cannot be reached raises :class:`StoreUnavailable`.
+- With ``budget_bytes`` set, after every ``put`` the blob bytes held are within the budget; the least
+  recently used entries (``get`` and ``put`` count as uses) are evicted first, never the one just put.
+- Every method is safe to call from many OS threads (one re-entrant lock per store instance).
+
+Knows checkpoints through :mod:`.codec` only; nothing about engines or models.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..store import Checkpoint, CorruptCheckpoint
+from .codec import CheckpointKey, blob_nbytes, encode_checkpoint
+
+MAX_TOMBSTONES = 4096
+
+
+class CheckpointMissing(KeyError):
+    """No entry under the key; ``reason`` says why (evicted, never stored, too large, expired)."""
+
+    def __init__(self, key: CheckpointKey, reason: str):
+        super().__init__(reason)
+        self.key, self.reason = key, reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class StoreUnavailable(RuntimeError):
+    """The tier cannot be reached (Redis down, disk unreadable); callers fall back to exact recomputation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutResult:
+    """What a ``put`` did.
+
+    Attributes:
+        stored: False when the checkpoint alone exceeds the budget (nothing is kept under the key).
+        nbytes: blob bytes of the entry.
+        evicted: keys evicted to make room, oldest first.
+        reason: why it was not stored, or None.
+    """
+
+    stored: bool
+    nbytes: int
+    evicted: tuple[CheckpointKey, ...] = ()
+    reason: str | None = None
+
+
+@dataclass
+class StoreStats:
+    """Counters of one store instance (not shared across processes)."""
+
+    puts: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+    refused: int = 0
+    evicted_keys: list[CheckpointKey] = field(default_factory=list)
+
+
+class KVStore(ABC):
+    """A tier of KV checkpoints of one deployment.
+
+    Args:
+        deployment: the namespace; keys of other deployments are refused with ``ValueError``.
+        budget_bytes: blob bytes the tier may hold (None: unbounded).
+
+    Raises:
+        ValueError: a negative budget or an empty deployment name.
+    """
+
+    tier = "abstract"
+
+    def __init__(self, *, deployment: str = "default", budget_bytes: int | None = None):
+        if not deployment:
+            raise ValueError("deployment must be a non-empty name")
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 or None, got {budget_bytes}")
+        self.deployment = str(deployment)
+        self.budget_bytes = budget_bytes
+        self.stats = StoreStats()
+        self._lock = threading.RLock()
+        self._lru: OrderedDict[CheckpointKey, int] = OrderedDict()  # oldest first
+        self._tombs: OrderedDict[str, str] = OrderedDict()
+
+    # ---------------------------------------------------------------- public API
+
+    def key_for(self, ckpt: Checkpoint, *, thread_id: str, version: int, checkpoint_ns: str = "") -> CheckpointKey:
+        """The key of ``ckpt`` as ``version`` of ``thread_id`` in this store's deployment."""
+        return CheckpointKey.of(ckpt, deployment=self.deployment, thread_id=thread_id, version=version,
+                                checkpoint_ns=checkpoint_ns)
+
+    def check_key(self, key: CheckpointKey) -> None:
+        """Refuse a key this store cannot hold.
+
+        Raises:
+            TypeError: not a :class:`CheckpointKey`.
+            ValueError: a key of another deployment (build it with :meth:`key_for`).
+        """
+        if not isinstance(key, CheckpointKey):
+            raise TypeError(f"expected a CheckpointKey, got {type(key).__name__}; build one with store.key_for(...)")
+        if key.deployment != self.deployment:
+            raise ValueError(f"key of deployment {key.deployment!r} passed to the {self.tier} store of deployment "
+                             f"{self.deployment!r}; open a store for that deployment or build the key with "
+                             "store.key_for(...)")
+
+    def put(self, key: CheckpointKey, ckpt: Checkpoint) -> PutResult:
+        """Store ``ckpt`` under ``key`` (replacing an entry of the same key), then evict beyond the budget.
+
+        Args:
+            key: from :meth:`key_for`.
+            ckpt: the checkpoint (the memory tier keeps a reference: do not mutate it afterwards).
+
+        Returns:
+            A :class:`PutResult` (``stored`` False when the checkpoint alone exceeds the budget).
+
+        Raises:
+            ValueError: ``key`` is of another deployment or does not describe ``ckpt``.
+            StoreUnavailable: the tier cannot be reached.
+        """
+        self.check_key(key)
+        meta, blobs = encode_checkpoint(ckpt, key)
+        n = blob_nbytes(meta)
+        with self._lock:
+            if self.budget_bytes is not None and n > self.budget_bytes:
+                reason = f"not stored: {n} B exceed the {self.tier} budget of {self.budget_bytes} B"
+                if self._index_get(key) is not None:
+                    self._drop(key)
+                self._tomb_put(key, reason)
+                self.stats.refused += 1
+                return PutResult(stored=False, nbytes=n, reason=reason)
+            self._write(key, meta, blobs, ckpt)
+            self._index_put(key, n)
+            self._tomb_pop(key)
+            self.stats.puts += 1
+            evicted = self._evict(keep=key)
+        return PutResult(stored=True, nbytes=n, evicted=tuple(evicted))
+
+    def get(self, key: CheckpointKey) -> Checkpoint:
+        """The checkpoint under ``key``, verified.
+
+        Raises:
+            CheckpointMissing: no entry (``reason`` says why).
+            CorruptCheckpoint: damaged bytes (``ForeignCheckpoint``: another key's content).
+            StoreUnavailable: the tier cannot be reached.
+            ValueError: a key of another deployment.
+        """
+        self.check_key(key)
+        with self._lock:
+            if self._index_get(key) is None:
+                self.stats.misses += 1
+                raise CheckpointMissing(key, self._tomb_get(key) or
+                                        f"no checkpoint of {key.describe()} in the {self.tier} store "
+                                        "(never stored, deleted, or expired)")
+            self._index_touch(key)
+            try:
+                ckpt = self._read(key)
+            except CheckpointMissing:
+                self.stats.misses += 1
+                raise
+            except CorruptCheckpoint:
+                self.stats.corrupt += 1
+                raise
+            self.stats.hits += 1
+            return ckpt
+
+    def contains(self, key: CheckpointKey) -> bool:
+        """Whether an entry is stored under ``key`` (its bytes are not verified here)."""
+        self.check_key(key)
+        with self._lock:
+            return self._index_get(key) is not None
+
+    __contains__ = contains
+
+    def delete(self, key: CheckpointKey) -> bool:
+        """Remove the entry under ``key``; returns whether there was one."""
+        self.check_key(key)
+        with self._lock:
+            if self._index_get(key) is None:
+                return False
+            self._drop(key)
+            self._tomb_put(key, f"checkpoint of {key.describe()} was deleted")
+            return True
+
+    def nbytes(self) -> int:
+        """Blob bytes held (what the budget counts)."""
+        with self._lock:
+            return sum(n for _, n in self._index_items())
+
+    def keys(self) -> list[CheckpointKey]:
+        """Keys held, least recently used first."""
+        with self._lock:
+            return [k for k, _ in self._index_items()]
+
+    def why_missing(self, key: CheckpointKey) -> str | None:
+        """The recorded reason ``key`` is gone (evicted, deleted, too large), or None."""
+        with self._lock:
+            return self._tomb_get(key)
+
+    def summary(self) -> dict[str, Any]:
+        """Tier, entries, bytes, budget and this instance's counters."""
+        s = self.stats
+        return {"tier": self.tier, "deployment": self.deployment, "entries": len(self.keys()),
+                "nbytes": self.nbytes(), "budget_bytes": self.budget_bytes, "puts": s.puts, "hits": s.hits,
+                "misses": s.misses, "corrupt": s.corrupt, "evictions": s.evictions, "refused": s.refused}
+
+    def close(self) -> None:
+        """Release connections or files (the entries stay in persistent tiers)."""
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- eviction
+
+    def _evict(self, keep: CheckpointKey) -> list[CheckpointKey]:
+        if self.budget_bytes is None:
+            return []
+        evicted = []
+        items = self._index_items()
+        total = sum(n for _, n in items)
+        for k, n in items:
+            if total <= self.budget_bytes:
+                break
+            if k == keep:
+                continue
+            self._on_evict(k)
+            self._drop(k)
+            self._tomb_put(k, f"checkpoint of {k.describe()} was evicted from the {self.tier} store "
+                              f"(least recently used, budget {self.budget_bytes} B)")
+            total -= n
+            evicted.append(k)
+        self.stats.evictions += len(evicted)
+        self.stats.evicted_keys.extend(evicted)
+        del self.stats.evicted_keys[:-MAX_TOMBSTONES]
+        return evicted
+
+    def _drop(self, key: CheckpointKey) -> None:
+        self._remove(key)
+        self._index_pop(key)
+
+    def _on_evict(self, key: CheckpointKey) -> None:
+        """Called under the lock before ``key`` is evicted (the memory tier spills here)."""
+
+    # ---------------------------------------------------------------- tier hooks
+
+    @abstractmethod
+    def _write(self, key: CheckpointKey, meta: dict[str, Any], blobs: Mapping[str, np.ndarray],
+               ckpt: Checkpoint) -> None:
+        """Publish the entry atomically (replacing one of the same key)."""
+
+    @abstractmethod
+    def _read(self, key: CheckpointKey) -> Checkpoint:
+        """Read and verify the entry (raise CheckpointMissing if it vanished meanwhile)."""
+
+    @abstractmethod
+    def _remove(self, key: CheckpointKey) -> None:
+        """Remove the entry's data (idempotent)."""
+
+    # bookkeeping: in-process by default; a shared tier overrides all of these.
+
+    def _index_get(self, key: CheckpointKey) -> int | None:
+        return self._lru.get(key)
+
+    def _index_put(self, key: CheckpointKey, nbytes: int) -> None:
+        self._lru[key] = nbytes
+        self._lru.move_to_end(key)
+
+    def _index_touch(self, key: CheckpointKey) -> None:
+        self._lru.move_to_end(key)
+
+    def _index_pop(self, key: CheckpointKey) -> None:
+        self._lru.pop(key, None)
+
+    def _index_items(self) -> list[tuple[CheckpointKey, int]]:
+        return list(self._lru.items())
+
+    def _tomb_put(self, key: CheckpointKey, reason: str) -> None:
+        self._tombs[key.digest] = reason
+        self._tombs.move_to_end(key.digest)
+        while len(self._tombs) > MAX_TOMBSTONES:
+            self._tombs.popitem(last=False)
+
+    def _tomb_get(self, key: CheckpointKey) -> str | None:
+        return self._tombs.get(key.digest)
+
+    def _tomb_pop(self, key: CheckpointKey) -> None:
+        self._tombs.pop(key.digest, None)

@@ -1,0 +1,90 @@
+"""Resume a thread from a stored checkpoint: selective recovery, or exact recomputation that says why.
+
+:func:`resume_from_store` is the one place where store failures turn into fallbacks. Whatever goes wrong
+between the store and the engine (the entry is missing or evicted, its bytes are damaged, it belongs to
+another thread or model, the tier is unreachable) the caller gets the exact result of a full prefill with
+``stats["fallback"]`` naming the reason; never stale or foreign KV, never an exception for a condition
+the caller cannot fix. Misuse (a key of another deployment, an unknown strategy, bad token ids) raises
+``ValueError``/``TypeError`` naming the fix.
+
+Knows the engine's public ``resume`` and the store interface; nothing about tiers or LangGraph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from ..store import CorruptCheckpoint
+from ..strategies import get_strategy
+from .base import CheckpointMissing, KVStore, StoreUnavailable
+from .codec import CheckpointKey, ForeignCheckpoint
+
+FALLBACK_PREFIX = "exact recompute: "
+
+
+def load_for_resume(engine, store: KVStore, key: CheckpointKey):
+    """Fetch ``key`` for ``engine``, or say why it cannot be used.
+
+    Returns:
+        ``(checkpoint, None)`` or ``(None, reason)``; ``reason`` starts with ``"exact recompute: "``.
+
+    Raises:
+        TypeError, ValueError: ``key`` is not a key of ``store``'s deployment.
+    """
+    store.check_key(key)
+    if key.fingerprint != engine.spec.fingerprint:
+        return None, (f"{FALLBACK_PREFIX}the checkpoint of {key.describe()} was written by another model "
+                      f"({key.fingerprint[:24]}...) than this engine's ({engine.spec.fingerprint[:24]}...); "
+                      "not loaded")
+    try:
+        return store.get(key), None
+    except CheckpointMissing as e:
+        return None, f"{FALLBACK_PREFIX}checkpoint missing: {e.reason}"
+    except ForeignCheckpoint as e:
+        return None, f"{FALLBACK_PREFIX}foreign checkpoint: {e}"
+    except CorruptCheckpoint as e:
+        return None, f"{FALLBACK_PREFIX}corrupt checkpoint: {e}"
+    except StoreUnavailable as e:
+        return None, f"{FALLBACK_PREFIX}store unavailable: {e}"
+
+
+def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
+                      max_new_tokens: int = 16, forward_lock=None, **options):
+    """Resume the context ``new_token_ids`` from the checkpoint stored under ``key``.
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
+        store: the tier holding the thread's checkpoint.
+        key: the checkpoint's key (thread, version, fingerprint, ids hash), e.g. from ``store.key_for``.
+        new_token_ids: ids of the new context version.
+        strategy: the strategy when the checkpoint is usable (``exact`` never reads the store).
+        max_new_tokens: greedy tokens to decode.
+        forward_lock: held around the engine's forward passes (not the store read) when several threads
+            share one engine; None: no lock.
+        **options: strategy options (``dirty_window=``, ``kappa=`` ...).
+
+    Returns:
+        The engine's :class:`~patchkv_agent.engine.ResumeResult`; ``stats`` adds ``store_tier``,
+        ``store_get_s`` and ``store_key``, and ``fallback`` is None or why the exact path was taken.
+
+    Raises:
+        ValueError: a key of another deployment, an unknown strategy, or bad token ids.
+        TypeError: ``key`` is not a :class:`CheckpointKey`.
+    """
+    get_strategy(strategy, **options)  # misuse raises before any I/O
+    t0 = time.perf_counter()
+    if strategy == "exact":
+        store.check_key(key)
+        ckpt, reason = None, None
+    else:
+        ckpt, reason = load_for_resume(engine, store, key)
+    get_s = time.perf_counter() - t0
+    with forward_lock if forward_lock is not None else contextlib.nullcontext():
+        if ckpt is None:
+            res = engine.resume(None, new_token_ids, strategy="exact", max_new_tokens=max_new_tokens)
+            res.stats["fallback"] = reason
+        else:
+            res = engine.resume(ckpt, new_token_ids, strategy=strategy, max_new_tokens=max_new_tokens, **options)
+    res.stats.update(store_tier=store.tier, store_get_s=get_s, store_key=key.digest, requested_strategy=strategy)
+    return res

@@ -1,0 +1,272 @@
+"""Load test: many agent threads editing their contexts concurrently over one engine and one budgeted store.
+
+``run_stress`` drives ``threads`` threads (OS threads or asyncio tasks), each through ``versions`` context
+versions: version 0 is checkpointed into the store; every later version is a random middle edit of the
+previous one, resumed from the stored checkpoint (:func:`~patchkv_agent.kvstore.resume_from_store`) and
+checkpointed again, replacing the thread's previous entry. The store's byte budget holds only a few
+threads' checkpoints, so entries are evicted and those resumes fall back to exact recomputation.
+
+The check: every thread's results equal the same thread run alone (sequentially, unbudgeted store) with
+the same resumes served from the store and the same ones falling back; i.e. concurrency and eviction change
+which resumes hit the store, never what a resume returns, and no thread ever sees another's state.
+The summary reports evictions, fallbacks by reason, peak RSS and wall time.
+
+Knows the engine, the stores and a tiny model config; nothing about LangGraph or benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engine import PatchKVEngine
+from .kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
+
+LOGIT_TOL = 1e-4
+
+
+def tiny_engine(seed: int = 0) -> PatchKVEngine:
+    """A tiny random-weight llama (2 layers, 2 KV heads, vocab 211) wrapped in an engine; no download."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=211, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # non-uniform attention, visible drift
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(3.0)
+    return PatchKVEngine(model, None, block_size=8, dirty_window=8, profile=None)
+
+
+def thread_versions(seed: int, thread: int, versions: int, length: int, vocab: int) -> list[list[int]]:
+    """``versions`` context versions of one thread: random ids, then random middle edits (length changes)."""
+    rng = np.random.default_rng([seed, thread])
+    ids = rng.integers(3, vocab, size=length).tolist()
+    out = [ids]
+    for _ in range(versions - 1):
+        ids = list(out[-1])
+        i = int(rng.integers(4, len(ids) - 8))
+        j = i + int(rng.integers(1, 9))
+        ids[i:j] = rng.integers(3, vocab, size=int(rng.integers(1, 11))).tolist()
+        out.append(ids)
+    return out
+
+
+class _Episode:
+    """One thread's episode, step by step (so OS threads and asyncio tasks drive the same code)."""
+
+    def __init__(self, engine: PatchKVEngine, store: KVStore, lock: threading.Lock, thread: int,
+                 versions: list[list[int]], *, strategy: str, max_new_tokens: int,
+                 evict_before: set[int] | None = None):
+        self.engine, self.store, self.lock, self.thread, self.versions = engine, store, lock, thread, versions
+        self.kw = dict(strategy=strategy, max_new_tokens=max_new_tokens)
+        self.evict_before = evict_before or set()  # versions whose base is deleted first (the solo replay)
+        self.tid, self.key, self.rows = f"thread-{thread}", None, []
+        self._rng = np.random.default_rng(thread)
+
+    def _tool_wait(self, tool_s: float) -> float:
+        return tool_s * (0.25 + 1.5 * float(self._rng.random()))  # tools take different times
+
+    def _offload(self, ckpt, version: int) -> None:
+        if self.key is not None:
+            self.store.delete(self.key)  # a thread keeps only its latest version
+        self.key = self.store.key_for(ckpt, thread_id=self.tid, version=version)
+        self.store.put(self.key, ckpt)
+
+    def start(self) -> None:
+        with self.lock:
+            ckpt = self.engine.checkpoint(self.versions[0])
+        self._offload(ckpt, 0)
+
+    def step(self, v: int) -> None:
+        """Resume version ``v`` from the stored base (the agent is back from its tool), offload it."""
+        if v in self.evict_before:
+            self.store.delete(self.key)
+        res = resume_from_store(self.engine, self.store, self.key, self.versions[v], forward_lock=self.lock,
+                                **self.kw)
+        with self.lock:
+            ckpt = self.engine.checkpoint_from(res)
+        self._offload(ckpt, v)
+        self.rows.append({"thread": self.thread, "version": v, "fallback": res.stats["fallback"],
+                          "output_ids": list(res.output_ids), "logits": res.logits.detach().clone(),
+                          "recompute_tokens": res.stats["recompute_tokens"]})
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.store.delete(self.key)
+        return self.rows
+
+    def run(self, tool_s: float = 0.0) -> list[dict[str, Any]]:
+        self.start()
+        for v in range(1, len(self.versions)):
+            time.sleep(self._tool_wait(tool_s))
+            self.step(v)
+        return self.finish()
+
+    async def arun(self, tool_s: float = 0.0) -> list[dict[str, Any]]:
+        await asyncio.to_thread(self.start)
+        for v in range(1, len(self.versions)):
+            await asyncio.sleep(self._tool_wait(tool_s))  # the tool call: other threads offload meanwhile
+            await asyncio.to_thread(self.step, v)
+        return await asyncio.to_thread(self.finish)
+
+
+def _reason_kind(fallback: str | None) -> str:
+    if fallback is None:
+        return "none"
+    for kind in ("evicted", "never stored", "corrupt", "foreign", "another model", "unavailable", "exceed"):
+        if kind in fallback:
+            return kind
+    return "other"
+
+
+def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 4.0, tier: str = "memory",
+               mode: str = "threads", workers: int | None = None, length: int = 96, max_new_tokens: int = 4,
+               strategy: str = "patchkv", seed: int = 0, engine: PatchKVEngine | None = None,
+               root: str | None = None, redis_url: str | None = None, tool_s: float = 0.02) -> dict[str, Any]:
+    """Run the load test and compare every thread with its solo replay.
+
+    Args:
+        threads: concurrent agent threads.
+        versions: context versions per thread (the first is checkpointed, the others resumed).
+        budget_entries: store budget in checkpoints of the first thread's size (below ``threads``: evictions).
+        tier: ``memory``, ``disk`` (under ``root``, a temporary directory by default) or ``redis`` (``redis_url``).
+        mode: ``threads`` (a pool of OS threads) or ``asyncio`` (one task per agent thread).
+        workers: OS threads of the pool (default: ``threads``).
+        length: tokens of each thread's first version.
+        max_new_tokens: greedy tokens per resume.
+        strategy: resume strategy.
+        seed: workload seed.
+        engine: the engine (default: :func:`tiny_engine`).
+        root, redis_url: where the disk / Redis tier lives.
+        tool_s: the tool call each thread waits for between versions (other threads offload meanwhile).
+
+    Returns:
+        The summary: counts, ``evictions``, ``fallbacks`` by reason, ``solo_match`` (all threads equal their
+        solo replay), ``mismatches``, ``peak_rss_mib``, ``wall_s``, ``store`` (the store's summary).
+
+    Raises:
+        ValueError: an unknown tier or mode, or fewer than 2 versions.
+    """
+    if versions < 2 or threads < 1:
+        raise ValueError("need threads >= 1 and versions >= 2")
+    if mode not in ("threads", "asyncio"):
+        raise ValueError(f"mode must be 'threads' or 'asyncio', got {mode!r}")
+    engine = engine or tiny_engine(seed)
+    work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
+    probe = engine.checkpoint(work[0][0])
+    from .kvstore.codec import encode_checkpoint
+
+    entry = sum(b["nbytes"] for b in encode_checkpoint(
+        probe, CheckpointKey.of(probe, deployment="stress", thread_id="probe", version=0))[0]["blobs"])
+    budget = int(budget_entries * entry)
+    tmp = None
+    if tier == "memory":
+        store: KVStore = MemoryStore(deployment="stress", budget_bytes=budget)
+    elif tier == "disk":
+        if root is None:
+            tmp = tempfile.TemporaryDirectory(prefix="patchkv-stress-")
+            root = tmp.name
+        store = DiskStore(root, deployment="stress", budget_bytes=budget, fsync=False)
+    elif tier == "redis":
+        from .kvstore import RedisStore
+
+        store = RedisStore(redis_url or "redis://127.0.0.1:6379/0", deployment="stress",
+                           prefix=f"stress-{time.time_ns()}", budget_bytes=budget)
+    else:
+        raise ValueError(f"tier must be memory, disk or redis, got {tier!r}")
+    lock = threading.Lock()  # one forward at a time per model (the capture pass patches attention)
+    kw = dict(strategy=strategy, max_new_tokens=max_new_tokens)
+
+    t0 = time.perf_counter()
+    episodes = [_Episode(engine, store, lock, t, work[t], **kw) for t in range(threads)]
+    if mode == "threads":
+        with ThreadPoolExecutor(max_workers=workers or threads) as pool:
+            results = list(pool.map(lambda e: e.run(tool_s), episodes))
+    else:
+        async def main():
+            return await asyncio.gather(*(e.arun(tool_s) for e in episodes))
+        results = asyncio.run(main())
+    wall = time.perf_counter() - t0
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    summary_store = store.summary()
+    store.close()
+    if tmp is not None:
+        tmp.cleanup()
+
+    mismatches = []
+    solo_pool = ThreadPoolExecutor(max_workers=1)  # one thread at a time, off the main thread like the others
+    for t, rows in enumerate(results):
+        evicted = {r["version"] for r in rows if r["fallback"] is not None}
+        alone = _Episode(engine, MemoryStore(deployment="stress"), lock, t, work[t], evict_before=evicted, **kw)
+        solo = solo_pool.submit(alone.run).result()
+        for r, s in zip(rows, solo, strict=True):
+            same = (r["output_ids"] == s["output_ids"] and (r["fallback"] is None) == (s["fallback"] is None)
+                    and float((r["logits"] - s["logits"]).abs().max()) <= LOGIT_TOL)
+            if not same:
+                mismatches.append({"thread": t, "version": r["version"], "fallback": r["fallback"]})
+    solo_pool.shutdown()
+    flat = [r for rows in results for r in rows]
+    kinds = Counter(_reason_kind(r["fallback"]) for r in flat)
+    return {
+        "threads": threads, "versions": versions, "mode": mode, "tier": tier, "strategy": strategy,
+        "resumes": len(flat), "entry_bytes": entry, "budget_bytes": budget,
+        "evictions": summary_store["evictions"], "selective_resumes": kinds.pop("none", 0),
+        "fallbacks": dict(kinds), "solo_match": not mismatches, "mismatches": mismatches,
+        "recompute_tokens_mean": float(np.mean([r["recompute_tokens"] for r in flat])),
+        "peak_rss_mib": round(peak_rss_mib, 1), "wall_s": round(wall, 3), "store": summary_store,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """A short human-readable summary of :func:`run_stress`'s result."""
+    lines = [
+        f"stress: {s['threads']} threads x {s['versions']} versions ({s['mode']}, {s['tier']} tier, {s['strategy']})",
+        f"  resumes {s['resumes']}: selective {s['selective_resumes']}, exact fallbacks {s['fallbacks'] or {}}",
+        f"  budget {s['budget_bytes']} B (~{s['budget_bytes'] / max(1, s['entry_bytes']):.1f} checkpoints of "
+        f"{s['entry_bytes']} B); evictions {s['evictions']}",
+        f"  equal to each thread run alone: {'yes' if s['solo_match'] else 'NO: ' + json.dumps(s['mismatches'][:5])}",
+        f"  peak RSS {s['peak_rss_mib']} MiB; wall {s['wall_s']} s; "
+        f"mean recompute {s['recompute_tokens_mean']:.1f} tokens",
+    ]
+    return "\n".join(lines)
+
+
+def add_stress_cli(subparsers) -> None:
+    """Register ``patchkv-agent stress`` on the CLI's subparsers."""
+    p = subparsers.add_parser("stress", help="concurrent threads x versions under a store budget; prints a summary")
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--versions", type=int, default=5)
+    p.add_argument("--budget-entries", type=float, default=4.0, help="store budget, in checkpoints")
+    p.add_argument("--tier", choices=["memory", "disk", "redis"], default="memory")
+    p.add_argument("--mode", choices=["threads", "asyncio"], default="threads")
+    p.add_argument("--root", default=None, help="disk tier directory (default: a temporary one)")
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tool-s", type=float, default=0.02, help="seconds each thread waits for its tool between versions")
+    p.add_argument("--json", default=None, help="also write the summary as JSON to this path")
+    p.set_defaults(func=cmd_stress)
+
+
+def cmd_stress(args: argparse.Namespace) -> int:
+    s = run_stress(threads=args.threads, versions=args.versions, budget_entries=args.budget_entries, tier=args.tier,
+                   mode=args.mode, root=args.root, redis_url=args.redis_url, seed=args.seed,
+                   tool_s=args.tool_s)
+    print(format_summary(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=2)
+    return 0 if s["solo_match"] else 1

@@ -1,0 +1,359 @@
+"""Fault injection on a tiny llama: every fault gives the exact output and names the reason.
+
+Faults: a flipped payload byte (each tier), a truncated disk file, a missing or evicted checkpoint, a
+checkpoint of another model, another thread's entry under the key, Redis down before and in the middle
+of a resume. Also: offload in one process and resume in another (disk and Redis), misuse errors, and a
+property test of diff + plan + recover through a store over random edits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kv_helpers import REDIS_SKIP, RedisServer
+from patchkv_agent import PatchKVEngine
+from patchkv_agent.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
+from tiny_models import tiny_model
+
+TOL = 1e-4
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one intra-op thread (no spin-waiting on busy shared cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
+
+
+@pytest.fixture(scope="module")
+def pair(eng):
+    rng = np.random.default_rng(0)
+    old = rng.integers(3, eng.spec.vocab_size, size=150).tolist()
+    new = old[:40] + rng.integers(3, eng.spec.vocab_size, size=17).tolist() + old[50:]
+    return old, new
+
+
+@pytest.fixture(scope="module")
+def ckpt(eng, pair):
+    return eng.checkpoint(pair[0])
+
+
+@pytest.fixture(scope="module")
+def exact(eng, pair):
+    return eng.resume(None, pair[1], strategy="exact", max_new_tokens=4)
+
+
+@pytest.fixture
+def redis_server():
+    srv = RedisServer()
+    yield srv
+    srv.stop()
+
+
+def assert_exact(res, exact, reason: str):
+    """The resume took the exact path, says why, and its output is the full prefill's."""
+    fb = res.stats["fallback"]
+    assert fb and fb.startswith("exact recompute: ") and reason in fb, fb
+    assert res.stats["strategy"] == "exact" and res.stats["requested_strategy"] == "patchkv"
+    assert (res.logits - exact.logits).abs().max().item() <= TOL
+    assert res.output_ids == exact.output_ids
+
+
+def _blob_span(meta: dict, name: str) -> tuple[int, int]:
+    off = 0
+    for spec in meta["blobs"]:
+        if spec["name"] == name:
+            return off, spec["nbytes"]
+        off += spec["nbytes"]
+    raise KeyError(name)
+
+
+# ----------------------------------------------------------------------------- healthy path
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
+def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, eng, pair, ckpt, tmp_path, request):
+    if tier == "memory":
+        store = MemoryStore()
+    elif tier == "disk":
+        store = DiskStore(tmp_path, fsync=False)
+    else:
+        from patchkv_agent.kvstore import RedisStore
+
+        store = RedisStore(request.getfixturevalue("redis_server").url)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    ref = eng.resume(ckpt, pair[1], max_new_tokens=4)
+    assert res.stats["fallback"] is None and res.stats["store_tier"] == tier
+    assert res.stats["recompute_tokens"] < len(pair[1])  # selective, not a full prefill
+    assert torch.equal(res.logits, ref.logits) and res.output_ids == ref.output_ids
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_flipped_payload_byte_on_disk(eng, pair, ckpt, exact, tmp_path):
+    store = DiskStore(tmp_path, fsync=False)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    meta = json.loads((store.path_of(key) / "meta.json").read_text())
+    tag = next(iter(ckpt.mixed.tag_rows))
+    off, n = _blob_span(meta, f"p.1.{tag}.v_data")
+    with open(store.path_of(key) / "data.bin", "r+b") as f:
+        f.seek(off + n // 2)
+        b = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([b[0] ^ 0x04]))
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, f"blob p.1.{tag}.v_data failed its checksum")
+
+
+def test_flipped_payload_byte_in_memory(eng, pair, exact):
+    ckpt = eng.checkpoint(pair[0])  # its own copy: the fault mutates it
+    store = MemoryStore()
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    tag = next(iter(ckpt.mixed.tag_rows))
+    ckpt.mixed.payloads[0][tag].k_data.view(-1)[3] ^= 0x20
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "checksum")
+
+
+def test_flipped_payload_byte_in_redis(eng, pair, ckpt, exact, redis_server):
+    from patchkv_agent.kvstore import RedisStore
+
+    store = RedisStore(redis_server.url)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    name = store.blob_keys(key)[-1]
+    store.client.setrange(name, 0, bytes([store.client.getrange(name, 0, 0)[0] ^ 0x80]))
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "checksum")
+
+
+def test_truncated_disk_file(eng, pair, ckpt, exact, tmp_path):
+    store = DiskStore(tmp_path, fsync=False)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    p = store.path_of(key) / "data.bin"
+    os.truncate(p, p.stat().st_size // 3)
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "truncated or wrong length")
+
+
+def test_missing_checkpoint(eng, pair, ckpt, exact):
+    store = MemoryStore()
+    res = resume_from_store(eng, store, store.key_for(ckpt, thread_id="t", version=1), pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "never stored")
+
+
+def test_evicted_checkpoint(eng, pair, ckpt, exact):
+    store = MemoryStore(budget_bytes=int(ckpt.nbytes * 1.5))
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    store.put(store.key_for(ckpt, thread_id="other", version=1), ckpt)  # a newer thread pushes it out
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "evicted")
+
+
+def test_wrong_fingerprint(pair, ckpt, tmp_path):
+    other = PatchKVEngine(tiny_model("llama", seed=1), None, block_size=8, dirty_window=8)
+    store = DiskStore(tmp_path, fsync=False)
+    key = store.key_for(ckpt, thread_id="t", version=1)  # written by the seed-0 model
+    store.put(key, ckpt)
+    res = resume_from_store(other, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, other.resume(None, pair[1], strategy="exact", max_new_tokens=4), "another model")
+    assert store.stats.hits == 0  # refused before a byte was read
+
+
+def test_wrong_thread(eng, pair, ckpt, exact, tmp_path):
+    store = DiskStore(tmp_path, fsync=False)
+    ka = store.key_for(ckpt, thread_id="thread-a", version=1)
+    kb = store.key_for(ckpt, thread_id="thread-b", version=1)
+    store.put(ka, ckpt)
+    store.path_of(ka).rename(store.path_of(kb))  # thread a's entry lands under thread b's key
+    res = resume_from_store(eng, store, kb, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "belongs to another thread")
+
+
+def test_redis_down_before_resume(eng, pair, ckpt, exact, redis_server):
+    from patchkv_agent.kvstore import RedisStore
+
+    store = RedisStore(redis_server.url, timeout_s=1.0)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    redis_server.stop()
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "store unavailable: Redis unavailable")
+
+
+def test_redis_down_in_the_middle_of_a_read(eng, pair, ckpt, exact, redis_server, monkeypatch):
+    import redis
+
+    from patchkv_agent.kvstore import RedisStore
+
+    store = RedisStore(redis_server.url)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+
+    def mget(*a, **k):  # metadata was read; the connection drops while the payload runs are fetched
+        redis_server.stop()
+        raise redis.exceptions.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(store.client, "mget", mget)
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(res, exact, "Redis unavailable while reading")
+
+
+def test_misuse_raises_and_names_the_fix(eng, pair, ckpt):
+    a, b = MemoryStore(deployment="a"), MemoryStore(deployment="b")
+    key = a.key_for(ckpt, thread_id="t", version=1)
+    a.put(key, ckpt)
+    with pytest.raises(ValueError, match="store.key_for"):
+        resume_from_store(eng, b, key, pair[1])
+    with pytest.raises(ValueError, match="choose one of"):
+        resume_from_store(eng, a, key, pair[1], strategy="magic")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        resume_from_store(eng, a, key, [1, 2, 10**6])
+    with pytest.raises(TypeError, match="CheckpointKey"):
+        resume_from_store(eng, a, ("t", 1), pair[1])
+
+
+# ----------------------------------------------------------------------------- cross-process
+
+WRITER = textwrap.dedent("""
+    import sys
+    from tiny_models import tiny_model
+    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.kvstore import DiskStore, RedisStore
+    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
+    ckpt = eng.checkpoint([int(t) for t in sys.argv[3].split(",")])
+    for store in [DiskStore(sys.argv[1], fsync=True)] + ([RedisStore(sys.argv[2])] if sys.argv[2] != "-" else []):
+        key = store.key_for(ckpt, thread_id="worker-thread", version=7)
+        assert store.put(key, ckpt).stored
+    print(key.to_json())
+""")
+
+
+@pytest.fixture(scope="module")
+def offloaded_elsewhere(pair, tmp_path_factory):
+    """A checkpoint of ``pair[0]`` written by another process into a disk store and a Redis store."""
+    try:
+        srv = RedisServer()
+    except pytest.skip.Exception:  # the disk half still runs
+        srv = None
+    root = tmp_path_factory.mktemp("xproc")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    url = srv.url if srv is not None else "-"
+    out = subprocess.run([sys.executable, "-c", WRITER, str(root), url, ",".join(map(str, pair[0]))], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    yield {"disk": str(root), "redis": srv and srv.url}, CheckpointKey.from_json(out.stdout.strip().splitlines()[-1])
+    if srv is not None:
+        srv.stop()
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offloaded_elsewhere):
+    where, key = offloaded_elsewhere
+    if tier == "disk":
+        store = DiskStore(where["disk"])
+    else:
+        if where["redis"] is None:
+            pytest.skip(REDIS_SKIP)
+        from patchkv_agent.kvstore import RedisStore
+
+        store = RedisStore(where["redis"])
+    assert store.keys() == [key]
+    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    ref = eng.resume(ckpt, pair[1], max_new_tokens=4)
+    assert res.stats["fallback"] is None
+    assert torch.equal(res.logits, ref.logits) and res.output_ids == ref.output_ids
+
+
+# ----------------------------------------------------------------------------- property
+
+
+@st.composite
+def edits(draw):
+    n = draw(st.integers(20, 90))
+    old = draw(st.lists(st.integers(3, 210), min_size=n, max_size=n))
+    new = list(old)
+    for _ in range(draw(st.integers(1, 3))):  # replace, insert or delete spans anywhere
+        i = draw(st.integers(0, len(new) - 1))
+        j = draw(st.integers(i, min(len(new), i + 12)))
+        new[i:j] = draw(st.lists(st.integers(3, 210), min_size=0, max_size=12))
+    if not new:
+        new = [5]
+    return old, new
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits())
+def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, ab):
+    """Over random edits: the store is transparent (same result as the in-memory checkpoint), and
+    recovery with the dirty window covering the whole suffix equals a full prefill of the new version."""
+    old, new = ab
+    ckpt = eng.checkpoint(old)
+    store = DiskStore(tmp_path, fsync=False)
+    key = store.key_for(ckpt, thread_id="p", version=len(old))
+    store.put(key, ckpt)
+    full = resume_from_store(eng, store, key, new, dirty_window=10**6, max_new_tokens=0)
+    exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
+    assert full.stats["fallback"] is None
+    assert (full.logits - exact.logits).abs().max().item() <= TOL
+    sel = resume_from_store(eng, store, key, new, max_new_tokens=0)
+    ref = eng.resume(ckpt, new, max_new_tokens=0)
+    assert torch.equal(sel.logits, ref.logits)
+    assert sel.stats["recompute_tokens"] == ref.stats["recompute_tokens"] <= len(new)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def test_stress_16_threads_x_5_versions_equal_solo_runs(eng):
+    from patchkv_agent.stress import format_summary, run_stress
+
+    s = run_stress(threads=16, versions=5, budget_entries=2.0, engine=eng, tool_s=0.01)
+    print(format_summary(s))
+    assert s["solo_match"], s["mismatches"]
+    assert s["resumes"] == 16 * 4 and s["selective_resumes"] + sum(s["fallbacks"].values()) == s["resumes"]
+    assert s["evictions"] >= 16 - 2 and s["fallbacks"].get("evicted", 0) > 0
+    assert set(s["fallbacks"]) <= {"evicted"}  # nothing else goes wrong under load
+    assert s["store"]["nbytes"] == 0 and s["peak_rss_mib"] > 0
+
+
+def test_stress_cli_asyncio_disk(capsys, tmp_path):
+    import argparse
+
+    from patchkv_agent.stress import add_stress_cli
+
+    ap = argparse.ArgumentParser(prog="patchkv-agent")
+    add_stress_cli(ap.add_subparsers(dest="command", required=True))
+    out = tmp_path / "stress.json"
+    args = ap.parse_args(["stress", "--threads", "6", "--versions", "3", "--mode", "asyncio", "--tier", "disk",
+                          "--root", str(tmp_path / "kv"), "--budget-entries", "2", "--json", str(out)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "6 threads x 3 versions (asyncio, disk tier" in text and "equal to each thread run alone: yes" in text
+    s = json.loads(out.read_text())
+    assert s["evictions"] > 0 and s["solo_match"]
