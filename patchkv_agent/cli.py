@@ -195,8 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .stress import add_stress_cli
     from .workloads import add_traces_cli
 
+    from .calibration.cli import add_calibrate_cli
+
     transport_bench.add_cli(sub)
     add_stress_cli(sub)
+    add_calibrate_cli(sub)
     add_traces_cli(sub, token_counter_factory=_token_counter_for)
     return ap
 

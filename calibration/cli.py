@@ -1,0 +1,225 @@
+"""``patchkv-agent calibrate``: build calibration episodes, run the profiler, write the profile JSON.
+
+Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_agent.workloads.build_traces`
+(``split="calib"``), the work from :func:`.profile.run_calibration`. The lead CLI adds the command with
+``add_calibrate_cli(subparsers)``; ``calibrate_main(args)`` runs it.
+
+Default size (3 workloads x 6 episodes x 3 versions at ~1.5k tokens, the full 4 x 4 grid on the
+validation pairs) takes ~15 minutes for SmolLM2-135M on 2 free CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces"]
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    from .profile import DEFAULT_TAU_GRID
+
+    p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
+    p.add_argument("--workload", default="hotpotqa-e,2wikimqa-e:1800,nq-e",
+                   help="comma-separated workloads, each optionally ':TOKENS' to override --target-tokens (2WikiMQA's "
+                        "long passages leave too few editable exchanges at 1.5k tokens)")
+    p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
+    p.add_argument("--n", type=int, default=6, help="calibration episodes per workload")
+    p.add_argument("--versions", type=int, default=3, help="context versions per episode (pairs = versions - 1)")
+    p.add_argument("--target-tokens", type=int, default=1500, help="version-0 length in tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="profile JSON (default: calibration/profiles/<model>.json)")
+    p.add_argument("--drift-out", default=None, help="drift curves .npz for figures (default: beside --out)")
+    p.add_argument("--tau-v", type=_floats, default=DEFAULT_TAU_GRID,
+                   help="value-deviation threshold for d*; two or more (comma-separated) run the tau_V stage")
+    p.add_argument("--gamma", type=float, default=0.95, help="stability coverage for d*")
+    p.add_argument("--quantile", type=float, default=0.9, help="target quantile of the length model")
+    p.add_argument("--metric", default="cosine", choices=["cosine", "rel_l2"])
+    p.add_argument("--profile-block", type=int, default=16, help="granularity of d* in tokens")
+    p.add_argument("--ridge", type=float, default=0.1, help="ridge penalty of the quantile fit")
+    p.add_argument("--shift", default="none", choices=["none", "cv"],
+                   help="intercept shift from grouped out-of-fold residuals (more conservative windows)")
+    p.add_argument("--val-share", type=float, default=0.3, help="share of tasks held out for validation")
+    p.add_argument("--kappas", type=_floats, default=(0.0, 0.01, 0.02, 0.03))
+    p.add_argument("--blocks", type=_ints, default=(16, 32, 64, 128))
+    p.add_argument("--quality", default="kl", choices=["kl", "tf"], help="loss for the minimax rule")
+    p.add_argument("--tol-rel", type=float, default=0.1, help="relative tolerance on the worst gap")
+    p.add_argument("--tol-abs", type=float, default=1e-3, help="absolute tolerance on the worst gap")
+    p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
+    p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_calibrate_cli(subparsers) -> argparse.ArgumentParser:
+    """Add ``calibrate`` to a CLI.
+
+    Args:
+        subparsers: the object returned by ``ArgumentParser.add_subparsers()``.
+    Returns:
+        The ``calibrate`` sub-parser (``func`` set to :func:`calibrate_main`).
+    """
+    p = subparsers.add_parser("calibrate", help="offline calibration: fit the dirty-window model, pick kappa and "
+                              "block size, write a per-model profile")
+    _add_arguments(p)
+    p.set_defaults(func=calibrate_main)
+    return p
+
+
+def build_calibrate_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser (``python -m patchkv_agent.calibration.cli``)."""
+    ap = argparse.ArgumentParser(prog="patchkv-agent calibrate", description=__doc__.splitlines()[0])
+    _add_arguments(ap)
+    ap.set_defaults(func=calibrate_main)
+    return ap
+
+
+def _safe_name(model: str) -> str:
+    base = Path(model.rstrip("/")).name
+    base = base[:-5] if base.endswith(".gguf") else base
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in base) or "model"
+
+
+def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
+    """``"a,b:1800"`` -> ``{"a": default_tokens, "b": 1800}``.
+
+    Raises:
+        SystemExit: an empty list or a bad token count.
+    """
+    out = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        name, _, tokens = item.partition(":")
+        try:
+            out[name.strip()] = int(tokens) if tokens else default_tokens
+        except ValueError:
+            raise SystemExit(f"bad workload spec {item!r}: expected NAME or NAME:TOKENS") from None
+    if not out:
+        raise SystemExit("--workload names no workload")
+    return out
+
+
+def calib_traces(workload: str, edit: str, n: int, **build_kwargs) -> list[dict]:
+    """Up to ``n`` calibration-split episodes of a workload, one edit kind per example where possible.
+
+    With ``edit="all"`` the kinds rotate over examples (as :func:`patchkv_agent.workloads.build_traces`
+    does); when that yields fewer than ``n`` (long passages leave too few editable exchanges for some
+    kinds, e.g. 2WikiMQA at 1.5k tokens), each kind is built on its own and the episodes are taken
+    round-robin over kinds, distinct examples first, then further kinds of examples already taken.
+
+    Args:
+        workload: workload name.
+        edit: an edit kind or ``"all"``.
+        n: episodes wanted.
+        **build_kwargs: passed to ``build_traces`` (``target_tokens``, ``n_versions``, ``seed``, ``count_tokens``).
+    Returns:
+        At most ``n`` traces with distinct ids.
+    """
+    from patchkv_agent.workloads import EDITS, build_traces
+
+    first = build_traces(workload, edit, n=n, split="calib", **build_kwargs)
+    if edit != "all" or len(first) >= n:
+        return first
+    per_kind = [build_traces(workload, k, n=n, split="calib", **build_kwargs) for k in EDITS]
+    pool = [t for i in range(n) for lst in per_kind if i < len(lst) for t in [lst[i]]]
+    seen_ids = {t["id"] for t in first}
+    seen_src = {t["meta"]["source_id"] for t in first}
+    out = list(first)
+    for distinct in (True, False):
+        for t in pool:
+            if len(out) >= n:
+                return out
+            if t["id"] in seen_ids or (distinct and t["meta"]["source_id"] in seen_src):
+                continue
+            out.append(t)
+            seen_ids.add(t["id"])
+            seen_src.add(t["meta"]["source_id"])
+    return out
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    """Run ``patchkv-agent calibrate`` with parsed arguments.
+
+    Args:
+        args: from :func:`add_calibrate_cli`'s parser.
+    Returns:
+        0 on success.
+    Raises:
+        SystemExit: no episodes could be built, or too few tasks to split.
+    """
+    from patchkv_agent.engine import PatchKVEngine
+    from patchkv_agent.replay import plain_messages
+    from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, write_profile
+
+    t0 = time.perf_counter()
+    command = getattr(args, "_command", None) or "patchkv-agent " + shlex.join(sys.argv[1:])
+    default_out = Path(__file__).resolve().parent / "profiles" / f"{_safe_name(args.model)}.json"
+    out = Path(args.out) if args.out else default_out
+    drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
+    eng = PatchKVEngine.from_pretrained(args.model)
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+
+    def count(msgs):
+        return len(eng.encode(plain_messages(msgs)))
+
+    targets = _parse_workloads(args.workload, args.target_tokens)
+    workloads = list(targets)
+    traces = []
+    for w, tt in targets.items():
+        got = calib_traces(w, args.edit, args.n, target_tokens=tt, n_versions=args.versions,
+                           seed=args.seed, count_tokens=count)
+        if len(got) < args.n:
+            print(f"{w}: only {len(got)} calibration episodes at {tt} tokens", file=sys.stderr)
+        traces += got
+    if not traces:
+        raise SystemExit("no calibration episodes could be built; check --workload/--edit/--n")
+    episodes = episodes_from_traces(eng, traces)
+    cfg = CalibConfig(metric=args.metric, profile_block=args.profile_block, tau_v=args.tau_v[0],
+                      tau_grid=tuple(args.tau_v) if len(args.tau_v) > 1 else (), gamma=args.gamma,
+                      quantile=args.quantile, ridge=args.ridge, shift=args.shift, val_share=args.val_share,
+                      kappas=tuple(args.kappas), blocks=tuple(args.blocks), quality=args.quality,
+                      tol_abs=args.tol_abs, tol_rel=args.tol_rel, ref_tokens=args.ref_tokens,
+                      grid_max_pairs=args.grid_max_pairs)
+    data = {"workloads": workloads, "edit": args.edit, "n_per_workload": args.n, "versions": args.versions,
+            "target_tokens": targets, "seed": args.seed, "trace_split": "calib"}
+    try:
+        profile, pairs = run_calibration(eng, episodes, cfg, model_name=args.model, command=command, data=data,
+                                         progress=not args.no_progress)
+    except ValueError as e:
+        raise SystemExit(f"calibration failed: {e}") from None
+    profile["timing"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_profile(profile, out)
+    save_drift(pairs, drift_out, profile)
+    fit = profile["fit"]
+    print(f"wrote {out} (drift curves: {drift_out})")
+    print(f"  length model q={cfg.quantile}: validation coverage {fit['validation']['coverage']:.3f} over "
+          f"{fit['validation']['n_spans']} spans (calibration {fit['calib']['coverage']:.3f} over "
+          f"{fit['calib']['n_spans']})")
+    print(f"  tau_V={profile['tau_v']} kappa={profile['kappa']} block_size={profile['block_size']} "
+          f"(worst-workload {cfg.quality} gap {profile['selection']['chosen']['worst_gap']:.4g})")
+    print(f"  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
+                                            for x in profile["d_hat_examples"]))
+    print(f"  wall time {profile['timing']['wall_s']:.0f}s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m patchkv_agent.calibration.cli``."""
+    args = build_calibrate_parser().parse_args(argv)
+    args._command = "python -m patchkv_agent.calibration.cli " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return calibrate_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,508 @@
+"""The offline profiler: paired exact prefills -> drift labels -> length model -> tau_V, kappa, block -> profile.
+
+Boundary: drives a :class:`~patchkv_agent.engine.PatchKVEngine` through its public methods only
+(``resume(None, ids, strategy="exact")``, ``checkpoint_from``, ``resume(ckpt, ids, strategy="patchkv",
+...)``, ``length_model``) and writes one JSON profile dict; the numeric pieces live in
+:mod:`.drift` (labels), :mod:`.fit` (quantile fit, split) and :mod:`.select` (minimax rule).
+
+Per episode (a chain of context versions of one task) every version is prefilled exactly once
+(``exact`` resume, which also gives the greedy reference continuation); its checkpoint for the next
+pair is taken with ``checkpoint_from`` (attention statistics from a short tail pass). For each adjacent
+pair the stale suffix values (old version) are compared with the exact new ones: per edited span
+one :class:`~.drift.SpanDrift` and its oracle boundary ``d*``. Tasks are split into calibration and
+validation (never one task on both sides); the length model is fitted on calibration spans and its
+coverage measured on validation spans. Real ``patchkv`` resumes on (up to ``grid_max_pairs``)
+validation pairs, scored against the exact reference (first-token KL, teacher-forced agreement), then
+choose by the minimax rule (:mod:`.select`): first ``tau_V`` among the candidates (one length model
+each, resumed at ``kappa=0, block_size=32``), then ``(kappa, block_size)`` under the chosen model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from patchkv_agent.diff import diff_versions
+from patchkv_agent.plan import LengthModel, plan_full
+from patchkv_agent.precision import PrecisionPolicy
+from patchkv_agent.profiles import PROFILE_SCHEMA
+from patchkv_agent.replay import first_token_kl, teacher_forced_agreement, version_ids
+
+from .drift import SpanDrift, block_deviation, default_profile_layers, oracle_boundary, span_drift
+from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_group
+from .select import select_config
+
+__all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_from_traces", "profile_episodes",
+           "label_spans", "evaluate_configs", "evaluate_grid", "run_calibration", "write_profile", "save_drift",
+           "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
+
+DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
+DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Episode:
+    """A chain of context versions of one task (two or more), as token ids.
+
+    Attributes:
+        id: unique episode id (a trace id).
+        task: group id for the split: all episodes of one task stay on one side.
+        workload: workload name (the unit of the minimax rule).
+        versions: token ids per version, in order.
+    """
+
+    id: str
+    task: str
+    workload: str
+    versions: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.versions) < 2:
+            raise ValueError(f"episode {self.id!r} needs at least two versions")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibConfig:
+    """Every knob of a calibration run (all recorded in the profile).
+
+    Attributes:
+        layers: profiled layers (None: every layer but 0).
+        metric: ``cosine`` (1 - cos) or ``rel_l2``; see :func:`.drift.token_deviation`.
+        block_reduce: ``max`` or ``mean`` of token deviations per profiling block.
+        profile_block: profiling block size in tokens (granularity of ``d*``).
+        tau_v: deviation threshold for ``d*`` (when ``tau_grid`` has fewer than two values).
+        tau_grid: candidate thresholds; two or more run the window stage (see :func:`run_calibration`).
+        gamma: stability coverage for ``d*``.
+        quantile: target quantile of the length model.
+        ridge, shift: see :func:`.fit.fit_length_model`.
+        val_share: share of tasks held out for validation.
+        kappas, blocks: the selection grid.
+        quality, tol_abs, tol_rel: see :func:`.select.select_config`.
+        ref_tokens: greedy reference tokens per version (teacher-forced agreement).
+        grid_max_pairs: evaluate the grid on at most this many validation pairs (None: all).
+        d_min: floor of the length model's prediction.
+    """
+
+    layers: tuple[int, ...] | None = None
+    metric: str = "cosine"
+    block_reduce: str = "max"
+    profile_block: int = 16
+    tau_v: float = DEFAULT_TAU_V
+    tau_grid: tuple[float, ...] = ()
+    gamma: float = 0.95
+    quantile: float = 0.9
+    ridge: float = 0.1
+    shift: str = "none"
+    val_share: float = 0.3
+    kappas: tuple[float, ...] = (0.0, 0.01, 0.02, 0.03)
+    blocks: tuple[int, ...] = (16, 32, 64, 128)
+    quality: str = "kl"
+    tol_abs: float = 1e-3
+    tol_rel: float = 0.1
+    ref_tokens: int = 8
+    grid_max_pairs: int | None = None
+    d_min: int = 0
+
+
+@dataclass(eq=False)
+class PairProfile:
+    """One adjacent version pair after profiling.
+
+    Attributes:
+        pair_id, task, workload: identity (``pair_id`` = ``<episode id>#v<k>``).
+        spans: drift after each edited span followed by a segment.
+        new_ids: ids of the new version.
+        ckpt, ref_logits, ref_output_ids: old-version checkpoint and the exact reference of the new
+            version; kept only for pairs the grid evaluates, else None.
+    """
+
+    pair_id: str
+    task: str
+    workload: str
+    spans: list[SpanDrift]
+    new_ids: np.ndarray
+    ckpt: Any = None
+    ref_logits: torch.Tensor | None = None
+    ref_output_ids: list[int] = field(default_factory=list)
+
+
+def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
+    """Episodes from TRACES.md traces (versions tokenized with the engine's chat template).
+
+    Args:
+        engine: the engine (its tokenizer renders ``messages``/``text`` versions).
+        traces: trace dicts (e.g. :func:`patchkv_agent.workloads.build_traces`).
+    Returns:
+        One :class:`Episode` per trace; ``task`` = ``<workload>/<source id>`` (from ``meta.source_id``,
+        else the trace id without its edit kind), so edit kinds of one example share a task.
+    """
+    out = []
+    for t in traces:
+        meta = t.get("meta") or {}
+        wl = str(t.get("workload") or "default")
+        task = f"{wl}/{meta['source_id']}" if "source_id" in meta else str(t["id"]).rsplit("/", 1)[0]
+        out.append(Episode(id=str(t["id"]), task=task, workload=wl,
+                           versions=tuple(tuple(version_ids(engine, v)) for v in t["versions"])))
+    return out
+
+
+def _pair_d_star(sd: SpanDrift, cfg: CalibConfig) -> int:
+    bd = block_deviation(sd.deviation, cfg.profile_block, cfg.block_reduce)
+    return oracle_boundary(bd, block_size=cfg.profile_block, suffix_len=sd.suffix_len, tau_v=cfg.tau_v,
+                           gamma=cfg.gamma)
+
+
+@torch.no_grad()
+def profile_episodes(engine, episodes: Sequence[Episode], cfg: CalibConfig, keep_tasks: set[str] = frozenset(),
+                     bar=None) -> list[PairProfile]:
+    """Paired exact prefills and drift per edited span, for every adjacent version pair.
+
+    Args:
+        engine: the engine.
+        episodes: the episodes.
+        cfg: the run's configuration (``layers``, ``metric``, ``ref_tokens``).
+        keep_tasks: tasks whose pairs keep their checkpoint and reference for :func:`evaluate_grid`.
+        bar: optional progress bar (``update(1)`` per prefilled version).
+    Returns:
+        The :class:`PairProfile` list, in episode order.
+    """
+    layers = cfg.layers or default_profile_layers(engine.spec.num_layers)
+    out = []
+    for ep in episodes:
+        prev_ckpt = None
+        for k, ids in enumerate(ep.versions):
+            res = engine.resume(None, list(ids), strategy="exact", max_new_tokens=cfg.ref_tokens)
+            if prev_ckpt is not None:
+                edit = diff_versions(prev_ckpt.token_ids, res.context_ids)
+                spans = span_drift(edit, prev_ckpt.values, res.values, layers=layers, metric=cfg.metric)
+                keep = ep.task in keep_tasks
+                out.append(PairProfile(
+                    pair_id=f"{ep.id}#v{k}", task=ep.task, workload=ep.workload, spans=spans,
+                    new_ids=np.asarray(ids, dtype=np.int64), ckpt=prev_ckpt if keep else None,
+                    ref_logits=res.logits.detach().cpu() if keep else None,
+                    ref_output_ids=list(res.output_ids) if keep else []))
+            prev_ckpt = engine.checkpoint_from(res) if k + 1 < len(ep.versions) else None
+            del res
+            if bar is not None:
+                bar.update(1)
+    return out
+
+
+def label_spans(pairs: Sequence[PairProfile], cfg: CalibConfig) -> list[dict[str, Any]]:
+    """One label row per span: ``pair, task, workload, P, E, S, d_star``.
+
+    Args:
+        pairs: profiled pairs.
+        cfg: ``tau_v``, ``gamma``, ``profile_block``, ``block_reduce``.
+    Returns:
+        The rows.
+    """
+    return [{"pair": p.pair_id, "task": p.task, "workload": p.workload, "P": sd.prefix_len, "E": sd.edit_len,
+             "S": sd.suffix_len, "d_star": _pair_d_star(sd, cfg)} for p in pairs for sd in p.spans]
+
+
+def _cols(rows: Sequence[dict]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray([r[c] for r in rows], dtype=np.int64) for c in ("P", "E", "S", "d_star"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeConfig:
+    """One configuration to resume every grid pair with.
+
+    Attributes:
+        strategy: engine strategy name.
+        options: ``engine.resume`` options (``kappa=``, ``block_size=``, ``dirty_window=``).
+        length_model: set as ``engine.length_model`` for these resumes (None: leave the engine's).
+        tags: fields copied into each row (e.g. ``{"kappa": 0.01, "block_size": 16}``).
+    """
+
+    strategy: str = "patchkv"
+    options: dict = field(default_factory=dict)
+    length_model: LengthModel | None = None
+    tags: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[ResumeConfig], bar=None) -> list[dict]:
+    """Resume every kept pair under every configuration and score it against the exact reference.
+
+    Args:
+        engine: the engine; its ``length_model`` is restored afterwards.
+        pairs: pairs (those without a kept checkpoint are skipped).
+        configs: the configurations.
+        bar: optional progress bar (``update(1)`` per resume).
+    Returns:
+        One row per pair and configuration: the config's ``tags`` plus ``pair, workload, strategy,
+        first_token_kl, top1_agree, tf_agree, recompute_tokens, prefix_recompute_tokens, ttft_s``.
+    """
+    saved = engine.length_model
+    rows = []
+    try:
+        for p in pairs:
+            if p.ckpt is None:
+                continue
+            full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=32).n_recompute
+            for c in configs:
+                engine.length_model = c.length_model if c.length_model is not None else saved
+                r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=1, **c.options)
+                rows.append({**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
+                             "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
+                             "top1_agree": bool(int(r.logits.argmax()) == int(p.ref_logits.argmax())),
+                             "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
+                             "recompute_tokens": int(r.stats["recompute_tokens"]),
+                             "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])})
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        engine.length_model = saved
+    return rows
+
+
+def evaluate_grid(engine, pairs: Sequence[PairProfile], length_model: LengthModel, cfg: CalibConfig,
+                  bar=None) -> tuple[list[dict], list[dict]]:
+    """Real ``patchkv`` resumes over the ``(kappa, block)`` grid, plus two reference strategies.
+
+    Args:
+        engine: the engine.
+        pairs: pairs with a kept checkpoint and reference.
+        length_model: the fitted length model (used for every grid resume).
+        cfg: ``kappas``, ``blocks``.
+        bar: optional progress bar.
+    Returns:
+        ``(grid_rows, reference_rows)`` (rows as :func:`evaluate_configs`, tagged ``kappa, block_size``);
+        the references are ``direct`` and ``patchkv-default`` (fixed 64-token window, kappa 0, block 32:
+        the engine's setting before calibration).
+    """
+    grid_cfgs = [ResumeConfig(options={"kappa": float(k), "block_size": int(b)}, length_model=length_model,
+                              tags={"kappa": float(k), "block_size": int(b)}) for k in cfg.kappas for b in cfg.blocks]
+    refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
+            ResumeConfig(options={"dirty_window": 64, "kappa": 0.0, "block_size": 32},
+                         tags={"reference": "patchkv-default"})]
+    rows = evaluate_configs(engine, pairs, grid_cfgs + refs, bar)
+    grid = [r for r in rows if "reference" not in r]
+    ref_rows = [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]}
+                for r in rows if "reference" in r]
+    return grid, ref_rows
+
+
+def _d_hat_examples(lm: LengthModel) -> list[dict[str, int]]:
+    cases = [(200, 20, 1200), (300, 300, 1000), (500, 150, 800), (800, 400, 400), (1000, 100, 200)]
+    p, e, s = (np.asarray(c) for c in zip(*cases))
+    d_hat = lm.predict(p, e, s)
+    return [{"P": int(a), "E": int(b), "S": int(c), "d_hat": int(d)} for a, b, c, d in zip(p, e, s, d_hat)]
+
+
+def _fit_for_tau(pairs: Sequence[PairProfile], cfg: CalibConfig, val_tasks: Sequence[str]
+                 ) -> tuple[list[dict], LengthModel]:
+    """Labels (with ``split`` and ``d_hat``) and the length model fitted on the calibration spans."""
+    labels = label_spans(pairs, cfg)
+    for r in labels:
+        r["split"] = "validation" if r["task"] in val_tasks else "calib"
+    cal = [r for r in labels if r["split"] == "calib"]
+    if not cal:
+        raise ValueError("no edited span with a suffix among the calibration tasks")
+    lm = fit_length_model(*_cols(cal), quantile=cfg.quantile, ridge=cfg.ridge, groups=[r["task"] for r in cal],
+                          shift=cfg.shift, d_min=cfg.d_min)
+    for r in labels:
+        r["d_hat"] = int(lm.predict(np.asarray([r["P"]]), np.asarray([r["E"]]), np.asarray([r["S"]]))[0])
+    return labels, lm
+
+
+def _fit_summary(lm: LengthModel, rows: Sequence[dict], q: float) -> dict[str, Any]:
+    if not rows:
+        return {"n_spans": 0, "coverage": None}
+    p, e, s, d = _cols(rows)
+    d_hat = np.asarray([r["d_hat"] for r in rows], dtype=np.float64)
+    return {"n_spans": len(rows), "n_pairs": len({r["pair"] for r in rows}), "n_tasks": len({r["task"] for r in rows}),
+            "coverage": coverage(lm, p, e, s, d),
+            "pinball": pinball_loss(log_target(d), np.log(np.maximum(d_hat, 1)), q),
+            "mean_d_star": float(d.mean()), "mean_d_hat": float(d_hat.mean()), "mean_suffix": float(s.mean()),
+            "window_share": float(d_hat.sum() / max(1, s.sum())),
+            "coverage_by_workload": {w: coverage(lm, *_cols([r for r in rows if r["workload"] == w]))
+                                     for w in sorted({r["workload"] for r in rows})}}
+
+
+def _means(rows: Sequence[dict]) -> dict[str, float]:
+    keys = ("first_token_kl", "tf_agree", "recompute_tokens", "prefix_recompute_tokens", "ttft_s")
+    return {k: float(np.mean([r[k] for r in rows])) for k in keys}
+
+
+def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = CalibConfig(), *, model_name: str = "",
+                    command: str | None = None, data: dict | None = None, progress: bool = False
+                    ) -> tuple[dict, list[PairProfile]]:
+    """The whole calibration: profile, label, split, fit, validate, (tau_V stage), grid, select, freeze.
+
+    With ``cfg.tau_grid`` of two or more values, one length model is fitted per ``tau_V`` and the window
+    stage picks ``tau_V`` by the minimax rule over resumes at ``kappa=0, block_size=32``; the
+    ``(kappa, block)`` grid then runs under the chosen length model. Otherwise ``cfg.tau_v`` is used.
+
+    Args:
+        engine: the engine of the model to calibrate.
+        episodes: calibration episodes (tasks with at least one pair each).
+        cfg: the configuration.
+        model_name: the profile's ``model`` (what :func:`patchkv_agent.profiles.load_profile` matches).
+        command: the command line that made the profile (recorded).
+        data: extra provenance recorded under ``"data"`` (workloads, sizes, ...).
+        progress: show a tqdm bar.
+    Returns:
+        ``(profile dict, profiled pairs)``.
+    Raises:
+        ValueError: fewer than two tasks, no span with a suffix on the calibration side, or bad settings.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    tasks = [ep.task for ep in episodes]
+    calib_tasks, val_tasks = split_by_group(tasks, val_share=cfg.val_share)
+    if not calib_tasks or not val_tasks:
+        raise ValueError(f"need at least two tasks for a calibration/validation split, got {len(set(tasks))}")
+    n_val_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in val_tasks)
+    keep_tasks = _grid_tasks(episodes, val_tasks, n_val_pairs if cfg.grid_max_pairs is None else cfg.grid_max_pairs)
+    taus = tuple(cfg.tau_grid) if len(cfg.tau_grid) > 1 else (cfg.tau_grid[0] if cfg.tau_grid else cfg.tau_v,)
+    per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2
+    n_keep_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in keep_tasks)
+    window = None
+    with tqdm(total=sum(len(ep.versions) for ep in episodes) + n_keep_pairs * per_pair, desc="calibrate",
+              unit="step", disable=not progress) as bar:
+        bar.set_postfix_str("prefill")
+        pairs = profile_episodes(engine, episodes, cfg, keep_tasks, bar)
+        kept = [p for p in pairs if p.ckpt is not None]
+        fits = {t: _fit_for_tau(pairs, dataclasses.replace(cfg, tau_v=t), val_tasks) for t in taus}
+        t_fit = time.perf_counter()
+        if len(taus) > 1:
+            bar.set_postfix_str("tau_V")
+            configs = [ResumeConfig(options={"kappa": 0.0, "block_size": 32}, length_model=fits[t][1],
+                                    tags={"tau_v": t}) for t in taus]
+            rows = evaluate_configs(engine, kept, configs, bar)
+            window = select_config(rows, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel,
+                                   keys=("tau_v",), prefer=(1,))
+            for s_ in window["summary"]:
+                lab, lm_t = fits[s_["tau_v"]]
+                val_t = [r for r in lab if r["split"] == "validation"]
+                s_["validation_coverage"] = _fit_summary(lm_t, val_t, cfg.quantile)["coverage"]
+                s_["window_share"] = _fit_summary(lm_t, lab, cfg.quantile)["window_share"]
+        tau = window["tau_v"] if window else taus[0]
+        labels, lm = fits[tau]
+        bar.set_postfix_str("grid")
+        grid, refs = evaluate_grid(engine, kept, lm, cfg, bar)
+    sel = select_config(grid, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel)
+    cal = [r for r in labels if r["split"] == "calib"]
+    val = [r for r in labels if r["split"] == "validation"]
+    spec = engine.spec
+    profile = {
+        "schema": PROFILE_SCHEMA,
+        "model": model_name or str(getattr(engine.model, "patchkv_source", "") or spec.model_type),
+        "fingerprint": spec.fingerprint,
+        "model_spec": {"model_type": spec.model_type, "num_layers": spec.num_layers,
+                       "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "length_model": lm.to_dict(),
+        "kappa": float(sel["kappa"]),
+        "block_size": int(sel["block_size"]),
+        "precision_policy": {**dataclasses.asdict(PrecisionPolicy()), "calibrated": False,
+                             "note": "library defaults; not calibrated (the checkpoint store does not quantize yet)"},
+        "tau_v": float(tau),
+        "gamma": cfg.gamma,
+        "quantile": cfg.quantile,
+        "validation_coverage": _fit_summary(lm, val, cfg.quantile)["coverage"],
+        "drift": {"metric": cfg.metric, "block_reduce": cfg.block_reduce, "profile_block": cfg.profile_block,
+                  "layers": list(cfg.layers or default_profile_layers(spec.num_layers)),
+                  "values": "old V rows restored as-is (values never rotate) vs exact new V rows"},
+        "fit": {"method": "pinball MM (Hunter-Lange), standardized features, ridge", "ridge": cfg.ridge,
+                "shift": cfg.shift, "target": "log(max(d*, 1))", "d_min": cfg.d_min,
+                "calib": _fit_summary(lm, cal, cfg.quantile), "validation": _fit_summary(lm, val, cfg.quantile)},
+        "d_hat_examples": _d_hat_examples(lm),
+        "window_selection": None if window is None else {
+            "tau_grid": list(taus), "at": {"kappa": 0.0, "block_size": 32},
+            "chosen": {k: window[k] for k in ("tau_v", "worst_gap", "best_worst_gap", "tolerance")},
+            "summary": window["summary"]},
+        "selection": {"rule": "minimax: min worst per-workload mean loss, within tolerance least mean recompute",
+                      "quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel,
+                      "grid_kappas": list(cfg.kappas), "grid_blocks": list(cfg.blocks),
+                      "n_pairs": len({r["pair"] for r in grid}),
+                      "chosen": {k: sel[k] for k in ("kappa", "block_size", "worst_gap", "best_worst_gap",
+                                                     "tolerance")},
+                      "summary": sel["summary"],
+                      "reference": {n: _means([r for r in refs if r["strategy"] == n])
+                                    for n in ("direct", "patchkv-default") if any(r["strategy"] == n for r in refs)}},
+        "split": {"by": "task", "val_share": cfg.val_share, "calib_tasks": calib_tasks,
+                  "validation_tasks": val_tasks, "grid_tasks": sorted(keep_tasks)},
+        "data": {**(data or {}), "n_episodes": len(episodes), "n_pairs": len(pairs), "n_spans": len(labels),
+                 "episodes": [ep.id for ep in episodes]},
+        "labels": labels,
+        "timing": {"profile_fit_s": round(t_fit - t0, 1), "total_s": round(time.perf_counter() - t0, 1)},
+    }
+    return profile, pairs
+
+
+def _grid_tasks(episodes: Sequence[Episode], val_tasks: Sequence[str], n_pairs: int) -> set[str]:
+    """Validation tasks whose pairs the grid evaluates: whole tasks, round-robin over workloads."""
+    by_w: dict[str, list[str]] = {}
+    pairs_of: dict[str, int] = {}
+    for ep in episodes:
+        if ep.task in val_tasks:
+            if ep.task not in pairs_of:
+                by_w.setdefault(ep.workload, []).append(ep.task)
+            pairs_of[ep.task] = pairs_of.get(ep.task, 0) + len(ep.versions) - 1
+    chosen, count = set(), 0
+    queues = [list(v) for _, v in sorted(by_w.items())]
+    while count < n_pairs and any(queues):
+        for q in queues:
+            if q and count < n_pairs:
+                t = q.pop(0)
+                chosen.add(t)
+                count += pairs_of[t]
+    return chosen
+
+
+def write_profile(profile: dict, path: str | Path) -> Path:
+    """Write a profile as indented JSON (parent folders created).
+
+    Args:
+        profile: the profile dict (keys starting with ``_`` are dropped).
+        path: output file.
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean = {k: v for k, v in profile.items() if not k.startswith("_")}
+    path.write_text(json.dumps(clean, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def save_drift(pairs: Sequence[PairProfile], path: str | Path, profile: dict | None = None) -> Path:
+    """Save the per-token drift curves (for figures) as a compressed ``.npz``.
+
+    Args:
+        pairs: profiled pairs.
+        path: output ``.npz``.
+        profile: optional profile; its ``tau_v``/``gamma``/``drift`` settings are stored alongside.
+    Returns:
+        The path written. Arrays: ``P, E, S`` per span, ``offsets`` (span ``i`` is
+        ``deviation[offsets[i]:offsets[i+1]]``), ``deviation`` (float32), ``pair`` and ``workload`` names,
+        ``meta`` (JSON string).
+    """
+    spans = [(p, sd) for p in pairs for sd in p.spans]
+    devs = [sd.deviation.astype(np.float32) for _, sd in spans]
+    offsets = np.concatenate([[0], np.cumsum([d.size for d in devs])]).astype(np.int64)
+    meta = {k: profile.get(k) for k in ("model", "tau_v", "gamma", "drift")} if profile else {}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        path, P=np.asarray([sd.prefix_len for _, sd in spans], dtype=np.int64),
+        E=np.asarray([sd.edit_len for _, sd in spans], dtype=np.int64),
+        S=np.asarray([sd.suffix_len for _, sd in spans], dtype=np.int64), offsets=offsets,
+        deviation=np.concatenate(devs) if devs else np.zeros(0, dtype=np.float32),
+        pair=np.asarray([p.pair_id for p, _ in spans]), workload=np.asarray([p.workload for p, _ in spans]),
+        meta=np.asarray(json.dumps(meta)))
+    return path

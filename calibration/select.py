@@ -1,0 +1,113 @@
+"""Choose a configuration (``kappa`` and ``block_size``; or ``tau_V``) from measured rows by the minimax rule.
+
+Boundary: plain dict rows in (one per validation pair and configuration, as
+:func:`patchkv_agent.calibration.profile.evaluate_configs` writes them), a summary dict out. No torch.
+
+Rule:
+1. quality loss of a row: first-token KL to ``exact`` in nats (``quality="kl"``, the default: continuous,
+   so a dozen pairs already rank configurations) or ``1 - tf_agree`` (``quality="tf"``: share of greedy
+   reference tokens whose argmax differs under teacher forcing).
+2. per configuration and workload, the mean loss over that workload's pairs; the configuration's
+   *worst* gap is the max over workloads.
+3. admissible: worst gap ``<= best + max(tol_abs, tol_rel * best)``, ``best`` the smallest worst gap.
+4. among admissible configurations, the least mean recompute tokens (deterministic, and proportional to
+   resume compute; mean TTFT is reported beside it), then the smaller worst gap, then the smaller
+   ``kappa`` (or ``tau_V``), then the larger block.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = ["QUALITY", "row_loss", "summarize_grid", "select_config"]
+
+QUALITY = ("kl", "tf")
+
+
+def row_loss(row: dict[str, Any], quality: str = "kl") -> float:
+    """Quality loss of one grid row.
+
+    Args:
+        row: needs ``first_token_kl`` (``quality="kl"``) or ``tf_agree`` (``quality="tf"``).
+        quality: ``"kl"`` or ``"tf"``.
+    Returns:
+        The loss (``>= 0``; 0 = same as exact).
+    Raises:
+        ValueError: unknown quality.
+    """
+    if quality == "kl":
+        return float(row["first_token_kl"])
+    if quality == "tf":
+        return 1.0 - float(row["tf_agree"])
+    raise ValueError(f"unknown quality {quality!r}; choose one of {QUALITY}")
+
+
+def summarize_grid(rows: Iterable[dict[str, Any]], quality: str = "kl",
+                   keys: tuple[str, ...] = ("kappa", "block_size")) -> list[dict[str, Any]]:
+    """One summary per configuration (distinct values of ``keys``).
+
+    Args:
+        rows: grid rows with the ``keys`` fields, ``workload``, ``recompute_tokens``, ``ttft_s``,
+            ``first_token_kl``, ``tf_agree``.
+        quality: loss used for ``gap_by_workload`` / ``worst_gap``.
+        keys: the fields that identify a configuration.
+    Returns:
+        Dicts with the ``keys`` fields and ``n, gap_by_workload, worst_gap, mean_kl, mean_tf_agree,
+        mean_recompute_tokens, mean_ttft_s``, sorted by the key values.
+    """
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by[tuple(r[k] for k in keys)].append(r)
+    out = []
+    for kv, rs in sorted(by.items()):
+        per_w: dict[str, list[float]] = defaultdict(list)
+        for r in rs:
+            per_w[str(r.get("workload", ""))].append(row_loss(r, quality))
+        gaps = {w: float(np.mean(v)) for w, v in sorted(per_w.items())}
+        out.append({
+            **dict(zip(keys, kv)), "n": len(rs), "gap_by_workload": gaps,
+            "worst_gap": max(gaps.values()),
+            "mean_kl": float(np.mean([r["first_token_kl"] for r in rs])),
+            "mean_tf_agree": float(np.mean([r["tf_agree"] for r in rs])),
+            "mean_recompute_tokens": float(np.mean([r["recompute_tokens"] for r in rs])),
+            "mean_ttft_s": float(np.mean([r["ttft_s"] for r in rs])),
+        })
+    return out
+
+
+def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_abs: float = 1e-3,
+                  tol_rel: float = 0.1, keys: tuple[str, ...] = ("kappa", "block_size"),
+                  prefer: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Apply the minimax rule (module docstring) to grid rows.
+
+    Args:
+        rows: grid rows (see :func:`summarize_grid`).
+        quality: ``"kl"`` or ``"tf"``.
+        tol_abs, tol_rel: admissibility tolerance on the worst gap.
+        keys: configuration fields (default ``kappa, block_size``; e.g. ``("tau_v",)`` for the window stage).
+        prefer: last tie-break, per key: ``+1`` prefers the smaller value, ``-1`` the larger
+            (default: smaller ``kappa``, larger ``block_size``, and smaller for any other key).
+    Returns:
+        The ``keys`` fields of the pick and ``worst_gap, best_worst_gap, tolerance, quality, summary``
+        (``summary``: the per-configuration list of :func:`summarize_grid`).
+    Raises:
+        ValueError: no rows, unknown quality, or a negative tolerance.
+    """
+    if quality not in QUALITY:
+        raise ValueError(f"unknown quality {quality!r}; choose one of {QUALITY}")
+    if tol_abs < 0 or tol_rel < 0:
+        raise ValueError("tolerances must be >= 0")
+    summary = summarize_grid(rows, quality, keys)
+    if not summary:
+        raise ValueError("no grid rows to select from")
+    sign = prefer or tuple(-1 if k == "block_size" else 1 for k in keys)
+    best = min(s["worst_gap"] for s in summary)
+    tol = max(tol_abs, tol_rel * best)
+    admissible = [s for s in summary if s["worst_gap"] <= best + tol]
+    pick = min(admissible, key=lambda s: (s["mean_recompute_tokens"], s["worst_gap"],
+                                          *(g * s[k] for g, k in zip(sign, keys))))
+    return {**{k: pick[k] for k in keys}, "worst_gap": pick["worst_gap"], "best_worst_gap": best,
+            "tolerance": tol, "quality": quality, "summary": summary}

@@ -1,0 +1,291 @@
+"""Offline calibration: oracle boundary, quantile fit, task split, minimax selection, profiles end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from patchkv_agent.calibration.drift import (
+    block_deviation,
+    default_profile_layers,
+    oracle_boundary,
+    span_drift,
+    token_deviation,
+)
+from patchkv_agent.calibration.fit import coverage, fit_length_model, fit_quantile, pinball_loss, split_by_group
+from patchkv_agent.calibration.select import select_config
+from patchkv_agent.diff import diff_versions
+from patchkv_agent.plan import LengthModel, span_features
+from patchkv_agent.profiles import apply_profile, load_profile, profile_length_model
+
+# --- oracle boundary ------------------------------------------------------------------------------------------------
+
+
+def test_oracle_boundary_gamma_one_is_after_the_last_bad_block():
+    b = np.array([0.5, 0.2, 0.01, 0.01])
+    assert oracle_boundary(b, block_size=16, suffix_len=64, tau_v=0.05, gamma=1.0) == 32
+    assert oracle_boundary(b, block_size=16, suffix_len=64, tau_v=0.3, gamma=1.0) == 16
+    assert oracle_boundary(b, block_size=16, suffix_len=64, tau_v=0.6, gamma=1.0) == 0  # all under: nothing dirty
+    # a late bad block moves d* past it
+    b2 = np.array([0.5, 0.01, 0.01, 0.2, 0.01])
+    assert oracle_boundary(b2, block_size=16, suffix_len=80, tau_v=0.05) == 64
+
+
+def test_oracle_boundary_none_case_is_the_whole_segment():
+    b = np.full(4, 0.5)
+    assert oracle_boundary(b, block_size=16, suffix_len=60, tau_v=0.05) == 60  # ragged last block: |S|, not 64
+    assert oracle_boundary(np.array([0.01, 0.9]), block_size=16, suffix_len=20, tau_v=0.05) == 20
+    assert oracle_boundary(np.zeros(0), block_size=16, suffix_len=0, tau_v=0.05) == 0
+
+
+def test_oracle_boundary_gamma_tolerates_isolated_late_blocks():
+    b = np.full(30, 0.01)
+    b[0], b[10] = 0.5, 0.3
+    assert oracle_boundary(b, block_size=16, suffix_len=480, tau_v=0.05, gamma=1.0) == 176
+    # gamma 0.95: from block 1 on, 28 of 29 later blocks (96.6%) are under tau; from block 0 only 28/30
+    assert oracle_boundary(b, block_size=16, suffix_len=480, tau_v=0.05, gamma=0.95) == 16
+    # gamma 0.9: 28/30 = 93% already qualifies at 0
+    assert oracle_boundary(b, block_size=16, suffix_len=480, tau_v=0.05, gamma=0.9) == 0
+
+
+def test_oracle_boundary_rejects_bad_inputs():
+    with pytest.raises(ValueError):
+        oracle_boundary(np.zeros(3), block_size=16, suffix_len=64, tau_v=0.1)  # 64 tokens need 4 blocks
+    with pytest.raises(ValueError):
+        oracle_boundary(np.zeros(4), block_size=16, suffix_len=64, tau_v=0.1, gamma=0.0)
+
+
+def test_block_deviation_max_and_mean_with_a_ragged_block():
+    d = np.array([0.1, 0.3, 0.2, 0.0, 0.4])
+    assert block_deviation(d, 2, "max").tolist() == pytest.approx([0.3, 0.2, 0.4])
+    assert block_deviation(d, 2, "mean").tolist() == pytest.approx([0.2, 0.1, 0.4])
+    assert block_deviation(np.zeros(0), 4).size == 0
+
+
+def test_token_deviation_cosine_and_rel_l2():
+    old = [torch.tensor([[[1.0, 0.0], [2.0, 0.0], [0.0, 5.0]]])]  # one layer, 1 head, 3 tokens, D=2
+    new = [torch.tensor([[[0.0, 1.0], [1.0, 0.0], [0.0, 5.0]]])[None]]  # batch dim accepted
+    cos = token_deviation(old, new, np.array([0, 1, 2]), np.array([0, 1, 2]), layers=[0])
+    assert cos.tolist() == pytest.approx([1.0, 0.0, 0.0])
+    rel = token_deviation(old, new, np.array([1]), np.array([1]), layers=[0], metric="rel_l2")
+    assert rel.tolist() == pytest.approx([1.0])  # |(2,0) - (1,0)| / |(1,0)|
+    with pytest.raises(ValueError):
+        token_deviation(old, new, np.array([0]), np.array([0]), layers=[3])
+    assert default_profile_layers(30) == tuple(range(1, 30)) and default_profile_layers(1) == (0,)
+
+
+def test_span_drift_follows_the_edit_layout():
+    old = np.arange(100, 300)
+    new = np.concatenate([old[:50], np.arange(900, 920), old[60:150], np.arange(950, 955), old[160:]])
+    edit = diff_versions(old, new)
+    h, d = 2, 4
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(1000, h, d, generator=gen)  # value = f(token): no drift anywhere
+    vo = [table[torch.from_numpy(old)].transpose(0, 1)]
+    vn = [table[torch.from_numpy(new)].transpose(0, 1)]
+    spans = span_drift(edit, vo, vn, layers=[0])
+    p, e, s = span_features(edit)
+    assert [(x.prefix_len, x.edit_len, x.suffix_len) for x in spans] == list(zip(p.tolist(), e.tolist(), s.tolist()))
+    assert [x.suffix_len for x in spans] == [90, 40]
+    assert all(np.allclose(x.deviation, 0.0, atol=1e-6) and x.deviation.size == x.suffix_len for x in spans)
+
+
+# --- quantile fit ---------------------------------------------------------------------------------------------------
+
+
+def _synthetic(n, rng):
+    p, e, s = rng.integers(50, 3000, n), rng.integers(5, 500, n), rng.integers(50, 2000, n)
+    x = LengthModel.features(p, e, s)
+    w = np.array([1.0, 0.1, 0.3, 0.2, 0.0, 0.0, 0.0])
+    y = x @ w + rng.normal(0.0, 0.4, n) * (1.0 + 0.1 * x[:, 2])  # heteroscedastic noise
+    return p, e, s, x, y
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_pinball_fit_recovers_the_quantile(q):
+    rng = np.random.default_rng(1)
+    _, _, _, x, y = _synthetic(1500, rng)
+    w = fit_quantile(x, y, q, ridge=0.0)
+    assert np.mean(y <= x @ w) == pytest.approx(q, abs=0.01)  # in sample: a quantile fit hits q
+    _, _, _, x2, y2 = _synthetic(4000, rng)
+    assert np.mean(y2 <= x2 @ w) == pytest.approx(q, abs=0.03)  # out of sample: within a few points
+    # the fit is a pinball minimum: perturbing the weights never helps
+    base = pinball_loss(y, x @ w, q)
+    for k in range(x.shape[1]):
+        for step in (-1e-2, 1e-2):
+            w2 = w.copy()
+            w2[k] += step
+            assert pinball_loss(y, x @ w2, q) >= base - 1e-9
+
+
+def test_fit_length_model_covers_d_star_on_held_out_tasks():
+    rng = np.random.default_rng(2)
+    p, e, s, x, y = _synthetic(600, rng)
+    d_star = np.minimum(np.exp(y).round().astype(np.int64), s)
+    groups = [f"task{i // 3}" for i in range(600)]  # three spans per task
+    cal, val = split_by_group(groups, val_share=0.3)
+    cal_m = np.isin(groups, cal)
+    lm = fit_length_model(p[cal_m], e[cal_m], s[cal_m], d_star[cal_m], quantile=0.9,
+                          groups=[g for g, m in zip(groups, cal_m) if m])
+    assert lm.quantile == 0.9
+    cov = coverage(lm, p[~cal_m], e[~cal_m], s[~cal_m], d_star[~cal_m])
+    assert 0.85 <= cov <= 0.98
+    assert LengthModel.from_dict(json.loads(json.dumps(lm.to_dict()))) == lm
+
+
+def test_fit_quantile_rejects_bad_inputs():
+    with pytest.raises(ValueError):
+        fit_quantile(np.ones((3, 2)), np.zeros(3), 1.0)
+    with pytest.raises(ValueError):
+        fit_quantile(np.zeros((3, 2)), np.zeros(3), 0.5)  # no intercept column
+
+
+# --- split ----------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([f"w/{i}" for i in range(12)]), min_size=1, max_size=60),
+       st.floats(0.0, 0.9))
+def test_split_never_puts_a_task_on_both_sides(groups, share):
+    cal, val = split_by_group(groups, val_share=share)
+    assert not set(cal) & set(val)
+    assert set(cal) | set(val) == set(groups)
+    if len(set(groups)) >= 2 and share > 0:
+        assert cal and val
+    assert split_by_group(list(reversed(groups)), val_share=share) == (cal, val)  # order-independent
+
+
+# --- selection ------------------------------------------------------------------------------------------------------
+
+
+def _row(kappa, bs, wl, kl, rec):
+    return {"kappa": kappa, "block_size": bs, "workload": wl, "first_token_kl": kl, "tf_agree": 1.0 - kl,
+            "recompute_tokens": rec, "ttft_s": rec / 1000}
+
+
+def test_minimax_picks_the_cheapest_config_within_tolerance_of_the_best_worst_gap():
+    rows = [
+        # (0, 16): good on a, bad on b -> worst 0.30
+        _row(0.0, 16, "a", 0.01, 100), _row(0.0, 16, "b", 0.30, 100),
+        # (0.02, 16): worst 0.105, cheap
+        _row(0.02, 16, "a", 0.10, 150), _row(0.02, 16, "b", 0.105, 150),
+        # (0.02, 64): best worst gap 0.10, expensive
+        _row(0.02, 64, "a", 0.10, 300), _row(0.02, 64, "b", 0.09, 300),
+    ]
+    sel = select_config(rows, tol_rel=0.1, tol_abs=0.0)
+    assert (sel["kappa"], sel["block_size"]) == (0.02, 16)
+    assert sel["best_worst_gap"] == pytest.approx(0.10)
+    sel = select_config(rows, tol_rel=0.0, tol_abs=0.0)
+    assert (sel["kappa"], sel["block_size"]) == (0.02, 64)
+    # any key set: the tau_V stage selects over one field
+    tau_rows = [{**r, "tau_v": 0.05 if r["block_size"] == 64 else 0.1} for r in rows if r["kappa"] == 0.02]
+    sel = select_config(tau_rows, keys=("tau_v",), tol_rel=0.1, tol_abs=0.0)
+    assert sel["tau_v"] == 0.1 and len(sel["summary"]) == 2
+    with pytest.raises(ValueError):
+        select_config([])
+
+
+# --- end to end on a tiny model -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from tiny_models import tiny_model
+
+    from patchkv_agent.engine import PatchKVEngine
+
+    return PatchKVEngine(tiny_model("llama"), block_size=16)
+
+
+def _episodes(n_tasks=5, length=160, seed=0):
+    from patchkv_agent.calibration.profile import Episode
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(n_tasks):
+        old = rng.integers(3, 211, length)
+        cut = int(rng.integers(20, 60))
+        new = np.concatenate([old[:cut], rng.integers(3, 211, int(rng.integers(4, 20))), old[cut + 10:]])
+        out.append(Episode(id=f"syn/{t}/edit", task=f"syn/{t}", workload="syn-a" if t % 2 else "syn-b",
+                           versions=(tuple(old.tolist()), tuple(new.tolist()))))
+    return out
+
+
+def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
+    from patchkv_agent.calibration.profile import CalibConfig, run_calibration, save_drift, write_profile
+
+    eng = tiny_engine
+    cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4)
+    profile, pairs = run_calibration(eng, _episodes(), cfg, model_name="tiny-llama", command="pytest")
+    path = write_profile(profile, tmp_path / "tiny-llama.json")
+    npz = save_drift(pairs, tmp_path / "tiny-llama.drift.npz", profile)
+    (tmp_path / "not-a-profile.json").write_text('{"hello": 1}')
+
+    data = json.loads(path.read_text())
+    for key in ("model", "fingerprint", "length_model", "kappa", "block_size", "precision_policy", "tau_v", "gamma",
+                "quantile", "validation_coverage", "split", "command", "created"):
+        assert key in data, key
+    assert data["fingerprint"] == eng.spec.fingerprint and data["command"] == "pytest"
+    assert data["kappa"] in (0.0, 0.05) and data["block_size"] in (16, 32)
+    assert 0.0 <= data["validation_coverage"] <= 1.0
+    assert not set(data["split"]["calib_tasks"]) & set(data["split"]["validation_tasks"])
+    assert len(data["selection"]["summary"]) == 4
+    ws = data["window_selection"]
+    assert data["tau_v"] == ws["chosen"]["tau_v"] in (0.05, 0.2) and len(ws["summary"]) == 2
+    assert all(0.0 <= s["validation_coverage"] <= 1.0 for s in ws["summary"])
+    assert {r["split"] for r in data["labels"]} == {"calib", "validation"}
+
+    found = load_profile(eng, dirs=[tmp_path])  # by fingerprint
+    assert found is not None and found["_source"]["match"] == "fingerprint"
+    assert load_profile(eng.spec.fingerprint, dirs=[tmp_path])["model"] == "tiny-llama"
+    by_name = load_profile("tiny-llama", dirs=[tmp_path])
+    assert by_name is not None and by_name["_source"]["match"] == "name"
+    assert load_profile("llama:0000", model_name="tiny-llama", dirs=[tmp_path])["_source"]["match"] == "name"
+    assert load_profile("llama:0000", dirs=[tmp_path]) is None
+    lm = profile_length_model(found)
+    assert isinstance(lm, LengthModel) and lm.quantile == 0.9
+
+    class Holder:
+        pass
+
+    h = Holder()
+    apply_profile(h, found)
+    assert (h.kappa, h.block_size, h.length_model) == (data["kappa"], data["block_size"], lm)
+    assert h.profile_path == str(path)
+    z = np.load(npz)
+    assert z["offsets"][-1] == z["deviation"].size and len(z["S"]) == data["data"]["n_spans"]
+
+
+def test_calibrate_cli_parses_defaults():
+    import argparse
+
+    from patchkv_agent.calibration.cli import add_calibrate_cli, calibrate_main
+
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="command")
+    add_calibrate_cli(sub)
+    args = ap.parse_args(["calibrate", "--workload", "hotpotqa-e", "--n", "3", "--kappas", "0,0.02", "--out", "x.json"])
+    assert args.func is calibrate_main
+    assert (args.n, args.kappas, args.blocks, args.quantile) == (3, (0.0, 0.02), (16, 32, 64, 128), 0.9)
+    assert len(args.tau_v) >= 2  # the tau_V stage runs by default
+
+    from patchkv_agent.calibration.cli import _parse_workloads
+
+    assert _parse_workloads("hotpotqa-e, 2wikimqa-e:1800,", 1500) == {"hotpotqa-e": 1500, "2wikimqa-e": 1800}
+    with pytest.raises(SystemExit):
+        _parse_workloads("nq-e:many", 1500)
+
+
+def test_packaged_profiles_are_valid():
+    from patchkv_agent.profiles import iter_profiles, profile_dirs
+
+    packaged = profile_dirs()[-1]
+    for path, data in iter_profiles([packaged]):
+        lm = profile_length_model(data)
+        assert lm.quantile == data["quantile"], path
+        assert 0.0 <= data["kappa"] <= 1.0 and data["block_size"] >= 1
