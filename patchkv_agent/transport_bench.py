@@ -166,6 +166,8 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) ->
 def main(args) -> int:
     from .engine import PatchKVEngine
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     eng = PatchKVEngine.from_pretrained(args.model)
     result = {"model": args.model, "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
@@ -190,5 +192,6 @@ def add_cli(sub) -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kl-contexts", type=int, default=4)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="runs/transport.json")
     p.set_defaults(func=main)
