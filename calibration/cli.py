@@ -4,8 +4,13 @@ Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_ag
 (``split="calib"``), the work from :func:`.profile.run_calibration`. The lead CLI adds the command with
 ``add_calibrate_cli(subparsers)``; ``calibrate_main(args)`` runs it.
 
-Default size (3 workloads x 6 episodes x 3 versions at ~1.5k tokens, the full 4 x 4 grid on the
-validation pairs) takes ~15 minutes for SmolLM2-135M on 2 free CPU cores.
+Default size (3 workloads x 6 episodes x 3 versions at ~1.5k tokens (2WikiMQA at 1.8k), the 4 tau_V
+candidates and the full 4 x 4 (kappa, block) grid on the validation pairs) takes about 15 minutes for
+SmolLM2-135M on 2 free CPU cores. On a shared machine pass ``--threads 1``: two torch threads competing
+with other processes for two cores ran 5x slower than one thread here.
+
+Writes three files: the profile (``--out``), the drift curves (``.drift.npz``, for figures) and the raw
+resume rows (``.rows.jsonl``, to redo the selection offline).
 """
 
 from __future__ import annotations
@@ -56,8 +61,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality", default="kl", choices=["kl", "tf"], help="loss for the minimax rule")
     p.add_argument("--tol-rel", type=float, default=0.1, help="relative tolerance on the worst gap")
     p.add_argument("--tol-abs", type=float, default=1e-3, help="absolute tolerance on the worst gap")
+    p.add_argument("--z", type=float, default=1.0,
+                   help="standard errors of slack in the minimax rule (0: tolerance only)")
     p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
     p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -160,13 +169,18 @@ def calibrate_main(args: argparse.Namespace) -> int:
     """
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.replay import plain_messages
-    from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, write_profile
+    from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     command = getattr(args, "_command", None) or "patchkv-agent " + shlex.join(sys.argv[1:])
     default_out = Path(__file__).resolve().parent / "profiles" / f"{_safe_name(args.model)}.json"
     out = Path(args.out) if args.out else default_out
     drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
+    rows_out = out.with_suffix(".rows.jsonl")
     eng = PatchKVEngine.from_pretrained(args.model)
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
@@ -189,10 +203,10 @@ def calibrate_main(args: argparse.Namespace) -> int:
                       tau_grid=tuple(args.tau_v) if len(args.tau_v) > 1 else (), gamma=args.gamma,
                       quantile=args.quantile, ridge=args.ridge, shift=args.shift, val_share=args.val_share,
                       kappas=tuple(args.kappas), blocks=tuple(args.blocks), quality=args.quality,
-                      tol_abs=args.tol_abs, tol_rel=args.tol_rel, ref_tokens=args.ref_tokens,
+                      tol_abs=args.tol_abs, tol_rel=args.tol_rel, z=args.z, ref_tokens=args.ref_tokens,
                       grid_max_pairs=args.grid_max_pairs)
     data = {"workloads": workloads, "edit": args.edit, "n_per_workload": args.n, "versions": args.versions,
-            "target_tokens": targets, "seed": args.seed, "trace_split": "calib"}
+            "target_tokens": targets, "seed": args.seed, "threads": args.threads, "trace_split": "calib"}
     try:
         profile, pairs = run_calibration(eng, episodes, cfg, model_name=args.model, command=command, data=data,
                                          progress=not args.no_progress)
@@ -201,8 +215,9 @@ def calibrate_main(args: argparse.Namespace) -> int:
     profile["timing"]["wall_s"] = round(time.perf_counter() - t0, 1)
     write_profile(profile, out)
     save_drift(pairs, drift_out, profile)
+    save_rows(profile, rows_out)
     fit = profile["fit"]
-    print(f"wrote {out} (drift curves: {drift_out})")
+    print(f"wrote {out} (drift curves: {drift_out}, resume rows: {rows_out})")
     print(f"  length model q={cfg.quantile}: validation coverage {fit['validation']['coverage']:.3f} over "
           f"{fit['validation']['n_spans']} spans (calibration {fit['calib']['coverage']:.3f} over "
           f"{fit['calib']['n_spans']})")

@@ -41,8 +41,8 @@ from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_
 from .select import select_config
 
 __all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_from_traces", "profile_episodes",
-           "label_spans", "evaluate_configs", "evaluate_grid", "run_calibration", "write_profile", "save_drift",
-           "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
+           "label_spans", "evaluate_configs", "evaluate_grid", "run_calibration", "write_profile", "save_rows",
+           "save_drift", "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
 
 DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
@@ -85,7 +85,7 @@ class CalibConfig:
         ridge, shift: see :func:`.fit.fit_length_model`.
         val_share: share of tasks held out for validation.
         kappas, blocks: the selection grid.
-        quality, tol_abs, tol_rel: see :func:`.select.select_config`.
+        quality, tol_abs, tol_rel, z: see :func:`.select.select_config`.
         ref_tokens: greedy reference tokens per version (teacher-forced agreement).
         grid_max_pairs: evaluate the grid on at most this many validation pairs (None: all).
         d_min: floor of the length model's prediction.
@@ -107,6 +107,7 @@ class CalibConfig:
     quality: str = "kl"
     tol_abs: float = 1e-3
     tol_rel: float = 0.1
+    z: float = 1.0
     ref_tokens: int = 8
     grid_max_pairs: int | None = None
     d_min: int = 0
@@ -353,7 +354,8 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         data: extra provenance recorded under ``"data"`` (workloads, sizes, ...).
         progress: show a tqdm bar.
     Returns:
-        ``(profile dict, profiled pairs)``.
+        ``(profile dict, profiled pairs)``; the dict's ``"_rows"`` holds the raw per-pair resume rows
+        (``window``, ``grid``, ``reference``) for :func:`save_rows` (:func:`write_profile` drops it).
     Raises:
         ValueError: fewer than two tasks, no span with a suffix on the calibration side, or bad settings.
     """
@@ -369,7 +371,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     taus = tuple(cfg.tau_grid) if len(cfg.tau_grid) > 1 else (cfg.tau_grid[0] if cfg.tau_grid else cfg.tau_v,)
     per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2
     n_keep_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in keep_tasks)
-    window = None
+    window, rows_window = None, []
     with tqdm(total=sum(len(ep.versions) for ep in episodes) + n_keep_pairs * per_pair, desc="calibrate",
               unit="step", disable=not progress) as bar:
         bar.set_postfix_str("prefill")
@@ -381,9 +383,9 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
             bar.set_postfix_str("tau_V")
             configs = [ResumeConfig(options={"kappa": 0.0, "block_size": 32}, length_model=fits[t][1],
                                     tags={"tau_v": t}) for t in taus]
-            rows = evaluate_configs(engine, kept, configs, bar)
-            window = select_config(rows, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel,
-                                   keys=("tau_v",), prefer=(1,))
+            rows_window = evaluate_configs(engine, kept, configs, bar)
+            window = select_config(rows_window, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel,
+                                   z=cfg.z, keys=("tau_v",), prefer=(1,))
             for s_ in window["summary"]:
                 lab, lm_t = fits[s_["tau_v"]]
                 val_t = [r for r in lab if r["split"] == "validation"]
@@ -393,7 +395,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         labels, lm = fits[tau]
         bar.set_postfix_str("grid")
         grid, refs = evaluate_grid(engine, kept, lm, cfg, bar)
-    sel = select_config(grid, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel)
+    sel = select_config(grid, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel, z=cfg.z)
     cal = [r for r in labels if r["split"] == "calib"]
     val = [r for r in labels if r["split"] == "validation"]
     spec = engine.spec
@@ -426,7 +428,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
             "chosen": {k: window[k] for k in ("tau_v", "worst_gap", "best_worst_gap", "tolerance")},
             "summary": window["summary"]},
         "selection": {"rule": "minimax: min worst per-workload mean loss, within tolerance least mean recompute",
-                      "quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel,
+                      "quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel, "z": cfg.z,
                       "grid_kappas": list(cfg.kappas), "grid_blocks": list(cfg.blocks),
                       "n_pairs": len({r["pair"] for r in grid}),
                       "chosen": {k: sel[k] for k in ("kappa", "block_size", "worst_gap", "best_worst_gap",
@@ -441,11 +443,13 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "labels": labels,
         "timing": {"profile_fit_s": round(t_fit - t0, 1), "total_s": round(time.perf_counter() - t0, 1)},
     }
+    profile["_rows"] = {"window": rows_window, "grid": grid, "reference": refs}
     return profile, pairs
 
 
 def _grid_tasks(episodes: Sequence[Episode], val_tasks: Sequence[str], n_pairs: int) -> set[str]:
-    """Validation tasks whose pairs the grid evaluates: whole tasks, round-robin over workloads."""
+    """Validation tasks whose pairs the grid evaluates: whole tasks, always from the workload with the
+    fewest chosen pairs so far (balanced per-workload means), until ``n_pairs`` pairs are chosen."""
     by_w: dict[str, list[str]] = {}
     pairs_of: dict[str, int] = {}
     for ep in episodes:
@@ -453,14 +457,13 @@ def _grid_tasks(episodes: Sequence[Episode], val_tasks: Sequence[str], n_pairs: 
             if ep.task not in pairs_of:
                 by_w.setdefault(ep.workload, []).append(ep.task)
             pairs_of[ep.task] = pairs_of.get(ep.task, 0) + len(ep.versions) - 1
-    chosen, count = set(), 0
-    queues = [list(v) for _, v in sorted(by_w.items())]
-    while count < n_pairs and any(queues):
-        for q in queues:
-            if q and count < n_pairs:
-                t = q.pop(0)
-                chosen.add(t)
-                count += pairs_of[t]
+    chosen: set[str] = set()
+    got = {w: 0 for w in by_w}
+    while sum(got.values()) < n_pairs and any(by_w.values()):
+        w = min((w for w in sorted(by_w) if by_w[w]), key=lambda w: got[w])
+        t = by_w[w].pop(0)
+        chosen.add(t)
+        got[w] += pairs_of[t]
     return chosen
 
 
@@ -477,6 +480,25 @@ def write_profile(profile: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     clean = {k: v for k, v in profile.items() if not k.startswith("_")}
     path.write_text(json.dumps(clean, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def save_rows(profile: dict, path: str | Path) -> Path:
+    """Write the raw resume rows of a run (``profile["_rows"]``) as JSON Lines, one row per resume, with a
+    ``stage`` field (``window``, ``grid`` or ``reference``), so the selection can be redone offline.
+
+    Args:
+        profile: a profile dict from :func:`run_calibration`.
+        path: output ``.jsonl``.
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for stage, rows in (profile.get("_rows") or {}).items():
+            for r in rows:
+                f.write(json.dumps({"stage": stage, **r}) + "\n")
     return path
 
 

@@ -9,7 +9,10 @@ Rule:
    reference tokens whose argmax differs under teacher forcing).
 2. per configuration and workload, the mean loss over that workload's pairs; the configuration's
    *worst* gap is the max over workloads.
-3. admissible: worst gap ``<= best + max(tol_abs, tol_rel * best)``, ``best`` the smallest worst gap.
+3. admissible: worst gap ``<= best + max(tol_abs, tol_rel * best) + z * se``, ``best`` the smallest
+   worst gap and ``se`` the standard error of the configuration's own worst-workload mean (std over its
+   pairs / sqrt(n)): a configuration is only ruled out when it is worse than the best by more than the
+   tolerance *and* by more than ``z`` standard errors of its measurement (``z=0``: plain tolerance).
 4. among admissible configurations, the least mean recompute tokens (deterministic, and proportional to
    resume compute; mean TTFT is reported beside it), then the smaller worst gap, then the smaller
    ``kappa`` (or ``tau_V``), then the larger block.
@@ -55,8 +58,8 @@ def summarize_grid(rows: Iterable[dict[str, Any]], quality: str = "kl",
         quality: loss used for ``gap_by_workload`` / ``worst_gap``.
         keys: the fields that identify a configuration.
     Returns:
-        Dicts with the ``keys`` fields and ``n, gap_by_workload, worst_gap, mean_kl, mean_tf_agree,
-        mean_recompute_tokens, mean_ttft_s``, sorted by the key values.
+        Dicts with the ``keys`` fields and ``n, gap_by_workload, worst_gap, worst_workload, worst_se,
+        mean_kl, mean_tf_agree, mean_recompute_tokens, mean_ttft_s``, sorted by the key values.
     """
     by: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
@@ -67,9 +70,11 @@ def summarize_grid(rows: Iterable[dict[str, Any]], quality: str = "kl",
         for r in rs:
             per_w[str(r.get("workload", ""))].append(row_loss(r, quality))
         gaps = {w: float(np.mean(v)) for w, v in sorted(per_w.items())}
+        ses = {w: float(np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0 for w, v in sorted(per_w.items())}
+        worst_w = max(gaps, key=gaps.get)
         out.append({
             **dict(zip(keys, kv)), "n": len(rs), "gap_by_workload": gaps,
-            "worst_gap": max(gaps.values()),
+            "worst_gap": gaps[worst_w], "worst_workload": worst_w, "worst_se": ses[worst_w],
             "mean_kl": float(np.mean([r["first_token_kl"] for r in rs])),
             "mean_tf_agree": float(np.mean([r["tf_agree"] for r in rs])),
             "mean_recompute_tokens": float(np.mean([r["recompute_tokens"] for r in rs])),
@@ -79,7 +84,7 @@ def summarize_grid(rows: Iterable[dict[str, Any]], quality: str = "kl",
 
 
 def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_abs: float = 1e-3,
-                  tol_rel: float = 0.1, keys: tuple[str, ...] = ("kappa", "block_size"),
+                  tol_rel: float = 0.1, z: float = 1.0, keys: tuple[str, ...] = ("kappa", "block_size"),
                   prefer: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Apply the minimax rule (module docstring) to grid rows.
 
@@ -87,6 +92,7 @@ def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_ab
         rows: grid rows (see :func:`summarize_grid`).
         quality: ``"kl"`` or ``"tf"``.
         tol_abs, tol_rel: admissibility tolerance on the worst gap.
+        z: standard errors of slack (see the module docstring).
         keys: configuration fields (default ``kappa, block_size``; e.g. ``("tau_v",)`` for the window stage).
         prefer: last tie-break, per key: ``+1`` prefers the smaller value, ``-1`` the larger
             (default: smaller ``kappa``, larger ``block_size``, and smaller for any other key).
@@ -98,16 +104,16 @@ def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_ab
     """
     if quality not in QUALITY:
         raise ValueError(f"unknown quality {quality!r}; choose one of {QUALITY}")
-    if tol_abs < 0 or tol_rel < 0:
-        raise ValueError("tolerances must be >= 0")
+    if tol_abs < 0 or tol_rel < 0 or z < 0:
+        raise ValueError("tolerances and z must be >= 0")
     summary = summarize_grid(rows, quality, keys)
     if not summary:
         raise ValueError("no grid rows to select from")
     sign = prefer or tuple(-1 if k == "block_size" else 1 for k in keys)
     best = min(s["worst_gap"] for s in summary)
     tol = max(tol_abs, tol_rel * best)
-    admissible = [s for s in summary if s["worst_gap"] <= best + tol]
+    admissible = [s for s in summary if s["worst_gap"] <= best + tol + z * s["worst_se"]]
     pick = min(admissible, key=lambda s: (s["mean_recompute_tokens"], s["worst_gap"],
                                           *(g * s[k] for g, k in zip(sign, keys))))
     return {**{k: pick[k] for k in keys}, "worst_gap": pick["worst_gap"], "best_worst_gap": best,
-            "tolerance": tol, "quality": quality, "summary": summary}
+            "tolerance": tol, "z": z, "admissible": len(admissible), "quality": quality, "summary": summary}

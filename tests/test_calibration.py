@@ -190,6 +190,21 @@ def test_minimax_picks_the_cheapest_config_within_tolerance_of_the_best_worst_ga
         select_config([])
 
 
+def test_minimax_z_treats_differences_within_noise_as_ties():
+    rows = [
+        # cheap config: noisy on workload a (0.00 and 0.10: mean 0.05, se 0.05)
+        _row(0.0, 16, "a", 0.00, 100), _row(0.0, 16, "a", 0.10, 100), _row(0.0, 16, "b", 0.01, 100),
+        # expensive config: 0.01 everywhere
+        _row(0.03, 128, "a", 0.01, 900), _row(0.03, 128, "a", 0.01, 900), _row(0.03, 128, "b", 0.01, 900),
+    ]
+    strict = select_config(rows, z=0.0, tol_abs=0.0, tol_rel=0.0)
+    assert (strict["kappa"], strict["block_size"]) == (0.03, 128)
+    lenient = select_config(rows, z=1.0, tol_abs=0.0, tol_rel=0.0)  # 0.05 <= 0.01 + 1 * 0.05
+    assert (lenient["kappa"], lenient["block_size"]) == (0.0, 16) and lenient["admissible"] == 2
+    cheap = next(s for s in lenient["summary"] if s["kappa"] == 0.0)
+    assert cheap["worst_workload"] == "a" and cheap["worst_se"] == pytest.approx(0.05)
+
+
 # --- end to end on a tiny model -------------------------------------------------------------------------------------
 
 
@@ -217,16 +232,22 @@ def _episodes(n_tasks=5, length=160, seed=0):
 
 
 def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
-    from patchkv_agent.calibration.profile import CalibConfig, run_calibration, save_drift, write_profile
+    from patchkv_agent.calibration.profile import CalibConfig, run_calibration, save_drift, save_rows, write_profile
 
     eng = tiny_engine
     cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4)
     profile, pairs = run_calibration(eng, _episodes(), cfg, model_name="tiny-llama", command="pytest")
     path = write_profile(profile, tmp_path / "tiny-llama.json")
+    rows_path = save_rows(profile, tmp_path / "tiny-llama.rows.jsonl")
+    stages = [json.loads(x)["stage"] for x in rows_path.read_text().splitlines()]
+    n_kept = data_pairs = len({r["pair"] for r in profile["_rows"]["grid"]})
+    assert stages.count("grid") == 4 * n_kept and stages.count("window") == 2 * n_kept
+    assert stages.count("reference") == 2 * data_pairs
     npz = save_drift(pairs, tmp_path / "tiny-llama.drift.npz", profile)
     (tmp_path / "not-a-profile.json").write_text('{"hello": 1}')
 
     data = json.loads(path.read_text())
+    assert "_rows" not in data
     for key in ("model", "fingerprint", "length_model", "kappa", "block_size", "precision_policy", "tau_v", "gamma",
                 "quantile", "validation_coverage", "split", "command", "created"):
         assert key in data, key
