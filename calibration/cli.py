@@ -63,6 +63,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tol-abs", type=float, default=1e-3, help="absolute tolerance on the worst gap")
     p.add_argument("--z", type=float, default=1.0,
                    help="standard errors of slack in the minimax rule (0: tolerance only)")
+    p.add_argument("--target", default="default",
+                   help="quality target on the worst per-workload loss: 'default' (no worse than the engine's "
+                        "built-in setting on the same pairs), a number (e.g. --quality tf --target 0.01), or "
+                        "'none' (minimax rule alone); the cheapest configuration meeting it wins")
     p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
     p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
     p.add_argument("--threads", type=int, default=None,
@@ -97,6 +101,15 @@ def _safe_name(model: str) -> str:
     base = Path(model.rstrip("/")).name
     base = base[:-5] if base.endswith(".gguf") else base
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in base) or "model"
+
+
+def _target(s: str) -> float | str | None:
+    if s in ("default", "none"):
+        return None if s == "none" else s
+    try:
+        return float(s)
+    except ValueError:
+        raise SystemExit(f"--target must be 'default', 'none' or a number, got {s!r}") from None
 
 
 def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
@@ -181,7 +194,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out
     drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
     rows_out = out.with_suffix(".rows.jsonl")
-    eng = PatchKVEngine.from_pretrained(args.model)
+    eng = PatchKVEngine.from_pretrained(args.model, profile=None)  # measure from the built-in defaults
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
 
     def count(msgs):
@@ -203,8 +216,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
                       tau_grid=tuple(args.tau_v) if len(args.tau_v) > 1 else (), gamma=args.gamma,
                       quantile=args.quantile, ridge=args.ridge, shift=args.shift, val_share=args.val_share,
                       kappas=tuple(args.kappas), blocks=tuple(args.blocks), quality=args.quality,
-                      tol_abs=args.tol_abs, tol_rel=args.tol_rel, z=args.z, ref_tokens=args.ref_tokens,
-                      grid_max_pairs=args.grid_max_pairs)
+                      tol_abs=args.tol_abs, tol_rel=args.tol_rel, z=args.z, target=_target(args.target),
+                      ref_tokens=args.ref_tokens, grid_max_pairs=args.grid_max_pairs)
     data = {"workloads": workloads, "edit": args.edit, "n_per_workload": args.n, "versions": args.versions,
             "target_tokens": targets, "seed": args.seed, "threads": args.threads, "trace_split": "calib"}
     try:

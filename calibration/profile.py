@@ -38,11 +38,11 @@ from patchkv_agent.replay import first_token_kl, teacher_forced_agreement, versi
 
 from .drift import SpanDrift, block_deviation, default_profile_layers, oracle_boundary, span_drift
 from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_group
-from .select import select_config
+from .select import select_config, summarize_grid
 
 __all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_from_traces", "profile_episodes",
-           "label_spans", "evaluate_configs", "evaluate_grid", "run_calibration", "write_profile", "save_rows",
-           "save_drift", "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
+           "label_spans", "evaluate_configs", "evaluate_references", "evaluate_grid", "run_calibration",
+           "write_profile", "save_rows", "save_drift", "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
 
 DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
@@ -86,6 +86,9 @@ class CalibConfig:
         val_share: share of tasks held out for validation.
         kappas, blocks: the selection grid.
         quality, tol_abs, tol_rel, z: see :func:`.select.select_config`.
+        target: quality target on the worst per-workload loss: a number, ``"default"`` (the worst loss of
+            the engine's built-in setting, measured on the same pairs: the profile must be no worse than
+            running without one, at the least cost) or None (the minimax rule alone).
         ref_tokens: greedy reference tokens per version (teacher-forced agreement).
         grid_max_pairs: evaluate the grid on at most this many validation pairs (None: all).
         d_min: floor of the length model's prediction.
@@ -108,6 +111,7 @@ class CalibConfig:
     tol_abs: float = 1e-3
     tol_rel: float = 0.1
     z: float = 1.0
+    target: float | str | None = "default"
     ref_tokens: int = 8
     grid_max_pairs: int | None = None
     d_min: int = 0
@@ -267,9 +271,27 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
     return rows
 
 
+def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None) -> list[dict]:
+    """The two reference strategies on the grid pairs: ``direct`` and ``patchkv-default`` (fixed 64-token
+    window, kappa 0, block 32: the engine's setting without a profile).
+
+    Args:
+        engine: the engine.
+        pairs: pairs with a kept checkpoint and reference.
+        bar: optional progress bar.
+    Returns:
+        Rows as :func:`evaluate_configs` with ``strategy`` set to the reference's name.
+    """
+    refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
+            ResumeConfig(options={"dirty_window": 64, "kappa": 0.0, "block_size": 32},
+                         tags={"reference": "patchkv-default"})]
+    rows = evaluate_configs(engine, pairs, refs, bar)
+    return [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]} for r in rows]
+
+
 def evaluate_grid(engine, pairs: Sequence[PairProfile], length_model: LengthModel, cfg: CalibConfig,
-                  bar=None) -> tuple[list[dict], list[dict]]:
-    """Real ``patchkv`` resumes over the ``(kappa, block)`` grid, plus two reference strategies.
+                  bar=None) -> list[dict]:
+    """Real ``patchkv`` resumes over the ``(kappa, block)`` grid under one length model.
 
     Args:
         engine: the engine.
@@ -278,20 +300,11 @@ def evaluate_grid(engine, pairs: Sequence[PairProfile], length_model: LengthMode
         cfg: ``kappas``, ``blocks``.
         bar: optional progress bar.
     Returns:
-        ``(grid_rows, reference_rows)`` (rows as :func:`evaluate_configs`, tagged ``kappa, block_size``);
-        the references are ``direct`` and ``patchkv-default`` (fixed 64-token window, kappa 0, block 32:
-        the engine's setting before calibration).
+        Rows as :func:`evaluate_configs`, tagged ``kappa, block_size``.
     """
     grid_cfgs = [ResumeConfig(options={"kappa": float(k), "block_size": int(b)}, length_model=length_model,
                               tags={"kappa": float(k), "block_size": int(b)}) for k in cfg.kappas for b in cfg.blocks]
-    refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
-            ResumeConfig(options={"dirty_window": 64, "kappa": 0.0, "block_size": 32},
-                         tags={"reference": "patchkv-default"})]
-    rows = evaluate_configs(engine, pairs, grid_cfgs + refs, bar)
-    grid = [r for r in rows if "reference" not in r]
-    ref_rows = [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]}
-                for r in rows if "reference" in r]
-    return grid, ref_rows
+    return evaluate_configs(engine, pairs, grid_cfgs, bar)
 
 
 def _d_hat_examples(lm: LengthModel) -> list[dict[str, int]]:
@@ -369,7 +382,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     n_val_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in val_tasks)
     keep_tasks = _grid_tasks(episodes, val_tasks, n_val_pairs if cfg.grid_max_pairs is None else cfg.grid_max_pairs)
     taus = tuple(cfg.tau_grid) if len(cfg.tau_grid) > 1 else (cfg.tau_grid[0] if cfg.tau_grid else cfg.tau_v,)
-    per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2
+    per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2  # + 2 references
     n_keep_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in keep_tasks)
     window, rows_window = None, []
     with tqdm(total=sum(len(ep.versions) for ep in episodes) + n_keep_pairs * per_pair, desc="calibrate",
@@ -379,13 +392,16 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         kept = [p for p in pairs if p.ckpt is not None]
         fits = {t: _fit_for_tau(pairs, dataclasses.replace(cfg, tau_v=t), val_tasks) for t in taus}
         t_fit = time.perf_counter()
+        bar.set_postfix_str("references")
+        refs = evaluate_references(engine, kept, bar)
+        target = _resolve_target(cfg, refs)
+        rule = {"quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel, "z": cfg.z}
         if len(taus) > 1:
             bar.set_postfix_str("tau_V")
             configs = [ResumeConfig(options={"kappa": 0.0, "block_size": 32}, length_model=fits[t][1],
                                     tags={"tau_v": t}) for t in taus]
             rows_window = evaluate_configs(engine, kept, configs, bar)
-            window = select_config(rows_window, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel,
-                                   z=cfg.z, keys=("tau_v",), prefer=(1,))
+            window = select_config(rows_window, **rule, target=target, keys=("tau_v",), prefer=(1,))
             for s_ in window["summary"]:
                 lab, lm_t = fits[s_["tau_v"]]
                 val_t = [r for r in lab if r["split"] == "validation"]
@@ -394,8 +410,9 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         tau = window["tau_v"] if window else taus[0]
         labels, lm = fits[tau]
         bar.set_postfix_str("grid")
-        grid, refs = evaluate_grid(engine, kept, lm, cfg, bar)
-    sel = select_config(grid, quality=cfg.quality, tol_abs=cfg.tol_abs, tol_rel=cfg.tol_rel, z=cfg.z)
+        grid = evaluate_grid(engine, kept, lm, cfg, bar)
+    sel = select_config(grid, **rule, target=target)
+    pure = select_config(grid, **rule)  # the minimax rule without a target, for comparison
     cal = [r for r in labels if r["split"] == "calib"]
     val = [r for r in labels if r["split"] == "validation"]
     spec = engine.spec
@@ -425,14 +442,18 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "d_hat_examples": _d_hat_examples(lm),
         "window_selection": None if window is None else {
             "tau_grid": list(taus), "at": {"kappa": 0.0, "block_size": 32},
-            "chosen": {k: window[k] for k in ("tau_v", "worst_gap", "best_worst_gap", "tolerance")},
+            "chosen": {k: window[k] for k in ("tau_v", "worst_gap", "best_worst_gap", "tolerance", "target_met")},
+            "minimax_without_target": select_config(rows_window, **rule, keys=("tau_v",), prefer=(1,))["tau_v"],
             "summary": window["summary"]},
-        "selection": {"rule": "minimax: min worst per-workload mean loss, within tolerance least mean recompute",
-                      "quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel, "z": cfg.z,
+        "selection": {"rule": "least mean recompute among configurations whose worst per-workload mean loss meets "
+                              "the target; without a target (or when none meets it): within tolerance + z SE of "
+                              "the smallest worst loss (minimax)",
+                      **rule, "target": cfg.target, "target_value": target,
                       "grid_kappas": list(cfg.kappas), "grid_blocks": list(cfg.blocks),
                       "n_pairs": len({r["pair"] for r in grid}),
                       "chosen": {k: sel[k] for k in ("kappa", "block_size", "worst_gap", "best_worst_gap",
-                                                     "tolerance")},
+                                                     "tolerance", "target_met")},
+                      "minimax_without_target": {k: pure[k] for k in ("kappa", "block_size", "worst_gap")},
                       "summary": sel["summary"],
                       "reference": {n: _means([r for r in refs if r["strategy"] == n])
                                     for n in ("direct", "patchkv-default") if any(r["strategy"] == n for r in refs)}},
@@ -445,6 +466,16 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     }
     profile["_rows"] = {"window": rows_window, "grid": grid, "reference": refs}
     return profile, pairs
+
+
+def _resolve_target(cfg: CalibConfig, refs: Sequence[dict]) -> float | None:
+    """``cfg.target`` as a number: ``"default"`` is the worst per-workload loss of ``patchkv-default``."""
+    if cfg.target is None or cfg.target == "none":
+        return None
+    if cfg.target == "default":
+        rows = [{**r, "cfg": 0} for r in refs if r["strategy"] == "patchkv-default"]
+        return float(summarize_grid(rows, cfg.quality, keys=("cfg",))[0]["worst_gap"]) if rows else None
+    return float(cfg.target)
 
 
 def _grid_tasks(episodes: Sequence[Episode], val_tasks: Sequence[str], n_pairs: int) -> set[str]:

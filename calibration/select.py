@@ -13,6 +13,9 @@ Rule:
    worst gap and ``se`` the standard error of the configuration's own worst-workload mean (std over its
    pairs / sqrt(n)): a configuration is only ruled out when it is worse than the best by more than the
    tolerance *and* by more than ``z`` standard errors of its measurement (``z=0``: plain tolerance).
+   With a quality ``target`` instead (e.g. ``quality="tf", target=0.01``: every workload keeps a
+   teacher-forced agreement of at least 0.99), admissible means ``worst gap <= target``; when no
+   configuration meets the target the rule above applies and ``target_met`` is False.
 4. among admissible configurations, the least mean recompute tokens (deterministic, and proportional to
    resume compute; mean TTFT is reported beside it), then the smaller worst gap, then the smaller
    ``kappa`` (or ``tau_V``), then the larger block.
@@ -84,7 +87,8 @@ def summarize_grid(rows: Iterable[dict[str, Any]], quality: str = "kl",
 
 
 def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_abs: float = 1e-3,
-                  tol_rel: float = 0.1, z: float = 1.0, keys: tuple[str, ...] = ("kappa", "block_size"),
+                  tol_rel: float = 0.1, z: float = 1.0, target: float | None = None,
+                  keys: tuple[str, ...] = ("kappa", "block_size"),
                   prefer: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Apply the minimax rule (module docstring) to grid rows.
 
@@ -93,11 +97,13 @@ def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_ab
         quality: ``"kl"`` or ``"tf"``.
         tol_abs, tol_rel: admissibility tolerance on the worst gap.
         z: standard errors of slack (see the module docstring).
+        target: optional quality target on the worst gap (replaces the tolerance rule when met).
         keys: configuration fields (default ``kappa, block_size``; e.g. ``("tau_v",)`` for the window stage).
         prefer: last tie-break, per key: ``+1`` prefers the smaller value, ``-1`` the larger
             (default: smaller ``kappa``, larger ``block_size``, and smaller for any other key).
     Returns:
-        The ``keys`` fields of the pick and ``worst_gap, best_worst_gap, tolerance, quality, summary``
+        The ``keys`` fields of the pick and ``worst_gap, best_worst_gap, tolerance, z, target, target_met,
+        admissible, quality, summary``
         (``summary``: the per-configuration list of :func:`summarize_grid`).
     Raises:
         ValueError: no rows, unknown quality, or a negative tolerance.
@@ -112,8 +118,12 @@ def select_config(rows: Iterable[dict[str, Any]], *, quality: str = "kl", tol_ab
     sign = prefer or tuple(-1 if k == "block_size" else 1 for k in keys)
     best = min(s["worst_gap"] for s in summary)
     tol = max(tol_abs, tol_rel * best)
-    admissible = [s for s in summary if s["worst_gap"] <= best + tol + z * s["worst_se"]]
+    admissible = [s for s in summary if target is not None and s["worst_gap"] <= target]
+    target_met = bool(admissible)
+    if not admissible:
+        admissible = [s for s in summary if s["worst_gap"] <= best + tol + z * s["worst_se"]]
     pick = min(admissible, key=lambda s: (s["mean_recompute_tokens"], s["worst_gap"],
                                           *(g * s[k] for g, k in zip(sign, keys))))
     return {**{k: pick[k] for k in keys}, "worst_gap": pick["worst_gap"], "best_worst_gap": best,
-            "tolerance": tol, "z": z, "admissible": len(admissible), "quality": quality, "summary": summary}
+            "tolerance": tol, "z": z, "target": target, "target_met": target_met if target is not None else None,
+            "admissible": len(admissible), "quality": quality, "summary": summary}

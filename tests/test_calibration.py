@@ -201,6 +201,10 @@ def test_minimax_z_treats_differences_within_noise_as_ties():
     assert (strict["kappa"], strict["block_size"]) == (0.03, 128)
     lenient = select_config(rows, z=1.0, tol_abs=0.0, tol_rel=0.0)  # 0.05 <= 0.01 + 1 * 0.05
     assert (lenient["kappa"], lenient["block_size"]) == (0.0, 16) and lenient["admissible"] == 2
+    # a quality target: the cheapest configuration whose worst gap meets it, else the tolerance rule
+    assert select_config(rows, target=0.06, z=0.0)["kappa"] == 0.0
+    missed = select_config(rows, target=0.001, z=0.0, tol_abs=0.0, tol_rel=0.0)
+    assert missed["target_met"] is False and missed["kappa"] == 0.03
     cheap = next(s for s in lenient["summary"] if s["kappa"] == 0.0)
     assert cheap["worst_workload"] == "a" and cheap["worst_se"] == pytest.approx(0.05)
 
@@ -256,6 +260,9 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     assert 0.0 <= data["validation_coverage"] <= 1.0
     assert not set(data["split"]["calib_tasks"]) & set(data["split"]["validation_tasks"])
     assert len(data["selection"]["summary"]) == 4
+    sel = data["selection"]
+    assert sel["target"] == "default" and sel["target_value"] >= 0.0  # no worse than the built-in setting
+    assert set(sel["reference"]) == {"direct", "patchkv-default"}
     ws = data["window_selection"]
     assert data["tau_v"] == ws["chosen"]["tau_v"] in (0.05, 0.2) and len(ws["summary"]) == 2
     assert all(0.0 <= s["validation_coverage"] <= 1.0 for s in ws["summary"])
