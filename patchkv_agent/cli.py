@@ -122,11 +122,22 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _shard(spec: str) -> tuple[int, int]:
+    """``"I/K"`` -> ``(I, K)`` with ``0 <= I < K``; raises SystemExit naming the fix otherwise."""
+    try:
+        i, k = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard must look like I/K (e.g. 0/2), got {spec!r}") from None
+    if not 0 <= i < k:
+        raise SystemExit(f"--shard {spec}: need 0 <= I < K")
+    return i, k
+
+
 def cmd_bench(args) -> int:
     from .bench import markdown_table, read_results, run_bench, write_summary
 
     if args.summarize:
-        summary = write_summary(read_results(args.summarize), args.out_dir)
+        summary = write_summary([r for f in args.summarize for r in read_results(f)], args.out_dir)
     else:
         from .workloads import build_traces
 
@@ -136,6 +147,8 @@ def cmd_bench(args) -> int:
         for wl in args.workloads.split(","):
             traces += build_traces(wl, args.edit, n=args.n, split="eval", target_tokens=args.target_tokens,
                                    seed=args.seed, count_tokens=count)
+        i, k = _shard(args.shard)
+        traces = [t for j, t in enumerate(traces) if j % k == i]
         summary = run_bench(eng, traces, args.strategies.split(","), args.out_dir,
                             max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume)
         for e in summary["errors"]:
@@ -187,8 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip episodes already in it")
-    p.add_argument("--summarize", metavar="RESULTS", default=None,
-                   help="only summarize this results.jsonl into --out-dir (no model is loaded)")
+    p.add_argument("--shard", default="0/1", metavar="I/K",
+                   help="run only episodes I, I+K, I+2K, ... (0-based) of the list; run K processes with their own "
+                        "--out-dir, then merge with --summarize DIR0/results.jsonl DIR1/results.jsonl ...")
+    p.add_argument("--summarize", metavar="RESULTS", nargs="+", default=None,
+                   help="only summarize these results.jsonl files (merged) into --out-dir (no model is loaded)")
     p.set_defaults(func=cmd_bench)
 
     from . import transport_bench

@@ -170,6 +170,26 @@ def test_cli_summarize(tmp_path, capsys):
     assert "| strategy |" in capsys.readouterr().out and (tmp_path / "summary.md").exists()
 
 
+def test_cli_summarize_merges_shards(tmp_path, capsys):
+    """Two shard files summarize to the same numbers as the one file they were split from."""
+    from patchkv_agent.cli import _shard, main
+
+    rows = read_results(SMALL)
+    ids = sorted({r["id"] for r in rows})
+    for i in range(2):
+        part = [r for r in rows if ids.index(r["id"]) % 2 == i]
+        (tmp_path / f"s{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    assert main(["bench", "--summarize", str(tmp_path / "s0.jsonl"), str(tmp_path / "s1.jsonl"),
+                 "--out-dir", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "summary.json").read_text())
+    whole = summarize(rows)
+    assert merged["by_workload"] == json.loads(json.dumps(whole["by_workload"])) and merged["n_rows"] == len(rows)
+    assert _shard("1/3") == (1, 3)
+    for bad in ("3/3", "x", "1/0"):
+        with pytest.raises(SystemExit, match="shard"):
+            _shard(bad)
+
+
 # ----------------------------------------------------------------------------------- the notebook
 
 def test_frontier_notebook_runs_top_to_bottom(tmp_path):
