@@ -11,6 +11,10 @@ the same resumes served from the store and the same ones falling back; i.e. conc
 which resumes hit the store, never what a resume returns, and no thread ever sees another's state.
 The summary reports evictions, fallbacks by reason, peak RSS and wall time.
 
+``patchkv-agent stress`` then runs the property check of diff + plan + recover
+(:func:`~patchkv_agent.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
+examples on the same tiny engine) and adds its counts to the summary.
+
 Knows the engine, the stores and a tiny model config; nothing about LangGraph or benchmarks.
 """
 
@@ -242,6 +246,10 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  peak RSS {s['peak_rss_mib']} MiB; wall {s['wall_s']} s; "
         f"mean recompute {s['recompute_tokens_mean']:.1f} tokens",
     ]
+    if s.get("property") is not None:
+        from .properties import format_properties
+
+        lines.append(format_properties(s["property"]))
     return "\n".join(lines)
 
 
@@ -257,16 +265,36 @@ def add_stress_cli(subparsers) -> None:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tool-s", type=float, default=0.02, help="seconds each thread waits for its tool between versions")
+    p.add_argument("--property-examples", type=int, default=1000,
+                   help="Hypothesis examples of the diff + plan + recover property check (0: skip; needs the "
+                        "test extra, pip install 'patchkv-agent[test]')")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this path")
     p.set_defaults(func=cmd_stress)
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
+    examples = args.property_examples
+    if examples < 0:
+        raise SystemExit("patchkv-agent stress: --property-examples must be >= 0")
+    if examples:
+        try:
+            import hypothesis  # noqa: F401 - checked before the load test, not after it
+        except ImportError:
+            from .properties import HYPOTHESIS_HINT
+
+            raise SystemExit(f"patchkv-agent stress: {HYPOTHESIS_HINT}; or pass --property-examples 0 "
+                             "to run the load test alone") from None
+    engine = tiny_engine(args.seed)
     s = run_stress(threads=args.threads, versions=args.versions, budget_entries=args.budget_entries, tier=args.tier,
                    mode=args.mode, root=args.root, redis_url=args.redis_url, seed=args.seed,
-                   tool_s=args.tool_s)
+                   tool_s=args.tool_s, engine=engine)
+    if examples:
+        from .properties import run_properties
+
+        s["property"] = run_properties(engine, examples, seed=args.seed)
     print(format_summary(s))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=2)
-    return 0 if s["solo_match"] else 1
+    ok = s["solo_match"] and (not examples or s["property"]["failures"] == 0)
+    return 0 if ok else 1

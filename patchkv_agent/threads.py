@@ -6,7 +6,14 @@ two places:
 
 - *resident*: the last resume's K/V (what a decode leaves on the accelerator), or
 - *offloaded*: a :class:`~patchkv_agent.store.Checkpoint` written by ``engine.checkpoint_from``, which
-  can run in a background worker while the agent waits for a tool (:meth:`ThreadRegistry.offload_async`).
+  can run in a background worker while the agent waits for a tool (:meth:`ThreadRegistry.offload_async`);
+  held in this process, or, with ``store=``, put into a :class:`~patchkv_agent.kvstore.KVStore` tier
+  (memory, disk, Redis) under a :class:`~patchkv_agent.kvstore.CheckpointKey` (deployment, thread,
+  namespace, version, model fingerprint, token-ids hash), where the tier's byte budget and LRU eviction
+  apply. A resume from the tier goes through :func:`~patchkv_agent.kvstore.resume_from_store`: an
+  evicted, corrupt or missing entry gives the exact result with ``stats["fallback"]`` saying why. A thread
+  keeps one entry (its latest offloaded version); a registry opened on a persistent tier after a restart
+  finds it again through :meth:`ThreadRegistry.expect`.
 
 :meth:`ThreadRegistry.stream` / :meth:`ThreadRegistry.generate` resume a thread's next version: no KV
 -> ``exact`` (and, when the KV existed once but is gone, ``stats["fallback"]`` says why); KV ->
@@ -19,7 +26,8 @@ forward at a time per model), one short registry lock for the tables. A thread l
 taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
 checkpoint.
 
-Knows the engine's public methods (``resume``, ``checkpoint_from``) and nothing about LangGraph.
+Knows the engine's public methods (``resume``, ``checkpoint_from``), the store interface, and nothing about
+LangGraph.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import numpy as np
 import torch
 
 from .engine import PatchKVEngine, ResumeResult
+from .kvstore import CheckpointKey, KVStore, StoreUnavailable, load_for_resume, resume_from_store
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +99,9 @@ class _Thread:
     checkpoint_source: str = ""            # "background", "on_path", "evicted"
     pending: Future | None = None
     lost: str | None = None                # why the KV of `version` is gone (next resume says so)
+    store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
+    store_version: int = 0                 # the context version that entry holds
+    store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
     last_used: float = 0.0
 
 
@@ -165,18 +177,26 @@ class ThreadRegistry:
             thread is exact and says so).
         on_evict: ``"offload"`` (write a checkpoint of the evicted version) or ``"drop"``.
         workers: background offload workers.
+        store: the tier offloaded checkpoints go to (None: held in this process, ``offload_budget_bytes``
+            applies). The tier's own budget and eviction apply; the caller owns (and closes) it.
 
     Raises:
-        ValueError: a bad ``on_evict`` or budget.
+        ValueError: a bad ``on_evict`` or budget, or ``offload_budget_bytes`` together with ``store`` (give
+            the budget to the store).
     """
 
     def __init__(self, engine: PatchKVEngine, *, resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET,
-                 offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1):
+                 offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1,
+                 store: KVStore | None = None):
         if on_evict not in ("offload", "drop"):
             raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
         if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
             raise ValueError("budgets must be >= 0 bytes")
+        if store is not None and offload_budget_bytes is not None:
+            raise ValueError("offload_budget_bytes applies to checkpoints held in this process; with a store, "
+                             "set the budget on the store (budget_bytes=)")
         self.engine = engine
+        self.store = store
         self.resident_budget_bytes = resident_budget_bytes
         self.offload_budget_bytes = offload_budget_bytes
         self.on_evict = on_evict
@@ -209,7 +229,7 @@ class ThreadRegistry:
             return sum(_kv_bytes(t.resident) for t in self._threads.values() if t.resident is not None)
 
     def offloaded_bytes(self) -> int:
-        """Checkpoint bytes held across threads."""
+        """Checkpoint bytes held in this process across threads (a store's bytes: ``store.nbytes()``)."""
         with self._lock:
             return sum(_ckpt_bytes(t.checkpoint) for t in self._threads.values() if t.checkpoint is not None)
 
@@ -225,7 +245,8 @@ class ThreadRegistry:
             return None
         if th.resident is not None:
             kv = "offloading" if th.pending is not None and not th.pending.done() else "resident"
-        elif th.checkpoint is not None and th.checkpoint_version == th.version:
+        elif ((th.checkpoint is not None and th.checkpoint_version == th.version)
+              or (th.store_key is not None and th.store_version == th.version)):
             kv = "offloaded"
         else:
             kv = "none"
@@ -240,18 +261,35 @@ class ThreadRegistry:
         """Note that a persisted graph checkpoint refers to ``handle``'s context version of ``key``.
 
         When this registry holds no KV of that version (a new process or registry), the thread's version
-        counter continues from the handle's and the next resume is exact with ``stats["fallback"]``
-        saying why. A registry that already holds the version (or a later one) ignores the call.
+        counter continues from the handle's. With a store holding an entry of that version of the thread
+        written by this model (a persistent tier after a restart), the next resume starts from it;
+        otherwise it is exact with ``stats["fallback"]`` saying why. A registry that already holds the
+        version (or a later one) ignores the call.
         """
         v = int(handle.get("version", 0))
         th = self._thread(key)
+        found = self._find_stored(key, v) if self.store is not None else None
         with th.lock:
             if th.version >= v:
                 return
             th.version, th.token_ids = v, None
             th.resident, th.checkpoint = None, None
-            th.lost = (f"exact recompute: the graph checkpoint refers to KV of context version {v} "
-                       f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)")
+            self._set_store_entry(th, found, v, "restart")
+            th.lost = None if found is not None else (
+                f"exact recompute: the graph checkpoint refers to KV of context version {v} "
+                f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)"
+                + (f"; the {self.store.tier} store holds no checkpoint of it either" if self.store is not None else ""))
+
+    def _find_stored(self, key: ThreadKey, version: int) -> CheckpointKey | None:
+        """The store's most recently used entry of ``version`` of thread ``key`` written by this model."""
+        try:
+            keys = self.store.keys()
+        except StoreUnavailable:
+            log.warning("store unavailable while looking up thread %s version %d", key, version, exc_info=True)
+            return None
+        fp = self.engine.spec.fingerprint
+        hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
+        return hits[-1] if hits else None
 
     def fork(self, src: ThreadKey, dst: ThreadKey) -> bool:
         """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors).
@@ -270,10 +308,21 @@ class ThreadRegistry:
             if s.token_ids is None:
                 return False
             snapshot = (s.version, s.token_ids, s.resident, s.checkpoint, s.checkpoint_version, s.checkpoint_source)
+            skey = s.store_key if s.store_key is not None and s.store_version == s.version else None
+            ssource = s.store_source
+        stored, reason = None, None
+        if skey is not None:  # dst gets its own entry: each thread owns (and replaces) exactly one
+            stored, reason = load_for_resume(self.engine, self.store, skey)
         self._wait_pending(d)
         with d.lock:
             (d.version, d.token_ids, d.resident, d.checkpoint, d.checkpoint_version, d.checkpoint_source) = snapshot
             d.lost, d.pending = None, None
+            if stored is not None:
+                self._put_store(d, stored, d.version, ssource)
+            else:
+                self._set_store_entry(d, None)
+                if reason is not None:
+                    d.lost = reason
         self._enforce_resident_budget(keep=dst)
         return True
 
@@ -286,9 +335,11 @@ class ThreadRegistry:
                     self._wait_pending(th)
                     with th.lock, self._lock:
                         self._threads.pop(k, None)
+                    with th.lock:
+                        self._set_store_entry(th, None)
 
     def close(self) -> None:
-        """Finish pending offloads and stop the worker."""
+        """Finish pending offloads and stop the worker (a store stays open: its owner closes it)."""
         self._executor.shutdown(wait=True)
 
     # ---------------------------------------------------------------- resume
@@ -307,7 +358,8 @@ class ThreadRegistry:
         Returns:
             A :class:`TokenStream`; its ``result.stats`` holds the engine's resume stats plus
             ``thread_id``, ``checkpoint_ns``, ``version``, ``base_version``, ``base`` (where the base KV
-            came from), ``requested_strategy``, ``offload_wait_s``, ``offload_on_path_s`` and ``fallback``.
+            came from), ``requested_strategy``, ``offload_wait_s``, ``offload_on_path_s`` and ``fallback``;
+            resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
 
         Raises:
             ValueError: bad ids or strategy (from the engine).
@@ -323,21 +375,31 @@ class ThreadRegistry:
         wait_s = self._wait_pending(th)
         with th.lock:
             if strategy == "exact":  # no base needed: do not write one
-                base, base_version, source, on_path = None, None, "none", 0.0
+                base, base_version, source, on_path, skey = None, None, "none", 0.0, None
                 fallback = None
             else:
-                base, base_version, source, on_path = self._base(th)
-                fallback = th.lost if base is None else None
-            with self.forward_lock:
-                if base is None:
-                    res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
-                else:
-                    res = self.engine.resume(base, ids, strategy=strategy, max_new_tokens=0, **options)
+                base, base_version, source, on_path, skey = self._base(th)
+                fallback = th.lost if base is None and skey is None else None
+            if skey is not None:  # the store read runs outside the forward lock
+                res = resume_from_store(self.engine, self.store, skey, ids, strategy=strategy, max_new_tokens=0,
+                                        forward_lock=self.forward_lock, **options)
+                if res.stats["strategy"] == "exact" and res.stats["fallback"] is not None:
+                    base_version, source = None, "none"  # evicted, corrupt, missing: exact, reason recorded
+            else:
+                with self.forward_lock:
+                    if base is None:
+                        res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
+                    else:
+                        res = self.engine.resume(base, ids, strategy=strategy, max_new_tokens=0, **options)
             th.version += 1
             th.token_ids, th.lost = ids, None
             th.resident = dataclasses.replace(res, cache=None, output_ids=[])
             th.checkpoint, th.pending = None, None  # superseded by the resident version
+            stale = th.store_key
+            th.store_key = None
             version = th.version
+        if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
+            self._submit_delete(stale)
         res.stats.update(thread_id=key[0], checkpoint_ns=key[1], version=version, base_version=base_version,
                          base=source, requested_strategy=strategy, offload_wait_s=wait_s,
                          offload_on_path_s=on_path)
@@ -365,16 +427,66 @@ class ThreadRegistry:
         return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, **kwargs))
 
     def _base(self, th: _Thread):
-        """The checkpoint to resume ``th`` from (writing one on the critical path if only resident KV exists)."""
+        """Where to resume ``th`` from: ``(checkpoint, version, source, on_path_s, store_key)``.
+
+        A checkpoint in this process (written on the critical path if only resident KV exists), else the
+        thread's store entry of its current version (``checkpoint`` None, ``store_key`` set), else nothing.
+        """
         if th.checkpoint is not None and (th.resident is None or th.checkpoint_version == th.version):
-            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0
+            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0, None
         if th.resident is not None:
             t0 = time.perf_counter()
             with self.forward_lock:
                 ckpt = self.engine.checkpoint_from(th.resident)
             th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, th.version, "on_path"
-            return ckpt, th.version, "on_path", time.perf_counter() - t0
-        return None, None, "none", 0.0
+            return ckpt, th.version, "on_path", time.perf_counter() - t0, None
+        if th.store_key is not None and th.store_version == th.version:
+            return None, th.version, th.store_source, 0.0, th.store_key
+        return None, None, "none", 0.0, None
+
+    # ----------------------------------------------------------------- store
+
+    def _set_store_entry(self, th: _Thread, key: CheckpointKey | None, version: int = 0, source: str = "") -> None:
+        """Make ``key`` the thread's store entry (caller holds ``th.lock``); its previous entry is deleted."""
+        old = th.store_key
+        th.store_key, th.store_version, th.store_source = key, version, source
+        if old is not None and old != key:
+            self._delete_quietly(old)
+
+    def _put_store(self, th: _Thread, ckpt, version: int, source: str) -> None:
+        """Put ``ckpt`` as ``version`` of ``th`` into the store (caller holds ``th.lock``).
+
+        Not stored (larger than the whole budget, tier unreachable): the thread has no KV and its next
+        resume is exact, saying why.
+        """
+        key = self.store.key_for(ckpt, thread_id=th.key[0], version=version, checkpoint_ns=th.key[1])
+        try:
+            put = self.store.put(key, ckpt)
+            reason = put.reason
+        except StoreUnavailable as e:
+            put, reason = None, f"store unavailable: {e}"
+        if put is not None and put.stored:
+            self._set_store_entry(th, key, version, source)
+            if put.evicted:
+                self.events.append({"event": "store_evict", "key": th.key, "version": version,
+                                    "evicted": [(k.thread_id, k.checkpoint_ns, k.version) for k in put.evicted]})
+        else:
+            self._set_store_entry(th, None)
+            th.lost = (f"exact recompute: checkpoint of context version {version} was not kept by the "
+                       f"{self.store.tier} store ({reason})")
+            self.events.append({"event": "store_refused", "key": th.key, "version": version, "reason": reason})
+
+    def _delete_quietly(self, key: CheckpointKey) -> None:
+        try:
+            self.store.delete(key)
+        except StoreUnavailable:  # the tier's budget or expiry removes it eventually
+            log.warning("could not delete %s from the %s store", key.describe(), self.store.tier, exc_info=True)
+
+    def _submit_delete(self, key: CheckpointKey) -> None:
+        try:
+            self._executor.submit(self._delete_quietly, key)
+        except RuntimeError:  # the worker is shut down (close()): delete here
+            self._delete_quietly(key)
 
     def _commit(self, th: _Thread, version: int, res: ResumeResult, cache) -> None:
         """Make the decoded tokens' KV part of the thread's resident version (if still current)."""
@@ -458,7 +570,10 @@ class ThreadRegistry:
             t0 = time.perf_counter()
             with self.forward_lock:
                 ckpt = self.engine.checkpoint_from(th.resident)
-            th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
+            if self.store is None:
+                th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
+            else:
+                self._put_store(th, ckpt, version, source)
             th.resident = None
             dt = time.perf_counter() - t0
         self._enforce_offload_budget(keep=th.key)

@@ -3,7 +3,8 @@
 Faults: a flipped payload byte (each tier), a truncated disk file, a missing or evicted checkpoint, a
 checkpoint of another model, another thread's entry under the key, Redis down before and in the middle
 of a resume. Also: offload in one process and resume in another (disk and Redis), misuse errors, and a
-property test of diff + plan + recover through a store over random edits.
+property test of diff + plan + recover (patchkv_agent.properties) through a store over random edits, the
+stress load test and its command line.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kv_helpers import REDIS_SKIP, RedisServer
 from patchkv_agent import PatchKVEngine
 from patchkv_agent.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
+from patchkv_agent.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
+                                      run_properties)
 from tiny_models import tiny_model
 
 TOL = 1e-4
@@ -293,27 +295,16 @@ def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offload
 # ----------------------------------------------------------------------------- property
 
 
-@st.composite
-def edits(draw):
-    n = draw(st.integers(20, 90))
-    old = draw(st.lists(st.integers(3, 210), min_size=n, max_size=n))
-    new = list(old)
-    for _ in range(draw(st.integers(1, 3))):  # replace, insert or delete spans anywhere
-        i = draw(st.integers(0, len(new) - 1))
-        j = draw(st.integers(i, min(len(new), i + 12)))
-        new[i:j] = draw(st.lists(st.integers(3, 210), min_size=0, max_size=12))
-    if not new:
-        new = [5]
-    return old, new
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(edits())
-def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, ab):
-    """Over random edits: the store is transparent (same result as the in-memory checkpoint), and
-    recovery with the dirty window covering the whole suffix equals a full prefill of the new version."""
-    old, new = ab
+@settings(max_examples=40, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(edit_pairs(max_len=120))
+def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, case):
+    """Over random edits (every kind, see ``edit_pairs``): diff, plan and recovery hold their properties
+    (``check_recovery``: exact partition, full repair set == exact), and the store is transparent (same
+    result as the in-memory checkpoint, also with a full repair set)."""
+    _, old, new = case
     ckpt = eng.checkpoint(old)
+    check_recovery(eng, old, new, ckpt=ckpt)
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="p", version=len(old))
     store.put(key, ckpt)
@@ -325,6 +316,47 @@ def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, ab):
     ref = eng.resume(ckpt, new, max_new_tokens=0)
     assert torch.equal(sel.logits, ref.logits)
     assert sel.stats["recompute_tokens"] == ref.stats["recompute_tokens"] <= len(new)
+
+
+def test_property_runner_counts_examples_and_covers_every_edit_kind(eng):
+    p = run_properties(eng, 40, seed=3)
+    assert p["examples"] == 40 and p["failures"] == 0, p["failed"]
+    assert sum(p["kinds"].values()) == 40 and p["restoring_examples"] > 0 and p["max_full_diff"] <= TOL
+    seen = set()
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(edit_pairs())
+    def draw(case):  # the strategy reaches every kind (drawn without running the model)
+        kind, old, new = case
+        seen.add(kind)
+        assert new and (kind != "identical" or old == new)
+
+    draw()
+    assert seen == set(EDIT_KINDS)
+
+
+def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
+    import dataclasses
+
+    from patchkv_agent.diff import diff_versions
+    from patchkv_agent.strategies import get_strategy
+
+    old, new = pair
+    edit = diff_versions(old, new)
+    plan = get_strategy("patchkv").plan(eng, eng.checkpoint(old), edit)
+    check_plan(edit, plan)
+    assert plan.n_restore > 0
+    dropped = dataclasses.replace(plan, restore_new_positions=plan.restore_new_positions[1:],
+                                  restore_old_positions=plan.restore_old_positions[1:])
+    with pytest.raises(PropertyViolation, match="prefix .* recompute .* restore"):
+        check_plan(edit, dropped)
+    no_last = dataclasses.replace(plan, recompute_positions=plan.recompute_positions[:-1],
+                                  restore_new_positions=np.append(plan.restore_new_positions, len(new) - 1),
+                                  restore_old_positions=np.append(plan.restore_old_positions, len(old) - 1))
+    with pytest.raises(PropertyViolation):
+        check_plan(edit, no_last)
+    p = run_properties(eng, 10, seed=0, tol=0.0)  # fp32 noise is > 0: failures are counted, the run goes on
+    assert p["examples"] == 10 and 0 < p["failures"] <= 10 and "differs from exact" in p["failed"][0]["error"]
 
 
 # ----------------------------------------------------------------------------- load
@@ -351,9 +383,28 @@ def test_stress_cli_asyncio_disk(capsys, tmp_path):
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
     out = tmp_path / "stress.json"
     args = ap.parse_args(["stress", "--threads", "6", "--versions", "3", "--mode", "asyncio", "--tier", "disk",
-                          "--root", str(tmp_path / "kv"), "--budget-entries", "2", "--json", str(out)])
+                          "--root", str(tmp_path / "kv"), "--budget-entries", "2", "--json", str(out),
+                          "--property-examples", "5"])
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "6 threads x 3 versions (asyncio, disk tier" in text and "equal to each thread run alone: yes" in text
+    assert "property diff+plan+recover: 5 examples, 0 failures" in text
     s = json.loads(out.read_text())
     assert s["evictions"] > 0 and s["solo_match"]
+    assert s["property"]["examples"] == 5 and s["property"]["failures"] == 0
+    assert ap.parse_args(["stress"]).property_examples == 1000  # the default stress run checks 1,000 examples
+    args = ap.parse_args(["stress", "--threads", "2", "--versions", "2", "--property-examples", "0"])
+    assert args.func(args) == 0 and "property" not in capsys.readouterr().out
+
+
+def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
+    import argparse
+
+    from patchkv_agent.stress import add_stress_cli
+
+    ap = argparse.ArgumentParser(prog="patchkv-agent")
+    add_stress_cli(ap.add_subparsers(dest="command", required=True))
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # import hypothesis -> ImportError
+    args = ap.parse_args(["stress", "--threads", "2", "--versions", "2"])
+    with pytest.raises(SystemExit, match=r"patchkv-agent\[test\].*--property-examples 0"):
+        args.func(args)

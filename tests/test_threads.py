@@ -219,3 +219,120 @@ def test_fork_starts_a_thread_from_another_threads_kv(engine):
     assert rb.stats["strategy"] == "patchkv" and rb.stats["version"] == 2 and rb.stats["thread_id"] == "b"
     assert rb.output_ids == ra.output_ids
     torch.testing.assert_close(rb.logits, ra.logits)
+
+
+# ------------------------------------------------------------------ store tiers
+
+
+def _episode(reg, key, versions, n=3):
+    """Resume each version, then offload it (the agent waits for a tool)."""
+    out = []
+    for v in versions:
+        out.append(reg.generate(key, v, max_new_tokens=n))
+        reg.offload(key)
+    return out
+
+
+def _same(got, want):
+    assert got.output_ids == want.output_ids
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_store_tier_is_transparent_and_keeps_one_entry_per_thread(engine):
+    from patchkv_agent.kvstore import MemoryStore
+
+    c = [ctx(90)]
+    c += [edited(c[0], at=60), edited(edited(c[0], at=60), at=150, new=[30, 31])]
+    want = _episode(ThreadRegistry(engine), A, c)
+    store = MemoryStore(deployment="t")
+    reg = ThreadRegistry(engine, store=store)
+    got = _episode(reg, A, c)
+    for g, w in zip(got, want):
+        _same(g, w)
+    for g in got[1:]:
+        st = g.stats
+        assert st["strategy"] == "patchkv" and st["fallback"] is None and st["store_tier"] == "memory"
+        assert st["base"] == "background" and st["base_version"] == st["version"] - 1
+    assert reg.handle(A)["kv"] == "offloaded" and reg.offloaded_bytes() == 0
+    assert [(k.thread_id, k.version) for k in store.keys()] == [("a", 3)]  # superseded entries deleted
+    assert reg.fork(A, B)  # the fork gets an entry of its own
+    assert sorted((k.thread_id, k.version) for k in store.keys()) == [("a", 3), ("b", 3)]
+    nxt = edited(c[2], at=200)
+    rb, ra = reg.generate(B, nxt, max_new_tokens=3), reg.generate(A, nxt, max_new_tokens=3)
+    _same(rb, ra)
+    assert rb.stats["fallback"] is None and rb.stats["strategy"] == "patchkv"
+    reg.forget("a")
+    reg.forget("b")
+    reg.close()
+    assert store.keys() == []
+    with pytest.raises(ValueError, match="budget on the store"):
+        ThreadRegistry(engine, store=store, offload_budget_bytes=10)
+
+
+def test_store_budget_evicts_and_the_next_resume_is_exact_with_the_reason(engine):
+    from patchkv_agent.kvstore import MemoryStore
+
+    ca, cb = ctx(91), ctx(92)
+    probe = MemoryStore(deployment="t")
+    _episode(ThreadRegistry(engine, store=probe), A, [ca])
+    store = MemoryStore(deployment="t", budget_bytes=int(1.5 * probe.nbytes()))  # about one checkpoint
+    reg = ThreadRegistry(engine, store=store)
+    ref = ThreadRegistry(engine)  # the no-store run
+    for r in (reg, ref):
+        _episode(r, A, [ca])
+        _episode(r, B, [cb])  # B's offload evicts A's entry (least recently used)
+    assert store.stats.evictions == 1 and [k.thread_id for k in store.keys()] == ["b"]
+    assert any(e["event"] == "store_evict" and e["evicted"] == [("a", "", 1)] for e in reg.events)
+    assert reg.handle(A)["kv"] == "offloaded"  # where the KV went; the store decides whether it stays
+    ra, rb = reg.generate(A, edited(ca), max_new_tokens=3), reg.generate(B, edited(cb), max_new_tokens=3)
+    assert ra.stats["strategy"] == "exact" and ra.stats["base"] == "none" and ra.stats["version"] == 2
+    assert "evicted" in ra.stats["fallback"] and "budget" in ra.stats["fallback"]
+    want_a = exact(engine, edited(ca), 3)
+    assert ra.output_ids == want_a.output_ids
+    torch.testing.assert_close(ra.logits, want_a.logits, atol=1e-4, rtol=1e-4)
+    assert rb.stats["fallback"] is None and rb.stats["strategy"] == "patchkv"
+    _same(rb, ref.generate(B, edited(cb), max_new_tokens=3))  # a store hit equals the no-store run
+    tiny = ThreadRegistry(engine, store=MemoryStore(deployment="t", budget_bytes=10))  # nothing fits
+    _episode(tiny, A, [ca])
+    r = tiny.generate(A, edited(ca), max_new_tokens=1)
+    assert r.stats["strategy"] == "exact" and "not kept by the memory store" in r.stats["fallback"]
+    for x in (reg, ref, tiny):
+        x.close()
+
+
+def test_disk_store_survives_a_restart_and_damage_falls_back(engine, tmp_path):
+    from patchkv_agent.kvstore import DiskStore
+
+    ca, cb = ctx(93), ctx(94)
+    ref = ThreadRegistry(engine)
+    _episode(ref, A, [ca])
+    want = ref.generate(A, edited(ca), max_new_tokens=3)
+    with DiskStore(tmp_path, deployment="t", fsync=False) as before:
+        reg = ThreadRegistry(engine, store=before)
+        _episode(reg, A, [ca])
+        _episode(reg, B, [cb])
+        handles = {k: reg.handle(k) for k in (A, B)}
+        reg.close()
+        key_b = next(k for k in before.keys() if k.thread_id == "b")
+        data = before.path_of(key_b) / "data.bin"
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # a flipped byte in B's entry
+        data.write_bytes(bytes(raw))
+    assert handles[A]["kv"] == "offloaded" and json.dumps(list(handles.values()))
+    after = DiskStore(tmp_path, deployment="t", fsync=False)  # the restarted process
+    fresh = ThreadRegistry(engine, store=after)
+    C = thread_key("c")
+    for k, h in [*handles.items(), (C, {**handles[A], "thread_id": "c", "version": 5})]:
+        fresh.expect(k, h)
+    ra = fresh.generate(A, edited(ca), max_new_tokens=3)
+    assert ra.stats["strategy"] == "patchkv" and ra.stats["fallback"] is None and ra.stats["base"] == "restart"
+    assert ra.stats["store_tier"] == "disk" and ra.stats["version"] == 2
+    _same(ra, want)
+    rb = fresh.generate(B, edited(cb), max_new_tokens=3)
+    assert rb.stats["strategy"] == "exact" and "corrupt" in rb.stats["fallback"]
+    assert rb.output_ids == exact(engine, edited(cb), 3).output_ids
+    rc = fresh.generate(C, ca, max_new_tokens=1)
+    assert rc.stats["strategy"] == "exact" and "holds no checkpoint" in rc.stats["fallback"]
+    assert rc.stats["version"] == 6
+    fresh.close()
+    after.close()
