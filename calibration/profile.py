@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from patchkv_agent.engine import DEFAULT_DIRTY_WINDOW
 from patchkv_agent.diff import diff_versions
 from patchkv_agent.plan import LengthModel, plan_full
 from patchkv_agent.precision import PrecisionPolicy
@@ -272,8 +273,8 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
 
 
 def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None) -> list[dict]:
-    """The two reference strategies on the grid pairs: ``direct`` and ``patchkv-default`` (fixed 64-token
-    window, kappa 0, block 32: the engine's setting without a profile).
+    """The two reference strategies on the grid pairs: ``direct`` and ``patchkv-default`` (fixed
+    ``DEFAULT_DIRTY_WINDOW``-token window, kappa 0, block 32: the engine's setting without a profile).
 
     Args:
         engine: the engine.
@@ -283,7 +284,7 @@ def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None) -> list[
         Rows as :func:`evaluate_configs` with ``strategy`` set to the reference's name.
     """
     refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
-            ResumeConfig(options={"dirty_window": 64, "kappa": 0.0, "block_size": 32},
+            ResumeConfig(options={"dirty_window": DEFAULT_DIRTY_WINDOW, "kappa": 0.0, "block_size": 32},
                          tags={"reference": "patchkv-default"})]
     rows = evaluate_configs(engine, pairs, refs, bar)
     return [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]} for r in rows]

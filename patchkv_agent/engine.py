@@ -31,7 +31,7 @@ from .precision import PrecisionPolicy
 from .store import Checkpoint, CorruptCheckpoint, build_mixed
 from .strategies import Strategy, get_strategy
 
-DEFAULT_DIRTY_WINDOW = 64
+DEFAULT_DIRTY_WINDOW = 32
 
 
 @dataclass(eq=False)
