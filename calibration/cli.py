@@ -67,6 +67,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quality target on the worst per-workload loss: 'default' (no worse than the engine's "
                         "built-in setting on the same pairs), a number (e.g. --quality tf --target 0.01), or "
                         "'none' (minimax rule alone); the cheapest configuration meeting it wins")
+    p.add_argument("--precision-target", default="0.2",
+                   help="precision stage: allowed relative increase of direct's first-token KL at the mixed policy "
+                        "over FP16 (worst workload); the smallest-payload (tau_L, tau_H) meeting it wins; 'none' skips")
+    p.add_argument("--policy-grid", default=None,
+                   help="precision candidates 'tau_L:tau_H,...' (default: tau_L 0.5/1/2 x tau_H 4/8/16)")
     p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
     p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
     p.add_argument("--threads", type=int, default=None,
@@ -110,6 +115,20 @@ def _target(s: str) -> float | str | None:
         return float(s)
     except ValueError:
         raise SystemExit(f"--target must be 'default', 'none' or a number, got {s!r}") from None
+
+
+def _policy_grid(spec: str | None) -> tuple[tuple[float, float], ...]:
+    from .profile import DEFAULT_POLICY_GRID
+
+    if not spec:
+        return DEFAULT_POLICY_GRID
+    try:
+        grid = tuple((float(a), float(b)) for a, b in (item.split(":") for item in spec.split(",")))
+    except ValueError:
+        raise SystemExit(f"--policy-grid must look like 0.5:4,1:8 (tau_L:tau_H pairs), got {spec!r}") from None
+    if any(not 0 <= a < b for a, b in grid):
+        raise SystemExit(f"--policy-grid: every pair needs 0 <= tau_L < tau_H, got {spec!r}")
+    return grid
 
 
 def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
@@ -217,6 +236,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
                       quantile=args.quantile, ridge=args.ridge, shift=args.shift, val_share=args.val_share,
                       kappas=tuple(args.kappas), blocks=tuple(args.blocks), quality=args.quality,
                       tol_abs=args.tol_abs, tol_rel=args.tol_rel, z=args.z, target=_target(args.target),
+                      precision_target=None if args.precision_target == "none" else float(args.precision_target),
+                      policy_grid=_policy_grid(args.policy_grid),
                       ref_tokens=args.ref_tokens, grid_max_pairs=args.grid_max_pairs)
     data = {"workloads": workloads, "edit": args.edit, "n_per_workload": args.n, "versions": args.versions,
             "target_tokens": targets, "seed": args.seed, "threads": args.threads, "trace_split": "calib"}

@@ -33,7 +33,8 @@ import torch
 from patchkv_agent.engine import DEFAULT_DIRTY_WINDOW
 from patchkv_agent.diff import diff_versions
 from patchkv_agent.plan import LengthModel, plan_full
-from patchkv_agent.precision import PrecisionPolicy
+from patchkv_agent.precision import PrecisionPolicy, Tag
+from patchkv_agent.store import build_mixed
 from patchkv_agent.profiles import PROFILE_SCHEMA
 from patchkv_agent.replay import first_token_kl, teacher_forced_agreement, version_ids
 
@@ -43,10 +44,13 @@ from .select import select_config, summarize_grid
 
 __all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_from_traces", "profile_episodes",
            "label_spans", "evaluate_configs", "evaluate_references", "evaluate_grid", "run_calibration",
-           "write_profile", "save_rows", "save_drift", "DEFAULT_TAU_V", "DEFAULT_TAU_GRID"]
+           "evaluate_precision", "select_policy", "write_profile", "save_rows", "save_drift", "DEFAULT_TAU_V",
+           "DEFAULT_TAU_GRID", "DEFAULT_POLICY_GRID"]
 
 DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
+DEFAULT_POLICY_GRID = tuple((tl, th) for th in (4.0, 8.0, 16.0) for tl in (0.5, 1.0, 2.0))  # (tau_L, tau_H)
+_TAG_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +94,11 @@ class CalibConfig:
         target: quality target on the worst per-workload loss: a number, ``"default"`` (the worst loss of
             the engine's built-in setting, measured on the same pairs: the profile must be no worse than
             running without one, at the least cost) or None (the minimax rule alone).
+        policy_grid: ``(tau_L, tau_H)`` candidates of the precision stage (``alpha``, ``g4`` stay at the
+            library defaults); empty: skip the stage and keep the default policy.
+        precision_target: the precision stage's quality target: the largest allowed relative increase of
+            ``direct``'s mean first-token KL (worst workload) when it restores at the mixed policy instead of
+            FP16; the smallest-payload policy meeting it wins. None: skip the stage.
         ref_tokens: greedy reference tokens per version (teacher-forced agreement).
         grid_max_pairs: evaluate the grid on at most this many validation pairs (None: all).
         d_min: floor of the length model's prediction.
@@ -113,6 +122,8 @@ class CalibConfig:
     tol_rel: float = 0.1
     z: float = 1.0
     target: float | str | None = "default"
+    policy_grid: tuple[tuple[float, float], ...] = DEFAULT_POLICY_GRID
+    precision_target: float | None = 0.2
     ref_tokens: int = 8
     grid_max_pairs: int | None = None
     d_min: int = 0
@@ -385,7 +396,9 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     taus = tuple(cfg.tau_grid) if len(cfg.tau_grid) > 1 else (cfg.tau_grid[0] if cfg.tau_grid else cfg.tau_v,)
     per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2  # + 2 references
     n_keep_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in keep_tasks)
-    window, rows_window = None, []
+    policies = [PrecisionPolicy(tau_L=tl, tau_H=th) for tl, th in cfg.policy_grid] if cfg.precision_target is not None else []
+    per_pair += len(policies) + 1 if policies else 0
+    window, rows_window, rows_prec, prec = None, [], [], None
     with tqdm(total=sum(len(ep.versions) for ep in episodes) + n_keep_pairs * per_pair, desc="calibrate",
               unit="step", disable=not progress) as bar:
         bar.set_postfix_str("prefill")
@@ -412,7 +425,11 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         labels, lm = fits[tau]
         bar.set_postfix_str("grid")
         grid = evaluate_grid(engine, kept, lm, cfg, bar)
-    sel = select_config(grid, **rule, target=target)
+        sel = select_config(grid, **rule, target=target)
+        if policies:
+            bar.set_postfix_str("precision")
+            rows_prec = evaluate_precision(engine, kept, policies, block_size=int(sel["block_size"]), bar=bar)
+            prec = select_policy(rows_prec, cfg.precision_target)
     pure = select_config(grid, **rule)  # the minimax rule without a target, for comparison
     cal = [r for r in labels if r["split"] == "calib"]
     val = [r for r in labels if r["split"] == "validation"]
@@ -428,8 +445,14 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "length_model": lm.to_dict(),
         "kappa": float(sel["kappa"]),
         "block_size": int(sel["block_size"]),
-        "precision_policy": {**dataclasses.asdict(PrecisionPolicy()), "calibrated": False,
-                             "note": "library defaults; not calibrated (the checkpoint store does not quantize yet)"},
+        "precision_policy": (
+            {**dataclasses.asdict(PrecisionPolicy()), "calibrated": False,
+             "note": "library defaults (precision stage skipped)"} if prec is None else
+            {**{k: float(prec[k]) for k in ("alpha", "tau_L", "tau_H", "g4")}, "calibrated": True,
+             "rule": "smallest payload among (tau_L, tau_H) whose worst per-workload increase of direct's mean "
+                     "first-token KL (mixed vs FP16 restore) is <= target; alpha and g4 at library defaults",
+             "block_size": int(sel["block_size"]),
+             **{k: prec[k] for k in ("worst_increase", "payload_vs_fp16", "target", "target_met", "summary")}}),
         "tau_v": float(tau),
         "gamma": cfg.gamma,
         "quantile": cfg.quantile,
@@ -465,8 +488,90 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "labels": labels,
         "timing": {"profile_fit_s": round(t_fit - t0, 1), "total_s": round(time.perf_counter() - t0, 1)},
     }
-    profile["_rows"] = {"window": rows_window, "grid": grid, "reference": refs}
+    profile["_rows"] = {"window": rows_window, "grid": grid, "reference": refs, "precision": rows_prec}
     return profile, pairs
+
+
+def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[PrecisionPolicy], *,
+                       block_size: int, bar=None) -> list[dict]:
+    """``direct`` at FP16 and at each mixed-precision policy on the kept pairs.
+
+    Each policy re-tags the pair's checkpoint (its own attention scores and 4-bit value residuals,
+    blocks of ``block_size``) and quantizes it (:func:`patchkv_agent.store.build_mixed`); ``direct``
+    then restores the whole suffix from those runs, so the KL it adds over the FP16 restore is the
+    precision policy's alone (no recomputed block hides a quantization error).
+
+    Args:
+        engine: the engine.
+        pairs: pairs (those without a kept checkpoint are skipped).
+        policies: the candidate policies.
+        block_size: tokens per block for the tags.
+        bar: optional progress bar (``update(1)`` per resume).
+    Returns:
+        One row per pair and policy: ``pair, workload, tau_L, tau_H, alpha, g4, kl_fp16, kl_mixed,
+        payload_vs_fp16`` (payload per element pair relative to FP16 storage: 1.0, 0.5625 and 0.4375
+        for FP16, K8V8 and K8V4 blocks) and the block counts per tag.
+    """
+    rows = []
+    for p in pairs:
+        ck = p.ckpt
+        if ck is None:
+            continue
+        base = engine.resume(ck, p.new_ids, strategy="direct", max_new_tokens=1)
+        kl_fp16 = first_token_kl(p.ref_logits, base.logits.cpu())
+        if bar is not None:
+            bar.update(1)
+        seen: dict[bytes, float] = {}
+        for pol in policies:
+            mixed = build_mixed(list(ck.keys), list(ck.values), ck.scores, block_size=block_size, policy=pol)
+            sig = mixed.tags.tobytes()
+            if sig not in seen:  # policies that tag this pair identically share one resume
+                r = engine.resume(dataclasses.replace(ck, mixed=mixed), p.new_ids, strategy="direct",
+                                  precision="mixed", max_new_tokens=1)
+                seen[sig] = first_token_kl(p.ref_logits, r.logits.cpu())
+            tags = np.asarray(mixed.tags)
+            rows.append({"pair": p.pair_id, "workload": p.workload, "tau_L": pol.tau_L, "tau_H": pol.tau_H,
+                         "alpha": pol.alpha, "g4": pol.g4, "kl_fp16": kl_fp16, "kl_mixed": seen[sig],
+                         "payload_vs_fp16": float(np.mean([_TAG_BYTES[int(t)] for t in tags]) / 4.0) if len(tags) else 1.0,
+                         **{t.name: int((tags == int(t)).sum()) for t in Tag}})
+            if bar is not None:
+                bar.update(1)
+    return rows
+
+
+def select_policy(rows: Sequence[dict], target: float) -> dict[str, Any]:
+    """The smallest-payload policy whose worst per-workload relative KL increase is at most ``target``.
+
+    Per workload and policy: ``increase = mean(kl_mixed) / mean(kl_fp16) - 1``; a policy's ``worst`` is
+    its largest increase over workloads. Ties on payload go to the smaller worst increase. When no
+    policy meets the target, the one with the smallest worst increase is chosen and ``target_met`` is False.
+
+    Args:
+        rows: rows of :func:`evaluate_precision`.
+        target: allowed relative increase (0.2: 20 %).
+    Returns:
+        ``tau_L, tau_H, alpha, g4, worst_increase, payload_vs_fp16, target, target_met, summary``.
+    Raises:
+        ValueError: no rows.
+    """
+    if not rows:
+        raise ValueError("no precision rows to select from")
+    summary = []
+    for key in sorted({(r["tau_L"], r["tau_H"], r["alpha"], r["g4"]) for r in rows}):
+        sub = [r for r in rows if (r["tau_L"], r["tau_H"], r["alpha"], r["g4"]) == key]
+        inc = {}
+        for w in sorted({r["workload"] for r in sub}):
+            ws = [r for r in sub if r["workload"] == w]
+            fp = float(np.mean([r["kl_fp16"] for r in ws]))
+            inc[w] = float(np.mean([r["kl_mixed"] for r in ws])) / fp - 1.0 if fp > 0 else 0.0
+        summary.append({"tau_L": key[0], "tau_H": key[1], "alpha": key[2], "g4": key[3], "increase": inc,
+                        "worst_increase": max(inc.values()),
+                        "payload_vs_fp16": float(np.mean([r["payload_vs_fp16"] for r in sub]))})
+    ok = [s for s in summary if s["worst_increase"] <= target]
+    pick = min(ok or summary, key=(lambda s: (s["payload_vs_fp16"], s["worst_increase"])) if ok
+               else (lambda s: (s["worst_increase"], s["payload_vs_fp16"])))
+    return {**{k: pick[k] for k in ("tau_L", "tau_H", "alpha", "g4", "worst_increase", "payload_vs_fp16")},
+            "target": target, "target_met": bool(ok), "summary": summary}
 
 
 def _resolve_target(cfg: CalibConfig, refs: Sequence[dict]) -> float | None:
@@ -517,7 +622,7 @@ def write_profile(profile: dict, path: str | Path) -> Path:
 
 def save_rows(profile: dict, path: str | Path) -> Path:
     """Write the raw resume rows of a run (``profile["_rows"]``) as JSON Lines, one row per resume, with a
-    ``stage`` field (``window``, ``grid`` or ``reference``), so the selection can be redone offline.
+    ``stage`` field (``window``, ``grid``, ``reference`` or ``precision``), so the selection can be redone offline.
 
     Args:
         profile: a profile dict from :func:`run_calibration`.

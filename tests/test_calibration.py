@@ -239,14 +239,15 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     from patchkv_agent.calibration.profile import CalibConfig, run_calibration, save_drift, save_rows, write_profile
 
     eng = tiny_engine
-    cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4)
+    cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4,
+                      policy_grid=((0.5, 4.0), (1.0, 8.0)))
     profile, pairs = run_calibration(eng, _episodes(), cfg, model_name="tiny-llama", command="pytest")
     path = write_profile(profile, tmp_path / "tiny-llama.json")
     rows_path = save_rows(profile, tmp_path / "tiny-llama.rows.jsonl")
     stages = [json.loads(x)["stage"] for x in rows_path.read_text().splitlines()]
     n_kept = data_pairs = len({r["pair"] for r in profile["_rows"]["grid"]})
     assert stages.count("grid") == 4 * n_kept and stages.count("window") == 2 * n_kept
-    assert stages.count("reference") == 2 * data_pairs
+    assert stages.count("reference") == 2 * data_pairs and stages.count("precision") == 2 * n_kept
     npz = save_drift(pairs, tmp_path / "tiny-llama.drift.npz", profile)
     (tmp_path / "not-a-profile.json").write_text('{"hello": 1}')
 
@@ -267,6 +268,13 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     assert data["tau_v"] == ws["chosen"]["tau_v"] in (0.05, 0.2) and len(ws["summary"]) == 2
     assert all(0.0 <= s["validation_coverage"] <= 1.0 for s in ws["summary"])
     assert {r["split"] for r in data["labels"]} == {"calib", "validation"}
+    pol = data["precision_policy"]
+    assert pol["calibrated"] is True and (pol["tau_L"], pol["tau_H"]) in ((0.5, 4.0), (1.0, 8.0))
+    assert pol["block_size"] == data["block_size"] and len(pol["summary"]) == 2
+    # the precision rows are real resumes: the FP16 restore KL is the direct reference's, per pair
+    prec = profile["_rows"]["precision"]
+    ref_direct = {r["pair"]: r["first_token_kl"] for r in profile["_rows"]["reference"] if r["strategy"] == "direct"}
+    assert all(r["kl_fp16"] == pytest.approx(ref_direct[r["pair"]], rel=1e-6, abs=1e-12) for r in prec)
 
     found = load_profile(eng, dirs=[tmp_path])  # by fingerprint
     assert found is not None and found["_source"]["match"] == "fingerprint"
@@ -284,9 +292,32 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     h = Holder()
     apply_profile(h, found)
     assert (h.kappa, h.block_size, h.length_model) == (data["kappa"], data["block_size"], lm)
+    from patchkv_agent.engine import PatchKVEngine
+
+    loaded = PatchKVEngine(eng.model, eng.tokenizer, profile=found)
+    assert (loaded.precision_policy.tau_L, loaded.precision_policy.tau_H) == (pol["tau_L"], pol["tau_H"])
     assert h.profile_path == str(path)
     z = np.load(npz)
     assert z["offsets"][-1] == z["deviation"].size and len(z["S"]) == data["data"]["n_spans"]
+
+
+def test_select_policy_smallest_payload_meeting_the_target():
+    from patchkv_agent.calibration.profile import select_policy
+
+    def row(w, tl, kl16, klm, pay):
+        return {"pair": f"{w}{tl}", "workload": w, "tau_L": tl, "tau_H": 8.0, "alpha": 0.7, "g4": 0.15,
+                "kl_fp16": kl16, "kl_mixed": klm, "payload_vs_fp16": pay}
+
+    rows = [row("a", 0.5, 0.10, 0.11, 0.60), row("b", 0.5, 0.20, 0.21, 0.60),   # +10%, +5%: worst +10%
+            row("a", 2.0, 0.10, 0.15, 0.45), row("b", 2.0, 0.20, 0.21, 0.45),   # worst +50%
+            row("a", 1.0, 0.10, 0.118, 0.50), row("b", 1.0, 0.20, 0.22, 0.50)]  # worst +18%
+    pick = select_policy(rows, 0.2)
+    assert pick["tau_L"] == 1.0 and pick["target_met"] and pick["worst_increase"] == pytest.approx(0.18)
+    assert select_policy(rows, 0.12)["tau_L"] == 0.5
+    missed = select_policy(rows, 0.01)  # nobody meets it: the smallest worst increase, flagged
+    assert missed["tau_L"] == 0.5 and missed["target_met"] is False
+    with pytest.raises(ValueError):
+        select_policy([], 0.2)
 
 
 def test_calibrate_cli_parses_defaults():
@@ -307,6 +338,15 @@ def test_calibrate_cli_parses_defaults():
     assert _parse_workloads("hotpotqa-e, 2wikimqa-e:1800,", 1500) == {"hotpotqa-e": 1500, "2wikimqa-e": 1800}
     with pytest.raises(SystemExit):
         _parse_workloads("nq-e:many", 1500)
+
+    from patchkv_agent.calibration.cli import _policy_grid
+    from patchkv_agent.calibration.profile import DEFAULT_POLICY_GRID
+
+    assert args.precision_target == "0.2" and _policy_grid(args.policy_grid) == DEFAULT_POLICY_GRID
+    assert _policy_grid("0.5:4,1:8") == ((0.5, 4.0), (1.0, 8.0))
+    for bad in ("0.5-4", "4:1"):
+        with pytest.raises(SystemExit, match="policy-grid"):
+            _policy_grid(bad)
 
 
 def test_packaged_profiles_are_valid():
