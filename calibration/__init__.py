@@ -7,6 +7,8 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
 - :mod:`.select`: the minimax rule for ``kappa`` and ``block_size``.
 - :mod:`.profile`: the profiler driving an engine end to end, and the profile writer.
 - :mod:`.cli`: ``patchkv-agent calibrate`` (``add_calibrate_cli`` / ``calibrate_main``).
+- :mod:`.analysis`: the analysis figures (drift by distance, block selection, per-block precision
+  sensitivity, kappa x block ablation); ``python -m patchkv_agent.calibration.analysis``.
 - ``profiles/*.json``: the frozen profiles, read by :mod:`patchkv_agent.profiles`.
 
 Nothing here is imported by the resume path; this package is light to import (no torch at import time).
