@@ -142,7 +142,7 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
         for s in strategies:
             res = ref if s == "exact" else engine.resume(chain[s], ids[k], strategy=s, max_new_tokens=max_new_tokens)
             row = _row(engine, trace, k, s, res, ref, answers, model_name)
-            if s != "exact":
+            if s != "exact" and k < len(ids) - 1:  # the last version has no successor to resume
                 chain[s] = engine.checkpoint_from(res)
             yield row
 
