@@ -57,7 +57,7 @@ import torch
 from patchkv_agent.diff import Edit, diff_versions
 from patchkv_agent.kernels.quant import FORMATS, reference_dequantize, reference_quantize_gather
 from patchkv_agent.kernels.rope import rope_delta_reference
-from patchkv_agent.plan import LengthModel, RepairPlan, SuffixBlocks, _build, _prep, plan_repair
+from patchkv_agent.plan import LengthModel, RepairPlan, SuffixBlocks, plan_blocks, plan_repair, plan_suffix_blocks
 from patchkv_agent.replay import first_token_kl, teacher_forced_agreement
 from patchkv_agent.strategies import Strategy
 
@@ -387,15 +387,7 @@ class BlockSetStrategy(Strategy):
         Raises:
             ValueError: a block id outside the edit's suffix blocks.
         """
-        prefix_len, blocks = _prep(edit, self.block_size)
-        mask = np.zeros(blocks.n_blocks, dtype=bool)
-        if self.repair_blocks.size and (self.repair_blocks.min() < 0 or self.repair_blocks.max() >= blocks.n_blocks):
-            raise ValueError(f"repair blocks outside [0, {blocks.n_blocks})")
-        mask[self.repair_blocks] = True
-        if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
-            mask[-1] = True  # the block holding the last context token
-        return _build(edit, blocks, mask, strategy=self.label, prefix_len=prefix_len,
-                      d_hat=np.zeros(len(edit.spans), dtype=np.int64))
+        return plan_blocks(edit, self.repair_blocks, block_size=self.block_size, strategy=self.label)
 
 
 def block_scores(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
@@ -442,7 +434,7 @@ def selection_masks(edit: Edit, scores: np.ndarray | None, *, window: int, block
         ValueError: ``scores`` is None or of the wrong length; bad window or block size.
     """
     base = plan_repair(edit, None, length_model=LengthModel.fixed(window), kappa=0.0, block_size=block_size)
-    _, blocks = _prep(edit, block_size)
+    blocks = plan_suffix_blocks(edit, block_size=block_size)
     n = blocks.n_blocks
     d_mask = np.zeros(n, dtype=bool)
     d_mask[np.asarray(base.repair_blocks)] = True
@@ -602,7 +594,7 @@ def block_sensitivity(engine, prep: PreparedContext, *, block_size: int = 32, ma
     base = engine.resume(prep.ckpt, ids, strategy="direct", max_new_tokens=0)
     if bar is not None:
         bar.update(1)
-    _, blocks = _prep(prep.edit, block_size)
+    blocks = plan_suffix_blocks(prep.edit, block_size=block_size)
     scores = block_scores(blocks, prep.ckpt.scores) if prep.ckpt.scores is not None else None
     dist = _block_distance(blocks)
     out = []
@@ -787,7 +779,8 @@ def _work_units(ctx: Context, cfg: AnalysisConfig) -> int:
     if "b" in cfg.figures:
         units += len(SELECTORS)
     if "c" in cfg.figures:
-        _, blocks = _prep(diff_versions(np.asarray(ctx.old_ids), np.asarray(ctx.new_ids)), cfg.block_size)
+        blocks = plan_suffix_blocks(diff_versions(np.asarray(ctx.old_ids), np.asarray(ctx.new_ids)),
+                                    block_size=cfg.block_size)
         units += 1 + _spread(blocks.n_blocks, cfg.max_blocks).size
     if "d" in cfg.figures:
         units += len(cfg.kappas) * len(cfg.blocks)

@@ -33,6 +33,8 @@ __all__ = [
     "RepairPlan",
     "span_features",
     "suffix_blocks",
+    "plan_suffix_blocks",
+    "plan_blocks",
     "block_round",
     "plan_repair",
     "plan_full",
@@ -417,6 +419,47 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         repair[-1] = True  # the block holding the last context token
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
                   n_dirty=int(dirty.sum()), n_high=int(high.sum()))
+
+
+def plan_suffix_blocks(edit: Edit, *, block_size: int = 32) -> SuffixBlocks:
+    """The suffix blocks every plan of ``edit`` uses (the ids :func:`plan_blocks` takes).
+
+    Args:
+        edit: the diff.
+        block_size: suffix tokens per block.
+    Returns:
+        The :class:`SuffixBlocks` after the reused prefix.
+    Raises:
+        ValueError: on an empty new context or a bad ``block_size``.
+    """
+    return _prep(edit, block_size)[1]
+
+
+def plan_blocks(edit: Edit, repair_blocks, *, block_size: int = 32, strategy: str = "custom") -> RepairPlan:
+    """A plan that recomputes the given suffix blocks, plus (as every plan) the new tokens and the block
+    holding the last context token; everything else in the suffix is restored. For experiments that
+    choose blocks by other rules than :func:`plan_repair` (e.g. the selection analysis).
+
+    Args:
+        edit: the diff.
+        repair_blocks: ids into :func:`plan_suffix_blocks` of the blocks to recompute.
+        block_size: suffix tokens per block.
+        strategy: the plan's ``strategy`` label.
+    Returns:
+        The plan.
+    Raises:
+        ValueError: a block id outside ``[0, n_blocks)``, an empty new context or a bad ``block_size``.
+    """
+    prefix_len, blocks = _prep(edit, block_size)
+    ids = np.asarray(repair_blocks, dtype=np.int64).ravel()
+    if ids.size and (ids.min() < 0 or ids.max() >= blocks.n_blocks):
+        raise ValueError(f"repair blocks must lie in [0, {blocks.n_blocks}), got {ids.min()}..{ids.max()}")
+    mask = np.zeros(blocks.n_blocks, dtype=bool)
+    mask[ids] = True
+    if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
+        mask[-1] = True  # the block holding the last context token
+    return _build(edit, blocks, mask, strategy=strategy, prefix_len=prefix_len,
+                  d_hat=np.zeros(len(edit.spans), dtype=np.int64))
 
 
 def plan_full(edit: Edit, *, block_size: int = 32) -> RepairPlan:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from patchkv_agent.diff import diff_versions
 from patchkv_agent.plan import (
+    plan_blocks,
+    plan_suffix_blocks,
     LengthModel,
     RepairPlan,
     block_round,
@@ -64,6 +66,20 @@ def test_edit_at_start_empty_prefix():
     assert plan.restore_old_positions.tolist() == rng(37, 69)
     assert plan.d_hat.tolist() == [20] and plan.n_dirty == 20 and plan.n_new_tokens == 10 and plan.n_suffix == 95
     check_partition(plan, edit)
+
+
+def test_plan_blocks_recomputes_exactly_the_chosen_blocks():
+    new = np.concatenate([marks(10), OLD[5:100]])  # suffix blocks [10,42) [42,74) [74,105)
+    edit = diff_versions(OLD[:100], new)
+    assert plan_suffix_blocks(edit, block_size=32).starts.tolist() == [10, 42, 74]
+    plan = plan_blocks(edit, [1], block_size=32, strategy="probe")
+    assert plan.strategy == "probe" and plan.repair_blocks.tolist() == [1, 2]  # + the last-token block
+    assert plan.recompute_positions.tolist() == rng(0, 10) + rng(42, 105)
+    assert plan.restore_new_positions.tolist() == rng(10, 42) and plan.restore_old_positions.tolist() == rng(5, 37)
+    check_partition(plan, edit)
+    assert plan_blocks(edit, [], block_size=32).repair_blocks.tolist() == [2]
+    with pytest.raises(ValueError, match="repair blocks"):
+        plan_blocks(edit, [3], block_size=32)
 
 
 def test_edit_at_end_empty_suffix():
