@@ -92,8 +92,8 @@ class CalibConfig:
         kappas, blocks: the selection grid.
         quality, tol_abs, tol_rel, z: see :func:`.select.select_config`.
         target: quality target on the worst per-workload loss: a number, ``"default"`` (the worst loss of
-            the engine's built-in setting, measured on the same pairs: the profile must be no worse than
-            running without one, at the least cost) or None (the minimax rule alone).
+            the engine's built-in setting, measured on the same pairs, plus the tolerance: the profile must be
+            no worse than running without one, at the least cost) or None (the minimax rule alone).
         policy_grid: ``(tau_L, tau_H)`` candidates of the precision stage (``alpha``, ``g4`` stay at the
             library defaults); empty: skip the stage and keep the default policy.
         precision_target: the precision stage's quality target: the largest allowed relative increase of
@@ -575,12 +575,16 @@ def select_policy(rows: Sequence[dict], target: float) -> dict[str, Any]:
 
 
 def _resolve_target(cfg: CalibConfig, refs: Sequence[dict]) -> float | None:
-    """``cfg.target`` as a number: ``"default"`` is the worst per-workload loss of ``patchkv-default``."""
+    """``cfg.target`` as a number: ``"default"`` is the worst per-workload loss of ``patchkv-default`` plus the
+    selection tolerance ``max(tol_abs, tol_rel * loss)`` (a measured tie with the built-in setting meets it)."""
     if cfg.target is None or cfg.target == "none":
         return None
     if cfg.target == "default":
         rows = [{**r, "cfg": 0} for r in refs if r["strategy"] == "patchkv-default"]
-        return float(summarize_grid(rows, cfg.quality, keys=("cfg",))[0]["worst_gap"]) if rows else None
+        if not rows:
+            return None
+        worst = float(summarize_grid(rows, cfg.quality, keys=("cfg",))[0]["worst_gap"])
+        return worst + max(cfg.tol_abs, cfg.tol_rel * worst)
     return float(cfg.target)
 
 
