@@ -4,8 +4,9 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
 
 - :mod:`.drift`: value deviation of stale suffix rows, block deviations, the oracle boundary ``d*``.
 - :mod:`.fit`: pinball (quantile) fit of the length model, coverage, the task-level split.
-- :mod:`.select`: the minimax rule for ``kappa`` and ``block_size``.
-- :mod:`.profile`: the profiler driving an engine end to end, and the profile writer.
+- :mod:`.select`: the selection rule (quality target, else minimax) for ``tau_V``, ``kappa`` and ``block_size``.
+- :mod:`.profile`: the profiler driving an engine end to end (incl. the precision-policy stage), and the
+  profile writer.
 - :mod:`.cli`: ``patchkv-agent calibrate`` (``add_calibrate_cli`` / ``calibrate_main``).
 - :mod:`.analysis`: the analysis figures (drift by distance, block selection, per-block precision
   sensitivity, kappa x block ablation); ``python -m patchkv_agent.calibration.analysis``.

@@ -13,8 +13,13 @@ one :class:`~.drift.SpanDrift` and its oracle boundary ``d*``. Tasks are split i
 validation (never one task on both sides); the length model is fitted on calibration spans and its
 coverage measured on validation spans. Real ``patchkv`` resumes on (up to ``grid_max_pairs``)
 validation pairs, scored against the exact reference (first-token KL, teacher-forced agreement), then
-choose by the minimax rule (:mod:`.select`): first ``tau_V`` among the candidates (one length model
-each, resumed at ``kappa=0, block_size=32``), then ``(kappa, block_size)`` under the chosen model.
+choose by the rule of :mod:`.select` with a quality target (default: no worse than the engine's
+built-in setting, ``patchkv-default``, measured on the same pairs; the cheapest configuration meeting it
+wins): first ``tau_V`` among the candidates (one length model each, resumed at ``kappa=0,
+block_size=32``), then ``(kappa, block_size)`` under the chosen model. Last, the precision stage: for
+each ``(tau_L, tau_H)`` candidate the kept checkpoints are re-tagged and quantized and ``direct``
+restores the whole suffix from them; the smallest-payload policy whose worst per-workload increase of
+first-token KL over the FP16 restore stays under ``precision_target`` is written into the profile.
 """
 
 from __future__ import annotations
