@@ -55,11 +55,14 @@ Metadata: keys 4 B per (channel, block) = 1/8 B per element at block 32; values 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import sys
 
+import numpy as np
 import torch
 
-from .rope import rope_delta_reference
+from .rope import delta_cos_sin, rope_delta_reference
 
 FP16 = "FP16"
 K8V8 = "K8V8"
@@ -167,7 +170,7 @@ def check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq) -> None
     if inv_freq is not None and (inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > d):
         raise ValueError(f"inv_freq must be [rotary_dim // 2] with rotary_dim <= {d}, got {tuple(inv_freq.shape)}")
     if r and dst_rows.device.type == "cpu":
-        lo, hi = int(dst_rows.min()), int(dst_rows.max())
+        lo, hi = (int(x) for x in torch.aminmax(dst_rows))
         if lo < 0 or hi >= dst_k.shape[1]:
             raise ValueError(f"dst_rows span [{lo}, {hi}] outside [0, {dst_k.shape[1]})")
 
@@ -234,8 +237,16 @@ def pack4(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack4(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack4`: ``[..., D // 2]`` -> ``[..., D]`` codes."""
-    return torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
+    """Inverse of :func:`pack4`: ``[..., D // 2]`` -> ``[..., D]`` codes (a new contiguous tensor).
+
+    On little-endian hosts each byte is widened to int16 and rebuilt as ``lo | hi << 8``, whose two
+    bytes are the codes in channel order: five vectorized passes instead of an interleaving copy.
+    """
+    if sys.byteorder != "little" or p.numel() == 0:
+        return torch.stack([p & 15, p >> 4], dim=-1).flatten(-2)
+    w = p.to(torch.int16)
+    hi = torch.bitwise_left_shift(w, 4).bitwise_and_(0x0F00)
+    return w.bitwise_and_(15).bitwise_or_(hi).view(torch.uint8)
 
 
 def effective_v_group(head_dim: int, v_group: int) -> int:
@@ -284,6 +295,82 @@ def reference_quantize_gather(
     return RunPayload(**meta, k_data=kq, v_data=vq, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz)
 
 
+def _float_meta(p: RunPayload) -> tuple:
+    """fp32 scales and zeros of a quantized run, shaped to broadcast: ``(k_scale, k_zero)``
+    ``[H, NB, 1, D]``; ``(v_scale, v_zero)`` ``[H, R, NG, 1]``, or ``[H, R, D]`` (expanded per
+    channel, ``gid`` non-None) when head_dim is not a multiple of the value group."""
+    gid = None
+    vs, vz = p.v_scale.float(), p.v_zero.float()
+    if p.head_dim % p.v_group:
+        gid = torch.arange(p.head_dim, device=p.v_scale.device) // p.v_group
+        vs, vz = vs[..., gid], vz[..., gid]
+    else:
+        vs, vz = vs[..., None], vz[..., None]
+    return p.k_scale.float()[:, :, None], p.k_zero.float()[:, :, None], vs, vz, gid
+
+
+# Decoding is ``x_hat = q * s + z`` in fp32 with the product rounded before the add. The product of
+# an 8-bit code and an fp16 scale has at most 8 + 11 significant bits, so it is exact in fp32: a
+# fused multiply-add (``torch.addcmul`` may use one) gives the same bits as the two-step formula
+# that the Triton kernel evaluates.
+
+
+def _decode_keys(p: RunPayload, meta: tuple | None, r0: int, r1: int, out: torch.Tensor) -> None:
+    """Keys of payload rows ``r0:r1`` decoded into ``out`` ``[H, r1 - r0, D]`` (cast to its dtype).
+
+    Quantized keys take one ``addcmul`` per stretch of whole blocks (scales broadcast over the
+    block's rows) plus one per partial block at either end.
+    """
+    if meta is None:
+        out.copy_(p.k_data[:, r0:r1])
+        return
+    ks, kz = meta[0], meta[1]  # [H, NB, 1, D]
+    q, bs = p.k_data, p.block_size
+    a = r0
+    while a < r1:
+        b = a // bs
+        if a % bs == 0 and r1 - a >= bs:
+            nb = (r1 - a) // bs
+            e = a + nb * bs
+            shape = (q.shape[0], nb, bs, q.shape[2])
+            o = out if e - a == out.shape[1] else out[:, a - r0:e - r0]
+            torch.addcmul(kz[:, b:b + nb], q[:, a:e].view(shape), ks[:, b:b + nb], out=o.view(shape))
+        else:
+            e = min(r1, (b + 1) * bs)
+            torch.addcmul(kz[:, b], q[:, a:e], ks[:, b], out=out[:, a - r0:e - r0])
+        a = e
+
+
+def _decode_values(p: RunPayload, meta: tuple | None, r0: int, r1: int, targets: list,
+                   codes: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+    """Values of payload rows ``r0:r1`` decoded into ``targets``: ``(a, b, view)`` puts rows
+    ``r0 + a : r0 + b`` into ``view`` ``[H, b - a, D]`` (any float dtype, cast on write).
+
+    ``codes``: the run's unpacked 4-bit codes when at hand; ``scratch``: fp32 ``[H, >= r1 - r0, D]``,
+    needed unless there is one fp32 target (the final add then writes each target directly).
+    """
+    v = p.v_data[:, r0:r1]
+    if meta is None:
+        for a, b, view in targets:
+            view.copy_(v[:, a:b])
+        return
+    vs, vz = meta[2][:, r0:r1], meta[3][:, r0:r1]
+    if p.tag == K8V4:
+        q = unpack4(v) if codes is None else codes[:, r0:r1]
+    else:
+        q = v
+    n, grouped = r1 - r0, meta[4] is None
+    shape = (q.shape[0], n, vs.shape[2], p.v_group) if grouped else q.shape
+    if len(targets) == 1 and targets[0][2].dtype == torch.float32:
+        torch.mul(q.view(shape), vs, out=targets[0][2].view(shape)).add_(vz)
+        return
+    o = scratch[:, :n]
+    torch.mul(q.view(shape), vs, out=o.view(shape))
+    for a, b, view in targets:  # scales and zeros broadcast over the channels of each group
+        part = (shape[0], b - a, *shape[2:])
+        torch.add(o[:, a:b].view(part), vz[:, a:b], out=view.view(part))
+
+
 def reference_dequantize(payload: RunPayload) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode a run to ``(k, v)`` float32 ``[H, R, D]`` (``FP16``: the stored values, widened).
 
@@ -291,28 +378,114 @@ def reference_dequantize(payload: RunPayload) -> tuple[torch.Tensor, torch.Tenso
         ValueError: if the tag is unknown.
     """
     p = payload
-    tag = normalize_tag(p.tag)
-    if tag == FP16:
+    if normalize_tag(p.tag) == FP16:
         return p.k_data.float(), p.v_data.float()
-    h, r, d = p.num_kv_heads, p.n_rows, p.head_dim
-    nb, bs = p.k_scale.shape[1], p.block_size
-    # keys: one scale/zero per (head, block, channel); broadcast over the block's rows
-    k = torch.empty((h, nb * bs, d), dtype=torch.float32, device=p.k_data.device)
-    k[:, :r] = p.k_data
-    kb = k.view(h, nb, bs, d)
-    kb.mul_(p.k_scale.float()[:, :, None, :]).add_(p.k_zero.float()[:, :, None, :])
-    k = k[:, :r]
-    # values: one scale/zero per (head, row, group); broadcast over the group's channels
-    vq = unpack4(p.v_data) if tag == K8V4 else p.v_data
-    ng = p.v_scale.shape[-1]
-    g = -(-d // ng)
-    if ng * g == d:
-        v = vq.float().view(h, r, ng, g).mul_(p.v_scale.float()[..., None]).add_(p.v_zero.float()[..., None])
-        v = v.view(h, r, d)
-    else:
-        gid = torch.arange(d, device=vq.device) // p.v_group
-        v = vq.float() * p.v_scale[..., gid].float() + p.v_zero[..., gid].float()
+    shape = (p.num_kv_heads, p.n_rows, p.head_dim)
+    k = torch.empty(shape, dtype=torch.float32, device=p.k_data.device)
+    v = torch.empty_like(k)
+    meta = _float_meta(p)
+    _decode_keys(p, meta, 0, p.n_rows, k)
+    _decode_values(p, meta, 0, p.n_rows, [(0, p.n_rows, v)])
     return k, v
+
+
+# The torch path of dequantize_scatter works piece by piece, so each piece's intermediates stay in
+# cache between its few elementwise passes and the op count per call stays small whatever the run's
+# fragmentation. A stretch of at least _MIN_DIRECT_ROWS rows landing on consecutive destination rows
+# is decoded and rotated straight into views of the destination, in pieces of at most _PIECE_ELEMS
+# elements of [H, rows, D] (2 MiB of fp32); shorter stretches are batched into pieces whose last
+# elementwise op writes each stretch's destination rows (no extra copy pass), or, when the
+# stretches are very short, into scratch followed by one index_copy_. Angles broadcast when a piece
+# has one shift, else come per row from a table.
+_PIECE_ELEMS = 1 << 19
+_MIN_DIRECT_ROWS = 512
+_MIN_COPY_ROWS = 64  # below this mean stretch length a scratch piece is written with index_copy_
+
+
+def _plan(dst: np.ndarray, delta: np.ndarray | None, max_rows: int, block_size: int) -> list[tuple]:
+    """Pieces ``(r0, r1, stretch_starts, one_shift)`` covering run rows ``0..len(dst)`` in order.
+
+    ``stretch_starts`` lists, relative to ``r0``, where runs of consecutive destination rows begin
+    (``[0]``: the piece lands on consecutive rows and is written in place); ``one_shift``: the
+    piece has a single position shift. Long stretches are cut into near-equal pieces of at most
+    ``max_rows`` rows at block boundaries; short ones are grouped up to ``max_rows`` rows.
+    """
+    r = len(dst)
+    min_direct = min(_MIN_DIRECT_ROWS, max_rows)
+    brk = (np.flatnonzero(np.diff(dst) != 1) + 1).tolist()
+    shift_brk = (np.flatnonzero(np.diff(delta) != 0) + 1).tolist() if delta is not None else []
+    spans: list[tuple[int, int, list[int]]] = []
+    group: list[int] = []  # stretch starts of the scratch piece being collected
+    for s, e in zip([0, *brk], [*brk, r]):
+        if e - s < min_direct:
+            group.append(s)
+            if e - group[0] >= max_rows:
+                spans.append((group[0], e, [g - group[0] for g in group]))
+                group = []
+            continue
+        if group:
+            spans.append((group[0], s, [g - group[0] for g in group]))
+            group = []
+        n = -(-(e - s) // max_rows)
+        step = -(-(e - s) // n)
+        if step > block_size:
+            step = -(-step // block_size) * block_size
+        spans.extend((a, min(e, a + step), [0]) for a in range(s, e, step))
+    if group:
+        spans.append((group[0], r, [g - group[0] for g in group]))
+    return [(r0, r1, st, not shift_brk or bisect.bisect_right(shift_brk, r0) == bisect.bisect_left(shift_brk, r1))
+            for r0, r1, st in spans]
+
+
+_TRIG: dict = {}  # (frequencies, shifts, layout, device) -> (C, S) tables; the layers of a restore share them
+
+
+def _angle_tables(shifts: np.ndarray, inv_freq: torch.Tensor, interleaved: bool, dev: torch.device) -> tuple:
+    """``(C, S)`` ``[len(shifts), rotary_dim]`` fp32 in the channel layout: ``C = (cos, cos)``,
+    ``S = (-sin, sin)`` (interleaved: per pair), with cos/sin exactly as ``rope.delta_cos_sin``."""
+    key = (inv_freq.detach().cpu().numpy().tobytes(), inv_freq.dtype, shifts.tobytes(), interleaved, dev)
+    hit = _TRIG.get(key)
+    if hit is None:
+        cos, sin = delta_cos_sin(torch.from_numpy(shifts), inv_freq.to(dev))
+        if interleaved:
+            hit = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+        else:
+            hit = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        if len(_TRIG) >= 64:
+            _TRIG.clear()
+        _TRIG[key] = hit
+    return hit
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, sl: tuple, tmp: torch.Tensor,
+            targets: list) -> None:
+    """Rotate the first ``rot`` channels of keys ``x`` ``[H, n, D]`` (fp32 scratch, may be
+    overwritten) and write rows ``a:b`` to each target ``(a, b, view)`` (any float dtype).
+
+    ``out = x * C + partner(x) * S`` (``C``, ``S`` from :func:`_angle_tables`, one row or one per
+    row) gives ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``, rounded exactly as
+    ``rope.rope_rotate`` (negating a product is exact). ``sl = (first, second, rot)``: channel
+    slices of the pairs' first and second members; ``s1, s2 = S[..., first], S[..., second]``.
+    ``tmp``: ``[H, n, rot]``. The final add writes each target directly (no copy pass).
+    """
+    first, second, rot = sl
+    full = rot == x.shape[-1]
+    torch.mul(x[..., second], s1, out=tmp[..., first])
+    torch.mul(x[..., first], s2, out=tmp[..., second])
+    if len(targets) == 1 and targets[0][2].dtype == torch.float32:
+        out = targets[0][2]
+        if full:
+            torch.mul(x, c, out=out).add_(tmp)
+        else:
+            torch.mul(x[..., :rot], c, out=out[..., :rot]).add_(tmp)
+            out[..., rot:].copy_(x[..., rot:])
+        return
+    xr = x if full else x[..., :rot]
+    xr.mul_(c)
+    for a, b, view in targets:
+        torch.add(xr[:, a:b], tmp[:, a:b], out=view if full else view[..., :rot])
+        if not full:
+            view[..., rot:].copy_(x[:, a:b, rot:])
 
 
 def reference_dequantize_scatter(
@@ -327,6 +500,10 @@ def reference_dequantize_scatter(
 ) -> None:
     """Decode a run, rotate its keys by ``delta`` and write it into ``dst[:, dst_rows, :]`` in place.
 
+    Same result as decoding with :func:`reference_dequantize`, rotating with
+    ``rope.rope_delta_reference`` and ``index_copy_``-ing into the destinations, bit for bit; done
+    in cache-sized pieces with few fused passes (see ``_plan``).
+
     Args:
         payload: the run (moved to ``dst_k``'s device if needed).
         dst_k, dst_v: ``[num_kv_heads, N_new, head_dim]``, any float dtype (cast on write).
@@ -339,14 +516,69 @@ def reference_dequantize_scatter(
         ValueError: on mismatched shapes or out-of-range rows (rows on CPU).
     """
     check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq)
-    if payload.n_rows == 0:
+    r = payload.n_rows
+    if r == 0:
         return
-    k, v = reference_dequantize(payload.to(dst_k.device))
-    if needs_rotation(delta, inv_freq):
-        k = rope_delta_reference(k, delta.to(k.device), inv_freq.to(k.device), interleaved=interleaved)
-    idx = dst_rows.to(dst_k.device)
-    dst_k.index_copy_(1, idx, k.to(dst_k.dtype))
-    dst_v.index_copy_(1, idx, v.to(dst_v.dtype))
+    dev, f32 = dst_k.device, torch.float32
+    p = payload if payload.k_data.device == dev else payload.to(dev)
+    h, d = p.num_kv_heads, p.head_dim
+    meta = None if normalize_tag(p.tag) == FP16 else _float_meta(p)
+    rows_np = dst_rows.cpu().numpy()
+    delta_np = delta.cpu().numpy()
+    rotate = inv_freq is not None and bool(delta_np.any())
+    pieces = _plan(rows_np, delta_np if rotate else None, max(1, _PIECE_ELEMS // (h * d)), p.block_size)
+    n_max = max(pc[1] - pc[0] for pc in pieces)
+    if rotate:
+        rot = 2 * inv_freq.shape[0]
+        half = rot // 2
+        sl = (slice(0, rot, 2), slice(1, rot, 2), rot) if interleaved else (slice(0, half), slice(half, rot), rot)
+        if all(pc[3] for pc in pieces):
+            shifts = np.unique(delta_np[[pc[0] for pc in pieces]])
+        else:
+            shifts = np.unique(delta_np)
+        c_tab, s_tab = _angle_tables(shifts, inv_freq, interleaved, dev)
+        angles = {}  # table row -> (C, S[first], S[second]) of a one-shift piece
+        xk = torch.empty((h, n_max, d), dtype=f32, device=dev)
+        tmp = torch.empty((h, n_max, rot), dtype=f32, device=dev)
+    codes = unpack4(p.v_data) if meta is not None and p.tag == K8V4 else None  # once per run
+    k_scr = v_scr = None
+    for r0, r1, stretches, one_shift in pieces:
+        n = r1 - r0
+        indexed = len(stretches) > 1 and len(stretches) * _MIN_COPY_ROWS > n
+        if indexed or (meta is not None and dst_v.dtype != f32):
+            v_scr = torch.empty((h, n_max, d), dtype=f32, device=dev) if v_scr is None else v_scr
+        if indexed:  # very short stretches: decode into scratch, then one index_copy_ each
+            k_scr = torch.empty((h, n_max, d), dtype=f32, device=dev) if k_scr is None else k_scr
+            k_t, v_t = [(0, n, k_scr[:, :n])], [(0, n, v_scr[:, :n])]
+        else:  # one target per stretch of consecutive destination rows (one: the piece is direct)
+            k_t, v_t = [], []
+            for a, b in zip(stretches, [*stretches[1:], n]):
+                d0 = int(rows_np[r0 + a])
+                k_t.append((a, b, dst_k[:, d0:d0 + b - a]))
+                v_t.append((a, b, dst_v[:, d0:d0 + b - a]))
+            if meta is not None and len(v_t) > 1:
+                v_scr = torch.empty((h, n_max, d), dtype=f32, device=dev) if v_scr is None else v_scr
+        if rotate:
+            x = xk if n == n_max else xk[:, :n]
+            _decode_keys(p, meta, r0, r1, x)
+            if one_shift:
+                u = int(np.searchsorted(shifts, delta_np[r0]))
+                if u not in angles:
+                    angles[u] = (c_tab[u], s_tab[u, sl[0]], s_tab[u, sl[1]])
+                c, s1, s2 = angles[u]
+            else:
+                u = torch.from_numpy(np.searchsorted(shifts, delta_np[r0:r1])).to(dev)
+                c, s = c_tab.index_select(0, u), s_tab.index_select(0, u)
+                s1, s2 = s[:, sl[0]], s[:, sl[1]]
+            _rotate(x, c, s1, s2, sl, tmp if n == n_max else tmp[:, :n], k_t)
+        else:
+            for a, b, view in k_t:
+                _decode_keys(p, meta, r0 + a, r0 + b, view)
+        _decode_values(p, meta, r0, r1, v_t, codes, v_scr)
+        if indexed:
+            idx = dst_rows[r0:r1].to(dev)
+            dst_k.index_copy_(1, idx, k_t[0][2].to(dst_k.dtype))
+            dst_v.index_copy_(1, idx, v_t[0][2].to(dst_v.dtype))
 
 
 # ---------------------------------------------------------------------------- residual for the policy

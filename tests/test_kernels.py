@@ -105,6 +105,8 @@ SCATTER_CASES = [
     (Q.K8V4, 64, 30, 64, False, torch.float32, torch.float32, True),  # all-zero delta: no rotation
     (Q.K8V8, 64, 12, 0, False, torch.float32, torch.float16, False),  # no RoPE
     (Q.K8V4, 64, 0, 64, False, torch.float32, torch.float32, False),  # empty run
+    (Q.K8V4, 48, 25, 48, False, torch.float32, torch.float32, False),  # value groups 32 + 16
+    (Q.K8V8, 112, 14, 112, True, torch.float16, torch.float32, False),  # value groups 32 x 3 + 16
 ]
 
 
@@ -128,6 +130,85 @@ def test_dequantize_scatter_triton_matches_reference(tag, d, r, rot, inter, pdt,
     untouched = torch.ones(n_dst, dtype=torch.bool)
     untouched[dst_rows] = False
     assert torch.all(tk[:, untouched] == 7.0) and torch.all(tv[:, untouched] == -7.0)
+
+
+def _naive_dequantize_scatter(p, dst_k, dst_v, dst_rows, delta, inv_freq, interleaved):
+    """The CPU path's semantics spelled out: decode, rotate every row, index_copy_ the lot."""
+    k, v = Q.reference_dequantize(p)
+    if inv_freq is not None and bool((delta != 0).any()):
+        k = Q.rope_delta_reference(k, delta, inv_freq, interleaved=interleaved)
+    dst_k.index_copy_(1, dst_rows, k.to(dst_k.dtype))
+    dst_v.index_copy_(1, dst_rows, v.to(dst_v.dtype))
+
+
+def _fragmented_rows(layout, r, seed=0):
+    """Destination rows and shifts of a run: one aligned stretch, or stretches of mixed lengths."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "contiguous":
+        return torch.arange(r) + 5, torch.full((r,), 37)
+    if layout == "shift_changes":  # consecutive destination rows, three shifts (per-row angles)
+        i = torch.arange(r)
+        return i + 2, torch.where(i < r // 3, 1000, torch.where(i < r // 2, -3, 7))
+    lengths = {"long_and_short": [70, 12, 15, 20, 3, 44, 1, 2, 1, 61, 30, 5, 40],  # direct, copied, index_copy_
+               "scattered": [1, 2, 1, 3, 1]}[layout]
+    rows, shifts, pos = [], [], 0
+    while len(rows) < r:
+        for n in lengths:
+            pos += int(torch.randint(1, 4, (1,), generator=g))
+            rows += range(pos, pos + n)
+            shifts += [int(torch.randint(-20, 500, (1,), generator=g))] * n
+            pos += n
+    return torch.tensor(rows[:r]), torch.tensor(shifts[:r])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "shift_changes", "long_and_short", "scattered"])
+@pytest.mark.parametrize("tag,pdt,ddt,inter", [
+    (Q.K8V4, torch.float32, torch.float32, False),
+    (Q.K8V8, torch.float16, torch.float32, True),
+    (Q.FP16, torch.float16, torch.float32, False),
+    (Q.K8V4, torch.float16, torch.bfloat16, False),
+])
+def test_dequantize_scatter_pieces(monkeypatch, layout, tag, pdt, ddt, inter):
+    """The CPU path cuts a run into pieces (direct, copied per stretch, index_copy_'d); with small
+    pieces every kind occurs, and the result must equal both the Triton kernel and the naive path."""
+    monkeypatch.setattr(Q, "_PIECE_ELEMS", 2 * 64 * 48)  # 48-row pieces
+    monkeypatch.setattr(Q, "_MIN_DIRECT_ROWS", 24)
+    monkeypatch.setattr(Q, "_MIN_COPY_ROWS", 8)
+    h, d, r, bs = 2, 64, 230, 16
+    k, v = _kv(h, r + 20, d, pdt)
+    p = Q.reference_quantize_gather(k, v, _rows(r + 20, r), tag, bs)
+    dst_rows, delta = _fragmented_rows(layout, r)
+    n_dst = int(dst_rows.max()) + 3
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    plan = Q._plan(dst_rows.numpy(), delta.numpy(), 48, bs)
+    kinds = {"direct" if len(st) == 1 else "index_copy" if len(st) * 8 > r1 - r0 else "copy"
+             for r0, r1, st, _ in plan}
+    assert kinds == {"contiguous": {"direct"}, "shift_changes": {"direct"}, "scattered": {"index_copy"},
+                     "long_and_short": {"direct", "copy", "index_copy"}}[layout], kinds
+    assert any(not one_shift for *_, one_shift in plan) == (layout != "contiguous")
+    outs = []
+    for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton, _naive_dequantize_scatter):
+        dk, dv = torch.full((h, n_dst, d), 7.0, dtype=ddt), torch.full((h, n_dst, d), -7.0, dtype=ddt)
+        if fn is _naive_dequantize_scatter:
+            fn(p, dk, dv, dst_rows, delta, inv_freq, inter)
+        else:
+            fn(p, dk, dv, dst_rows, delta, inv_freq, interleaved=inter)
+        outs.append((dk, dv))
+    tol = KERNEL_TOL[ddt]
+    for dk, dv in outs[1:]:
+        torch.testing.assert_close(dk.float(), outs[0][0].float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(dv.float(), outs[0][1].float(), rtol=tol, atol=tol)
+    assert torch.equal(outs[0][0], outs[2][0]) and torch.equal(outs[0][1], outs[2][1])  # naive: same bits
+    untouched = torch.ones(n_dst, dtype=torch.bool)
+    untouched[dst_rows] = False
+    assert torch.all(outs[0][0][:, untouched] == 7.0) and torch.all(outs[0][1][:, untouched] == -7.0)
+
+
+def test_unpack4_inverts_pack4():
+    q = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(Q.unpack4(Q.pack4(q)), q)
+    assert torch.equal(Q.unpack4(Q.pack4(q[:, 1:4])), q[:, 1:4])  # strided input
+    assert Q.unpack4(torch.zeros(2, 0, 32, dtype=torch.uint8)).shape == (2, 0, 64)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
