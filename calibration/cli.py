@@ -71,7 +71,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision stage: allowed relative increase of direct's first-token KL at the mixed policy "
                         "over FP16 (worst workload); the smallest-payload (tau_L, tau_H) meeting it wins; 'none' skips")
     p.add_argument("--policy-grid", default=None,
-                   help="precision candidates 'tau_L:tau_H,...' (default: tau_L 0.5/1/2 x tau_H 4/8/16)")
+                   help="precision candidates 'tau_L:tau_H,...' (default: tau_L 0.1/0.25/0.5/1 x tau_H 4/8)")
     p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
     p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
     p.add_argument("--threads", type=int, default=None,

@@ -54,7 +54,7 @@ __all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_fr
 
 DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
-DEFAULT_POLICY_GRID = tuple((tl, th) for th in (4.0, 8.0, 16.0) for tl in (0.5, 1.0, 2.0))  # (tau_L, tau_H)
+DEFAULT_POLICY_GRID = tuple((tl, th) for th in (4.0, 8.0) for tl in (0.1, 0.25, 0.5, 1.0))  # (tau_L, tau_H)
 _TAG_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
 
 
