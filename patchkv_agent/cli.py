@@ -51,7 +51,13 @@ def _engine(args):
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window)
+    prof = getattr(args, "profile", "auto")
+    if prof not in ("auto", "none"):
+        from .profiles import read_profile
+
+        prof = read_profile(prof)
+    eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window,
+                                        profile=None if prof == "none" else prof)
     print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s (profile: {eng.profile_path or 'none'}; "
           f"block {eng.block_size}, kappa {eng.kappa})", file=sys.stderr)
     return eng
@@ -162,7 +168,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
     p.add_argument("--block-size", type=int, default=None, help="default: the model's calibration profile, else 32")
     p.add_argument("--dirty-window", type=int, default=None,
-                   help="fixed dirty window; default: the profile's length model, else 64 tokens")
+                   help="fixed dirty window; default: the profile's length model, else 32 tokens")
+    p.add_argument("--profile", default="auto",
+                   help="calibration profile: 'auto' (calibration/profiles/ by model fingerprint), 'none' (the "
+                        "built-in defaults), or a profile JSON path")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--strategies", default="exact,prefix,direct,patchkv")

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from .plan import LengthModel
 
 __all__ = ["PROFILE_SCHEMA", "profile_dirs", "iter_profiles", "load_profile", "profile_length_model",
-           "apply_profile", "is_profile"]
+           "apply_profile", "is_profile", "read_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,28 @@ def profile_dirs() -> list[Path]:
 def is_profile(data: Any) -> bool:
     """True when ``data`` looks like a calibration profile (a dict with the required keys)."""
     return isinstance(data, dict) and all(k in data for k in _REQUIRED)
+
+
+def read_profile(path: str | Path) -> dict:
+    """Read one profile file (e.g. a draft, or one for another machine).
+
+    Args:
+        path: a profile JSON written by ``patchkv-agent calibrate``.
+    Returns:
+        The profile dict, with ``_source`` set to ``{"path": ..., "match": "explicit"}``.
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or lacks the profile keys.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read profile {p}: {e}; pass a JSON written by 'patchkv-agent calibrate'") from e
+    if not is_profile(data):
+        missing = [k for k in _REQUIRED if not isinstance(data, dict) or k not in data]
+        raise ValueError(f"{p} is not a calibration profile (missing {missing}); pass a JSON written by "
+                         "'patchkv-agent calibrate'")
+    return {**data, "_source": {"path": str(p), "match": "explicit"}}
 
 
 def iter_profiles(dirs: list[Path] | None = None) -> Iterator[tuple[Path, dict]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -357,3 +358,16 @@ def test_packaged_profiles_are_valid():
         lm = profile_length_model(data)
         assert lm.quantile == data["quantile"], path
         assert 0.0 <= data["kappa"] <= 1.0 and data["block_size"] >= 1
+
+
+def test_read_profile_explicit_path_and_clear_errors(tmp_path):
+    from patchkv_agent.profiles import read_profile
+
+    shipped = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "smollm2-135m.json"
+    prof = read_profile(shipped)
+    assert prof["_source"] == {"path": str(shipped), "match": "explicit"} and prof["block_size"] >= 1
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    for name in ("bad.json", "other.json", "absent.json"):
+        with pytest.raises(ValueError, match="patchkv-agent calibrate"):
+            read_profile(tmp_path / name)
