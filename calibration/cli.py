@@ -57,7 +57,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="intercept shift from grouped out-of-fold residuals (more conservative windows)")
     p.add_argument("--val-share", type=float, default=0.3, help="share of tasks held out for validation")
     p.add_argument("--kappas", type=_floats, default=(0.0, 0.01, 0.02, 0.03))
-    p.add_argument("--blocks", type=_ints, default=(16, 32, 64, 128))
+    p.add_argument("--blocks", type=_ints, default=(32, 64, 128),
+                   help="block sizes to try (16 is allowed; it doubles key-scale overhead and fragments the "
+                        "mixed-precision runs: see docs/calibration.md)")
     p.add_argument("--quality", default="kl", choices=["kl", "tf"], help="loss for the minimax rule")
     p.add_argument("--tol-rel", type=float, default=0.1, help="relative tolerance on the worst gap")
     p.add_argument("--tol-abs", type=float, default=1e-3, help="absolute tolerance on the worst gap")

@@ -121,7 +121,7 @@ class CalibConfig:
     shift: str = "none"
     val_share: float = 0.3
     kappas: tuple[float, ...] = (0.0, 0.01, 0.02, 0.03)
-    blocks: tuple[int, ...] = (16, 32, 64, 128)
+    blocks: tuple[int, ...] = (32, 64, 128)
     quality: str = "kl"
     tol_abs: float = 1e-3
     tol_rel: float = 0.1

@@ -331,7 +331,7 @@ def test_calibrate_cli_parses_defaults():
     add_calibrate_cli(sub)
     args = ap.parse_args(["calibrate", "--workload", "hotpotqa-e", "--n", "3", "--kappas", "0,0.02", "--out", "x.json"])
     assert args.func is calibrate_main
-    assert (args.n, args.kappas, args.blocks, args.quantile) == (3, (0.0, 0.02), (16, 32, 64, 128), 0.9)
+    assert (args.n, args.kappas, args.blocks, args.quantile) == (3, (0.0, 0.02), (32, 64, 128), 0.9)
     assert len(args.tau_v) >= 2  # the tau_V stage runs by default
 
     from patchkv_agent.calibration.cli import _parse_workloads
