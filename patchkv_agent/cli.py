@@ -51,13 +51,10 @@ def _engine(args):
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     t = time.perf_counter()
-    prof = getattr(args, "profile", "auto")
-    if prof not in ("auto", "none"):
-        from .profiles import read_profile
+    from .profiles import resolve_profile_arg
 
-        prof = read_profile(prof)
     eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window,
-                                        profile=None if prof == "none" else prof)
+                                        profile=resolve_profile_arg(getattr(args, "profile", "auto")))
     print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s (profile: {eng.profile_path or 'none'}; "
           f"block {eng.block_size}, kappa {eng.kappa})", file=sys.stderr)
     return eng

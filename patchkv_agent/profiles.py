@@ -26,7 +26,8 @@ from typing import Any, Iterator
 from .plan import LengthModel
 
 __all__ = ["PROFILE_SCHEMA", "profile_dirs", "iter_profiles", "load_profile", "profile_length_model",
-           "apply_profile", "is_profile", "read_profile"]
+           "apply_profile", "is_profile", "read_profile",
+           "resolve_profile_arg"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,23 @@ def read_profile(path: str | Path) -> dict:
         raise ValueError(f"{p} is not a calibration profile (missing {missing}); pass a JSON written by "
                          "'patchkv-agent calibrate'")
     return {**data, "_source": {"path": str(p), "match": "explicit"}}
+
+
+def resolve_profile_arg(spec: str | None) -> str | dict | None:
+    """A command line's ``--profile`` value as the engine's ``profile=`` argument.
+
+    Args:
+        spec: ``"auto"`` (or None), ``"none"``, or a path to a profile JSON.
+    Returns:
+        ``"auto"``, None, or the profile dict.
+    Raises:
+        ValueError: an unreadable path or a file that is not a profile (see :func:`read_profile`).
+    """
+    if spec in (None, "auto"):
+        return "auto"
+    if spec == "none":
+        return None
+    return read_profile(spec)
 
 
 def iter_profiles(dirs: list[Path] | None = None) -> Iterator[tuple[Path, dict]]:

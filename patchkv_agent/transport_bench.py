@@ -9,6 +9,7 @@ restore each); nothing here is asserted by tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -183,8 +184,11 @@ def main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    eng = PatchKVEngine.from_pretrained(args.model)
-    result = {"model": args.model, "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
+    from .profiles import resolve_profile_arg
+
+    eng = PatchKVEngine.from_pretrained(args.model, profile=resolve_profile_arg(args.profile), block_size=args.block_size)
+    result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.block_size,
+              "precision_policy": dataclasses.asdict(eng.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
         result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -209,4 +213,7 @@ def add_cli(sub) -> None:
     p.add_argument("--kl-contexts", type=int, default=4)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="runs/transport.json")
+    p.add_argument("--profile", default="auto",
+                   help="calibration profile: 'auto' (by model fingerprint), 'none' (built-in defaults) or a JSON path")
+    p.add_argument("--block-size", type=int, default=None, help="default: the profile's, else 32")
     p.set_defaults(func=main)

@@ -371,3 +371,7 @@ def test_read_profile_explicit_path_and_clear_errors(tmp_path):
     for name in ("bad.json", "other.json", "absent.json"):
         with pytest.raises(ValueError, match="patchkv-agent calibrate"):
             read_profile(tmp_path / name)
+    from patchkv_agent.profiles import resolve_profile_arg
+
+    assert resolve_profile_arg("auto") == "auto" and resolve_profile_arg(None) == "auto"
+    assert resolve_profile_arg("none") is None and resolve_profile_arg(str(shipped))["block_size"] == prof["block_size"]
