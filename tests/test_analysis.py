@@ -267,17 +267,10 @@ def test_parser_defaults_and_bad_configs():
 def test_analysis_notebook_runs_without_a_model(monkeypatch):
     from pathlib import Path
 
-    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed: pip install 'patchkv-agent[test]'")
-    nbformat = pytest.importorskip("nbformat", reason="nbformat not installed: pip install 'patchkv-agent[test]'")
-    pytest.importorskip("ipykernel", reason="ipykernel not installed: pip install 'patchkv-agent[test]'")
+    from nb_helpers import run_notebook
+
     root = Path(__file__).resolve().parents[1]
     monkeypatch.setenv("PATCHKV_ANALYSIS", str(root / "tests" / "data" / "analysis_small.json"))  # the kernel inherits it
-    nb = nbformat.read(root / "notebooks" / "analysis.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                     resources={"metadata": {"path": str(root / "notebooks")}})
-    client.execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    outputs, text = run_notebook("analysis.ipynb")
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
-    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
     assert "| selector | n |" in text and "command:" in text

@@ -193,15 +193,8 @@ def test_cli_summarize_merges_shards(tmp_path, capsys):
 # ----------------------------------------------------------------------------------- the notebook
 
 def test_frontier_notebook_runs_top_to_bottom(tmp_path):
-    nbclient = pytest.importorskip("nbclient", reason="nbclient not installed: pip install 'patchkv-agent[test]'")
-    nbformat = pytest.importorskip("nbformat", reason="nbformat not installed: pip install 'patchkv-agent[test]'")
-    pytest.importorskip("ipykernel", reason="ipykernel not installed: pip install 'patchkv-agent[test]'")
-    nb = nbformat.read(ROOT / "notebooks" / "frontier.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT / "notebooks")}})
-    client.execute()
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
-    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/markdown", "")) for o in outputs)
+    from nb_helpers import run_notebook
+
+    outputs, text = run_notebook("frontier.ipynb")
     assert "| workload | strategy |" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)
