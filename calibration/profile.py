@@ -38,8 +38,9 @@ import torch
 from patchkv_agent.engine import DEFAULT_DIRTY_WINDOW
 from patchkv_agent.diff import diff_versions
 from patchkv_agent.plan import LengthModel, plan_full
-from patchkv_agent.precision import PrecisionPolicy, Tag
-from patchkv_agent.store import build_mixed
+from patchkv_agent.kernels import value_residual_4bit
+from patchkv_agent.precision import PrecisionPolicy, Tag, assign_tags
+from patchkv_agent.store import quantize_mixed
 from patchkv_agent.profiles import PROFILE_SCHEMA
 from patchkv_agent.replay import first_token_kl, teacher_forced_agreement, version_ids
 
@@ -502,7 +503,8 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
     """``direct`` at FP16 and at each mixed-precision policy on the kept pairs.
 
     Each policy re-tags the pair's checkpoint (its own attention scores and 4-bit value residuals,
-    blocks of ``block_size``) and quantizes it (:func:`patchkv_agent.store.build_mixed`); ``direct``
+    blocks of ``block_size``; the residuals are computed once per pair) and quantizes each distinct
+    tag layout once (:func:`patchkv_agent.store.quantize_mixed`); ``direct``
     then restores the whole suffix from those runs, so the KL it adds over the FP16 restore is the
     precision policy's alone (no recomputed block hides a quantization error).
 
@@ -526,15 +528,17 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
         kl_fp16 = first_token_kl(p.ref_logits, base.logits.cpu())
         if bar is not None:
             bar.update(1)
+        resid = value_residual_4bit(torch.stack([v.float() for v in ck.values])).cpu().numpy()
+        attn = np.ones(resid.shape[0]) if ck.scores is None else np.asarray(ck.scores, dtype=np.float64)
         seen: dict[bytes, float] = {}
         for pol in policies:
-            mixed = build_mixed(list(ck.keys), list(ck.values), ck.scores, block_size=block_size, policy=pol)
-            sig = mixed.tags.tobytes()
-            if sig not in seen:  # policies that tag this pair identically share one resume
+            tags = assign_tags(attn, resid, block_size, pol)
+            sig = tags.tobytes()
+            if sig not in seen:  # policies that tag this pair identically share one quantization and resume
+                mixed = quantize_mixed(list(ck.keys), list(ck.values), tags, block_size=block_size)
                 r = engine.resume(dataclasses.replace(ck, mixed=mixed), p.new_ids, strategy="direct",
                                   precision="mixed", max_new_tokens=1)
                 seen[sig] = first_token_kl(p.ref_logits, r.logits.cpu())
-            tags = np.asarray(mixed.tags)
             rows.append({"pair": p.pair_id, "workload": p.workload, "tau_L": pol.tau_L, "tau_H": pol.tau_H,
                          "alpha": pol.alpha, "g4": pol.g4, "kl_fp16": kl_fp16, "kl_mixed": seen[sig],
                          "payload_vs_fp16": float(np.mean([_TAG_BYTES[int(t)] for t in tags]) / 4.0) if len(tags) else 1.0,

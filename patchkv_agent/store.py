@@ -100,7 +100,22 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
     n = keys[0].shape[1]
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).cpu().numpy()
     attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
-    tags = assign_tags(attn, resid, block_size, policy)
+    return quantize_mixed(keys, values, assign_tags(attn, resid, block_size, policy), block_size=block_size)
+
+
+def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: np.ndarray, *,
+                   block_size: int = 32) -> MixedKV:
+    """Quantize every layer's rows at given block tags (the second half of :func:`build_mixed`).
+
+    Args:
+        keys, values: per layer ``[H, N, D]``.
+        tags: int8 :class:`~patchkv_agent.precision.Tag` per block of ``block_size`` tokens.
+        block_size: tokens per block.
+
+    Returns:
+        The :class:`MixedKV` (payloads on the device of ``keys``).
+    """
+    n = keys[0].shape[1]
     runs = tuple(cluster_runs(tags))
     block_of_row = np.arange(n) // block_size
     tag_rows = {Tag(t).name: np.flatnonzero(tags[block_of_row] == t).astype(np.int64)
