@@ -1,10 +1,20 @@
 """Triton kernels for KV transport and their pure-torch references.
 
 Knows nothing about models, checkpoints or LangGraph: tensors in, tensors out.
-On CUDA the Triton kernels run; on CPU the torch references are the fast path.
+On CUDA the Triton kernels run; on CPU a native one-pass restore (``restore.c``, compiled on first
+use) when a C compiler is present, else the torch references.
 """
 
-from .dispatch import backend, dequantize_scatter, get_backend, quantize_gather, set_backend
+from .dispatch import (
+    ScatterCall,
+    backend,
+    dequantize_scatter,
+    dequantize_scatter_many,
+    get_backend,
+    quantize_gather,
+    scatter_backend,
+    set_backend,
+)
 from .quant import FORMATS, FP16, K8V4, K8V8, RunPayload, value_residual_4bit, value_residual_sq
 
 __all__ = [
@@ -13,10 +23,13 @@ __all__ = [
     "K8V4",
     "K8V8",
     "RunPayload",
+    "ScatterCall",
     "backend",
     "dequantize_scatter",
+    "dequantize_scatter_many",
     "get_backend",
     "quantize_gather",
+    "scatter_backend",
     "set_backend",
     "value_residual_4bit",
     "value_residual_sq",

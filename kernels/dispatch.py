@@ -2,10 +2,13 @@
 
 This is the module the rest of the library calls. It knows nothing about models or checkpoints.
 
-Backend choice, per call: ``"auto"`` (default) runs Triton when the tensors are on CUDA and the
-torch reference otherwise; ``"triton"`` forces the kernels (on CPU tensors this needs the Triton
-interpreter, ``TRITON_INTERPRET=1`` set before triton is first imported: that is how the tests run
-them); ``"torch"`` forces the references. Set it with the ``PATCHKV_KERNELS`` environment variable,
+Backend choice, per call: ``"auto"`` (default) runs Triton when the tensors are on CUDA; on CPU,
+``dequantize_scatter`` runs the native one-pass restore (``native.py``: ``restore.c`` compiled on
+first use) when a C compiler is at hand and the call fits it, else the torch reference;
+``"native"`` forces that restore (``quantize_gather`` has no native twin and takes the reference);
+``"triton"`` forces the kernels (on CPU tensors this needs the Triton interpreter,
+``TRITON_INTERPRET=1`` set before triton is first imported: that is how the tests run them);
+``"torch"`` forces the references. :func:`scatter_backend` says which path a call would take. Set it with the ``PATCHKV_KERNELS`` environment variable,
 :func:`set_backend`, or the :func:`backend` context manager. Triton is imported lazily, only when a
 kernel is used, so CPU-only installs without a working Triton still run.
 """
@@ -18,15 +21,19 @@ from typing import Iterator
 
 import torch
 
+from . import native
+from .native import ScatterCall
 from .quant import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_V_GROUP,
     RunPayload,
+    reference_dequantize,
     reference_dequantize_scatter,
     reference_quantize_gather,
 )
+from .rope import delta_cos_sin, rope_rotate
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "native")
 _backend: str | None = None  # None: read PATCHKV_KERNELS
 
 
@@ -67,7 +74,7 @@ def backend(name: str) -> Iterator[None]:
 
 def _use_triton(t: torch.Tensor) -> bool:
     name = get_backend()
-    if name == "torch" or (name == "auto" and not t.is_cuda):
+    if name in ("torch", "native") or (name == "auto" and not t.is_cuda):
         return False
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
@@ -102,10 +109,32 @@ def quantize_gather(
         RuntimeError: if the triton backend is forced on CPU without the interpreter.
     """
     if _use_triton(k):
-        from .quantize_gather import quantize_gather_triton
+        from .triton_quantize_gather import quantize_gather_triton
 
         return quantize_gather_triton(k, v, rows, tag, block_size, v_group)
     return reference_quantize_gather(k, v, rows, tag, block_size, v_group)
+
+
+def scatter_backend(call: ScatterCall) -> str:
+    """The path ``call`` takes under the active backend: ``"triton"``, ``"native"`` or ``"torch"``.
+
+    Raises:
+        RuntimeError: ``"native"`` is forced but unavailable or unfit for the call (the message
+            says why), or ``"triton"`` is forced on CPU without the interpreter.
+    """
+    name = get_backend()
+    if name == "native":
+        if not native.available():
+            raise RuntimeError(f"the native kernel backend was forced but is {native.status()}")
+        if not native.supports(call):
+            raise RuntimeError("the native restore takes CPU tensors with fp32 destinations (inner stride 1) and "
+                               "head_dim <= 1024; use backend 'auto' to fall back to the torch reference")
+        return "native"
+    if _use_triton(call.dst_k):
+        return "triton"
+    if name == "auto" and not call.dst_k.is_cuda and native.supports(call) and native.available():
+        return "native"
+    return "torch"
 
 
 def dequantize_scatter(
@@ -117,7 +146,8 @@ def dequantize_scatter(
     inv_freq: torch.Tensor | None,
     *,
     interleaved: bool = False,
-) -> None:
+    src_rows: torch.Tensor | None = None,
+) -> str:
     """Decode a run, RoPE-correct its keys by ``delta``, and write it into ``dst[:, dst_rows, :]``.
 
     Keys are rotated exactly as ``rope.rope_delta_reference`` (pure angles, no attention scaling);
@@ -132,14 +162,64 @@ def dequantize_scatter(
         delta: int ``[R]`` position shift per row (new minus old), on the CPU.
         inv_freq: ``[rotary_dim // 2]`` RoPE frequencies (``rotary_dim <= head_dim``) or ``None``.
         interleaved: pair channels ``(2i, 2i+1)`` (GLM, GPT-J) instead of ``(i, i + rotary_dim/2)``.
+        src_rows: int64 ``[M]`` payload rows to restore (default all ``R``, in order); ``dst_rows``
+            and ``delta`` then have ``M`` entries.
+
+    Returns:
+        The path taken: ``"triton"``, ``"native"`` or ``"torch"``.
 
     Raises:
         ValueError: on mismatched shapes or out-of-range rows (checked when on CPU).
-        RuntimeError: if the triton backend is forced on CPU without the interpreter.
+        RuntimeError: if a forced backend cannot run the call (see :func:`scatter_backend`).
     """
-    if _use_triton(dst_k):
-        from .dequantize_scatter import dequantize_scatter_triton
+    return dequantize_scatter_many([ScatterCall(payload, dst_k, dst_v, dst_rows, delta, inv_freq,
+                                                interleaved, src_rows)])
 
-        dequantize_scatter_triton(payload, dst_k, dst_v, dst_rows, delta, inv_freq, interleaved=interleaved)
+
+def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
+    """Run several :func:`dequantize_scatter` calls (e.g. every layer and tag of a restore).
+
+    On the native path they go to ``restore.c`` in one multithreaded pass (one thread start per
+    restore, not per layer); other paths run them one by one.
+
+    Returns:
+        The path of the calls (``"native"`` if all took it, else the first other path taken).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`dequantize_scatter`.
+    """
+    paths = [scatter_backend(c) for c in calls]
+    fast = [c for c, p in zip(calls, paths) if p == "native"]
+    if fast:
+        native.scatter_native(fast)
+    for c, path in zip(calls, paths):
+        if path == "native":
+            continue
+        if c.src_rows is not None:
+            _scatter_selected(c)
+        elif path == "triton":
+            from .triton_dequantize_scatter import dequantize_scatter_triton
+
+            dequantize_scatter_triton(c.payload, c.dst_k, c.dst_v, c.dst_rows, c.delta, c.inv_freq,
+                                      interleaved=c.interleaved)
+        else:
+            reference_dequantize_scatter(c.payload, c.dst_k, c.dst_v, c.dst_rows, c.delta, c.inv_freq,
+                                         interleaved=c.interleaved)
+    return next((p for p in paths if p != "native"), "native") if paths else "native"
+
+
+def _scatter_selected(c: ScatterCall) -> None:
+    """A run restored in part (torch ops on any device): decode it whole, keep ``src_rows``,
+    rotate, ``index_copy_`` into the destinations."""
+    native._check_selected(c, c.src_rows.numel())
+    if c.src_rows.numel() == 0:
         return
-    reference_dequantize_scatter(payload, dst_k, dst_v, dst_rows, delta, inv_freq, interleaved=interleaved)
+    dev = c.dst_k.device
+    k, v = reference_dequantize(c.payload.to(dev))
+    sel = c.src_rows.to(dev)
+    k, v = k.index_select(1, sel), v.index_select(1, sel)
+    if c.inv_freq is not None and bool((c.delta != 0).any()):
+        k = rope_rotate(k, *delta_cos_sin(c.delta, c.inv_freq.to(dev)), interleaved=c.interleaved)
+    rows = c.dst_rows.to(dev)
+    c.dst_k.index_copy_(1, rows, k.to(c.dst_k.dtype))
+    c.dst_v.index_copy_(1, rows, v.to(c.dst_v.dtype))

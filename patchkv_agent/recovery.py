@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .kernels import dequantize_scatter
-from .kernels.quant import reference_dequantize
+from .kernels import RunPayload, ScatterCall, dequantize_scatter_many, scatter_backend
+from .kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
 from .kernels.rope import delta_cos_sin, rope_rotate
 from .models import ModelSpec
 
@@ -171,8 +171,11 @@ def restore_rows(
     old_pos: np.ndarray,
     new_pos: np.ndarray,
     layers: Sequence[int] | None = None,
-) -> None:
+) -> str:
     """Copy checkpoint rows ``old_pos`` into ``new_pos`` of every layer, rotating keys by the shift.
+
+    On CPU the rows go through the native one-pass restore when it is available (see
+    ``kernels.native``), else through torch ops.
 
     Args:
         spec: the model spec (per-layer RoPE).
@@ -181,18 +184,37 @@ def restore_rows(
         old_pos, new_pos: aligned int64 arrays of rows.
         layers: restrict to these layers (default all).
 
+    Returns:
+        The kernel path taken: ``"native"`` or ``"torch"``.
+
     Raises:
         RuntimeError: if a shifted row would need an unsupported RoPE (a bug: callers check first).
     """
     if len(old_pos) == 0:
-        return
+        return "torch"
     device = dst_k[0].device
     old_t = torch.from_numpy(np.array(old_pos, dtype=np.int64))
     new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64)).to(device)
     delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
     shifted = bool((delta != 0).any())
+    layers = range(spec.num_layers) if layers is None else layers
+    for layer in layers if shifted else ():
+        rope = spec.rope_for_layer(layer)
+        if not rope.supported:
+            raise RuntimeError(f"bug: restoring shifted rows under unsupported RoPE ({rope.reason})")
+    if device.type == "cpu":
+        calls = []
+        for layer in layers:
+            h, n_old, d = src_k[layer].shape
+            run = RunPayload(tag=FP16, n_rows=n_old, num_kv_heads=h, head_dim=d, block_size=n_old or 1,
+                             v_group=effective_v_group(d, DEFAULT_V_GROUP), k_data=src_k[layer], v_data=src_v[layer])
+            rope = spec.rope_for_layer(layer)
+            calls.append(ScatterCall(run, dst_k[layer][0], dst_v[layer][0], new_t, delta,
+                                     rope.inv_freq if shifted else None, rope.interleaved, src_rows=old_t))
+        if all(scatter_backend(c) == "native" for c in calls):
+            return dequantize_scatter_many(calls)
     cos_sin: dict[int, tuple] = {}
-    for layer in range(spec.num_layers) if layers is None else layers:
+    for layer in layers:
         if device.type == "cpu":
             k, v = src_k[layer].index_select(1, old_t), src_v[layer].index_select(1, old_t)
         else:  # copy the (pinned) layer asynchronously, gather on the device
@@ -201,13 +223,12 @@ def restore_rows(
             v = src_v[layer].to(device, non_blocking=True).index_select(1, idx)
         if shifted:
             rope = spec.rope_for_layer(layer)
-            if not rope.supported:
-                raise RuntimeError(f"bug: restoring shifted rows under unsupported RoPE ({rope.reason})")
             if id(rope) not in cos_sin:
                 cos_sin[id(rope)] = delta_cos_sin(delta, rope.inv_freq.to(device))
             k = rope_rotate(k.float(), *cos_sin[id(rope)], interleaved=rope.interleaved)
         dst_k[layer][0].index_copy_(1, new_t, k.to(dst_k[layer].dtype))
         dst_v[layer][0].index_copy_(1, new_t, v.to(dst_v[layer].dtype))
+    return "torch"
 
 
 def restore_rows_mixed(
@@ -219,11 +240,12 @@ def restore_rows_mixed(
     old_pos: np.ndarray,
     new_pos: np.ndarray,
     layers: Sequence[int] | None = None,
-) -> int:
+) -> tuple[int, str]:
     """Restore rows from mixed-precision payloads: verify, dequantize, RoPE-correct, scatter.
 
-    A tag payload whose rows are all wanted goes straight to its destination rows; one only partly
-    wanted is decoded into a scratch buffer and the wanted rows are copied out.
+    Every payload is checksummed before any row of the restore is written; then all (layer, tag)
+    runs go to :func:`~patchkv_agent.kernels.dequantize_scatter_many` at once (on CPU: one native
+    multithreaded pass when available). A run only partly wanted restores just its wanted rows.
 
     Args:
         spec: the model spec (per-layer RoPE).
@@ -234,46 +256,35 @@ def restore_rows_mixed(
         layers: restrict to these layers (default all).
 
     Returns:
-        Payload bytes read (whole tag payloads touched, all layers).
+        ``(bytes, path)``: payload bytes read (whole tag payloads touched, all layers) and the
+        kernel path taken (``"triton"``, ``"native"`` or ``"torch"``).
 
     Raises:
         CorruptCheckpoint: a payload failed its checksum (nothing is served from it).
     """
     if len(old_pos) == 0:
-        return 0
+        return 0, "torch"
     device = dst_k[0].device
     dst_of = np.full(n_old, -1, dtype=np.int64)
     dst_of[np.asarray(old_pos)] = np.asarray(new_pos)
-    read = 0
+    read, calls = 0, []
     for tag, rows in mixed.tag_rows.items():
         dst = dst_of[rows]
         want = dst >= 0
         if not want.any():
             continue
         full = bool(want.all())
-        delta = torch.from_numpy(np.where(want, dst - rows, 0))
+        delta = torch.from_numpy((dst - rows)[want])
         dst_t = torch.from_numpy(dst[want].copy()).to(device)
-        sel = None if full else torch.from_numpy(np.flatnonzero(want)).to(device)
-        cos_sin: dict[int, tuple] = {}
+        sel = None if full else torch.from_numpy(np.flatnonzero(want))
         for layer in range(spec.num_layers) if layers is None else layers:
             p = mixed.verify(layer, tag)
             read += p.nbytes
             rope = spec.rope_for_layer(layer)
             inv = rope.inv_freq if rope.supported else None
-            if full:
-                dequantize_scatter(p, dst_k[layer][0], dst_v[layer][0], dst_t, delta, inv,
-                                   interleaved=rope.interleaved)
-                continue
-            k, v = reference_dequantize(p.to(device))
-            k, v = k.index_select(1, sel), v.index_select(1, sel)
-            if inv is not None:
-                key = id(rope)
-                if key not in cos_sin:
-                    cos_sin[key] = delta_cos_sin(delta[want], inv.to(device))
-                k = rope_rotate(k, *cos_sin[key], interleaved=rope.interleaved)
-            dst_k[layer][0].index_copy_(1, dst_t, k.to(dst_k[layer].dtype))
-            dst_v[layer][0].index_copy_(1, dst_t, v.to(dst_v[layer].dtype))
-    return read
+            calls.append(ScatterCall(p, dst_k[layer][0], dst_v[layer][0], dst_t, delta, inv, rope.interleaved,
+                                     src_rows=sel))
+    return read, dequantize_scatter_many(calls) if calls else "torch"
 
 
 @torch.no_grad()
@@ -326,11 +337,15 @@ def execute(
             keys[layer][0, :, :n_prefix].copy_(src_k[layer][:, :n_prefix], non_blocking=True)
             values[layer][0, :, :n_prefix].copy_(src_v[layer][:, :n_prefix], non_blocking=True)
         if n_restore and mixed is not None:
-            return restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values, old_pos, new_pos, layers)
+            read, kernel[0] = restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values, old_pos, new_pos,
+                                                 layers)
+            return read
         if n_restore:
-            restore_rows(spec, src_k, src_v, keys, values, old_pos, new_pos, layers)
+            kernel[0] = restore_rows(spec, src_k, src_v, keys, values, old_pos, new_pos, layers)
             return len(layers) * n_restore * src_k[0].shape[0] * src_k[0].shape[2] * src_k[0].element_size() * 2
         return 0
+
+    kernel = [None]  # the restore's kernel path, for the stats
 
     events = None
     if device.type == "cuda" and (n_prefix or n_restore):
@@ -368,7 +383,8 @@ def execute(
     t2 = time.perf_counter()
     return RecoveryOutput(
         logits=logits, keys=keys, values=values,
-        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec), "payload_bytes": payload},
+        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec), "payload_bytes": payload,
+               "restore_kernel": kernel[0]},
     )
 
 

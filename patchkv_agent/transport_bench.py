@@ -4,7 +4,8 @@ first-token KL that mixed precision adds to ``direct`` on edited contexts.
 
 Knows the engine, kernels and precision policy; writes JSON. Timings are medians over repeats
 measured side by side in one run (restores round-robin across the formats, after one warm-up
-restore each); nothing here is asserted by tests.
+restore each), for the default kernel path (the native restore on a CPU with a C compiler) and
+for the torch reference; nothing here is asserted by tests.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .kernels import dequantize_scatter, quantize_gather, value_residual_4bit
+from .kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
+from .kernels.rope import rope_delta_reference
 from .precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
 
 
@@ -46,7 +48,8 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: int = 17) -> dict[str, Any]:
+def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: int = 17,
+                    ids: list[int] | None = None) -> dict[str, Any]:
     """Measure the four formats on one real checkpoint of ``n_tokens``.
 
     Args:
@@ -54,11 +57,13 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
         n_tokens: checkpoint length.
         repeats: timing repeats (median reported).
         shift: position delta applied on restore (exercises the RoPE correction).
+        ids: the checkpoint's token ids (default: ``n_tokens`` of 2WikiMQA passages, which needs
+            the engine's tokenizer).
 
     Returns:
         ``{"n_tokens", "formats": {name: {payload_mib, store_ms, restore_ms, ...}}, "ratios": ...}``.
     """
-    ids = _context(engine, n_tokens)
+    ids = _context(engine, n_tokens) if ids is None else list(ids)
     t0 = time.perf_counter()
     ckpt = engine.checkpoint(ids)
     prefill_s = time.perf_counter() - t0
@@ -107,44 +112,54 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
         payloads = store()
         store_s = _time(store, repeats)
 
-        def restore(tag_rows=tag_rows, payloads=payloads):
-            for li in range(spec.num_layers):
-                rope = spec.rope_for_layer(li)
-                for t, rows in tag_rows.items():
-                    dequantize_scatter(payloads[li][t], dst_k[li], dst_v[li], rows + shift,
-                                       torch.full((len(rows),), shift), rope.inv_freq, interleaved=rope.interleaved)
-
-        restores[name] = restore
+        calls = [ScatterCall(payloads[li][t], dst_k[li], dst_v[li], rows + shift, torch.full((len(rows),), shift),
+                             spec.rope_for_layer(li).inv_freq, spec.rope_for_layer(li).interleaved)
+                 for li in range(spec.num_layers) for t, rows in tag_rows.items()]
+        restores[name] = calls  # as the engine restores: every (layer, tag) run in one call
         stored[name] = (payloads, store_s, tags)
     # Restores are timed round-robin (one repeat of every format, then the next), so load changes on
-    # a shared CPU hit all formats alike and the ratios stay meaningful.
-    for fn in restores.values():
-        fn()  # warm-up: first touch of the destination pages, angle tables
-    restore_ts = {name: [] for name in restores}
-    for _ in range(repeats):
-        for name, fn in restores.items():
-            t = time.perf_counter()
-            fn()
-            restore_ts[name].append(time.perf_counter() - t)
-    for name, fn in restores.items():
+    # a shared CPU hit all formats alike and the ratios stay meaningful; per kernel path: the
+    # default one ("native" on CPU with a compiler) and the torch reference.
+    paths = sorted({scatter_backend(c) for calls in restores.values() for c in calls}) + ["torch"]
+    restore_ts = {(path, name): [] for path in dict.fromkeys(paths) for name in restores}
+    for path in dict.fromkeys(paths):
+        with backend("auto" if path != "torch" else "torch"):
+            for calls in restores.values():
+                dequantize_scatter_many(calls)  # warm-up: first touch of the destination pages, angle tables
+            for _ in range(repeats):
+                for name, calls in restores.items():
+                    t = time.perf_counter()
+                    dequantize_scatter_many(calls)
+                    restore_ts[path, name].append(time.perf_counter() - t)
+    default = paths[0]
+    out["restore_kernel"] = default
+    for name, calls in restores.items():
         payloads, store_s, tags = stored[name]
-        fn()
+        dequantize_scatter_many(calls)
         # error of values (keys are rotated, compare values which are placed unrotated)
         got_v = torch.cat([dst_v[li][:, shift:] for li in range(spec.num_layers)])
         ref_v = torch.cat([values[li].float() for li in range(spec.num_layers)])
+        got_k = torch.cat([dst_k[li][:, shift:] for li in range(spec.num_layers)])
+        ref_k = torch.cat([rope_delta_reference(keys[li].float(), torch.full((n,), shift), spec.rope_for_layer(li).inv_freq,
+                                                interleaved=spec.rope_for_layer(li).interleaved)
+                           for li in range(spec.num_layers)])
         out["formats"][name] = {
             "payload_mib": sum(p.nbytes for layer in payloads for p in layer.values()) / 2**20,
             "store_ms": store_s * 1e3,
-            "restore_ms": statistics.median(restore_ts[name]) * 1e3,
-            "restore_ms_all": [t * 1e3 for t in restore_ts[name]],
+            "restore_ms": statistics.median(restore_ts[default, name]) * 1e3,
+            "restore_ms_all": [t * 1e3 for t in restore_ts[default, name]],
+            "restore_ms_torch": statistics.median(restore_ts["torch", name]) * 1e3,
             "runs": len(cluster_runs(tags)),
             "blocks": {t.name: int((tags == int(t)).sum()) for t in Tag},
             "value_rel_err": float((got_v - ref_v).norm() / ref_v.norm()),
+            "key_rel_err": float((got_k - ref_k).norm() / ref_k.norm()),  # vs the stored keys rotated by shift
         }
     f = out["formats"]
     out["ratios"] = {
         "mixed_payload_vs_fp16": f["mixed"]["payload_mib"] / f["FP16"]["payload_mib"],
         "mixed_restore_vs_fp16": f["mixed"]["restore_ms"] / f["FP16"]["restore_ms"],
+        "mixed_restore_vs_fp16_torch": f["mixed"]["restore_ms_torch"] / f["FP16"]["restore_ms_torch"],
+        "mixed_restore_vs_fp16_torch_reference": f["mixed"]["restore_ms"] / f["FP16"]["restore_ms_torch"],
     }
     return out
 
@@ -195,7 +210,7 @@ def main(args) -> int:
     Path(args.out).write_text(json.dumps(result, indent=2))
     for name, f in result["transport"]["formats"].items():
         print(f"{name:>6}: {f['payload_mib']:8.2f} MiB  store {f['store_ms']:8.1f} ms  restore {f['restore_ms']:8.1f} ms"
-              f"  blocks {f['blocks']}")
+              f" ({result['transport']['restore_kernel']}; torch {f['restore_ms_torch']:.1f} ms)  blocks {f['blocks']}")
     print("ratios", result["transport"]["ratios"])
     if "kl" in result:
         k = result["kl"]

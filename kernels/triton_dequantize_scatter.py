@@ -7,7 +7,7 @@ once per distinct shift, so large position shifts lose no accuracy). Values neve
 
 The launcher expects ``delta`` on the CPU (it is read to skip all-zero shifts and to find the
 distinct shifts); ``dst_rows`` may live anywhere but is only range-checked on the CPU.
-Importing this module imports triton (see ``quantize_gather.py`` for ``TRITON_INTERPRET``).
+Importing this module imports triton (see ``triton_quantize_gather.py`` for ``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,246 @@
+"""The native CPU restore: ``restore.c`` compiled on first use and called through ctypes.
+
+The torch reference of ``dequantize_scatter`` makes several elementwise passes over each piece of
+a run; ``restore.c`` decodes, rotates and stores each row in one pass, bit-identical to the
+reference (``tests/test_kernels.py`` checks this over the odd shapes). It needs a C compiler
+(``cc``, or ``$CC``) at first use; the shared library is cached under
+``$PATCHKV_CACHE_DIR`` (default ``~/.cache/patchkv_agent``), keyed by the source, flags, compiler
+and CPU, and published atomically so concurrent processes can build it at once. Without a
+compiler, or with ``PATCHKV_NATIVE=0``, :func:`available` is False and the dispatcher uses the
+torch reference; :func:`status` says why.
+
+Knows tensors and payloads, nothing about models or checkpoints. CPU only: CUDA runs Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .quant import FP16, K8V4, K8V8, RunPayload, _angle_tables, check_scatter_args, normalize_tag
+
+SOURCE = Path(__file__).with_name("restore.c")
+FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
+MAX_HEAD_DIM = 1024
+
+_TAGS = {FP16: 0, K8V8: 1, K8V4: 2}
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [
+        ("tag", ctypes.c_int32), ("src_dtype", ctypes.c_int32), ("H", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("v_group", ctypes.c_int32), ("rot", ctypes.c_int32),
+        ("interleaved", ctypes.c_int32), ("R", ctypes.c_int64), ("M", ctypes.c_int64),
+        ("k_data", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("k_zero", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p), ("v_zero", ctypes.c_void_p),
+        ("src_rows", ctypes.c_void_p), ("dst_rows", ctypes.c_void_p), ("angle_idx", ctypes.c_void_p),
+        ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p),
+        ("dst_k", ctypes.c_void_p), ("dst_v", ctypes.c_void_p),
+        ("dk_sh", ctypes.c_int64), ("dk_sr", ctypes.c_int64), ("dv_sh", ctypes.c_int64), ("dv_sr", ctypes.c_int64),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_why: str | None = None  # reason the library is unavailable (None: not tried yet or loaded)
+_tried = False
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, native_arch: bool = True) -> Path:
+    """Compile ``restore.c`` into a shared library (or reuse the cached one) and return its path.
+
+    Args:
+        out_dir: cache folder (default ``$PATCHKV_CACHE_DIR`` or ``~/.cache/patchkv_agent``).
+        extra_flags: more compiler flags (the tests build a variant with ``-DPKV_NO_FLOAT16``).
+        native_arch: add ``-march=native`` (retried without it if the compiler refuses).
+
+    Returns:
+        The path of the ``.so``.
+
+    Raises:
+        RuntimeError: no compiler, or compilation failed (the message carries the compiler's output).
+    """
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH (install gcc, or set CC); the torch reference is used")
+    out_dir = Path(out_dir or os.environ.get("PATCHKV_CACHE_DIR") or Path.home() / ".cache" / "patchkv_agent")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    errors = []
+    for arch in (["-march=native"], []) if native_arch else ([],):
+        flags = [*FLAGS, *arch, *extra_flags]
+        key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
+                                         platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
+        target = out_dir / f"patchkv_restore_{key}.so"
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, target)  # atomic: a concurrent builder publishes the same bytes
+            return target
+        os.unlink(tmp)
+        errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
+    raise RuntimeError("compiling kernels/restore.c failed:\n" + "\n".join(errors))
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Open a library built by :func:`build` and declare ``pkv_restore``'s signature."""
+    lib = ctypes.CDLL(str(path))
+    lib.pkv_restore.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    lib.pkv_restore.restype = ctypes.c_int
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("PATCHKV_NATIVE", "1") == "0":
+                _why = "disabled by PATCHKV_NATIVE=0"
+            else:
+                try:
+                    _lib = load(build())
+                except (RuntimeError, OSError) as exc:
+                    _why = str(exc)
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """True when the native restore is built (building it on first call) and not disabled."""
+    return _library() is not None
+
+
+def status() -> str:
+    """``"native"`` when available, else why not (no compiler, disabled, build error)."""
+    return "native" if available() else f"unavailable: {_why}"
+
+
+@dataclass
+class ScatterCall:
+    """One ``dequantize_scatter`` call: ``payload`` rows ``src_rows`` (default: all, in order) to
+    ``dst[:, dst_rows]`` with keys rotated by ``delta`` (see ``dispatch.dequantize_scatter``)."""
+
+    payload: RunPayload
+    dst_k: torch.Tensor
+    dst_v: torch.Tensor
+    dst_rows: torch.Tensor
+    delta: torch.Tensor
+    inv_freq: torch.Tensor | None
+    interleaved: bool = False
+    src_rows: torch.Tensor | None = None
+
+
+def supports(call: ScatterCall) -> bool:
+    """Whether the native path takes this call: CPU tensors, fp32 destinations with unit inner
+    stride, head_dim <= 1024, a known tag and (raw runs) source dtype."""
+    p, dk, dv = call.payload, call.dst_k, call.dst_v
+    return (dk.device.type == "cpu" and p.k_data.device.type == "cpu"
+            and dk.dtype == torch.float32 and dv.dtype == torch.float32
+            and dk.stride(-1) == 1 and dv.stride(-1) == 1 and p.head_dim <= MAX_HEAD_DIM
+            and (p.tag != FP16 or (p.k_data.dtype in _DTYPES and p.v_data.dtype == p.k_data.dtype)))
+
+
+def _c(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
+    if t is None:
+        return None, None
+    t = t.contiguous()
+    return t, t.data_ptr()
+
+
+def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -> None:
+    """Run ``calls`` through ``restore.c`` in one multithreaded pass.
+
+    Args:
+        calls: each must satisfy :func:`supports` (arguments are checked as in the reference).
+        n_threads: worker threads (default ``torch.get_num_threads()``).
+
+    Raises:
+        RuntimeError: the library is unavailable (check :func:`available` first).
+        ValueError: bad shapes or rows, as the reference would raise.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native restore {status()}")
+    jobs = (_Job * len(calls))()
+    keep: list = []  # tensors whose pointers the jobs hold, alive until the call returns
+    n = 0
+    for call in calls:
+        p, tag = call.payload, normalize_tag(call.payload.tag)
+        m = p.n_rows if call.src_rows is None else call.src_rows.numel()
+        if call.src_rows is None:
+            check_scatter_args(p, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)
+        else:
+            _check_selected(call, m)
+        if m == 0:
+            continue
+        delta = call.delta.cpu().numpy()
+        j = jobs[n]
+        n += 1
+        j.tag, j.H, j.D, j.block_size, j.R, j.M = _TAGS[tag], p.num_kv_heads, p.head_dim, p.block_size, p.n_rows, m
+        j.v_group = p.v_group
+        j.src_dtype = _DTYPES.get(p.k_data.dtype, 0)
+        j.interleaved = int(call.interleaved)
+        tensors = [p.k_data, p.v_data, p.k_scale, p.k_zero, p.v_scale, p.v_zero,
+                   call.src_rows, call.dst_rows.to(torch.int64)]
+        if call.inv_freq is not None and delta.any():
+            shifts, inverse = np.unique(delta, return_inverse=True)
+            ctab, stab = _angle_tables(shifts, call.inv_freq, call.interleaved, torch.device("cpu"))
+            j.rot = 2 * call.inv_freq.shape[0]
+            tensors += [torch.from_numpy(inverse.astype(np.int32).reshape(-1)), ctab, stab]
+        else:
+            j.rot = 0
+            tensors += [None, None, None]
+        ptrs = []
+        for t in tensors:
+            t, ptr = _c(t)
+            keep.append(t)
+            ptrs.append(ptr)
+        (j.k_data, j.v_data, j.k_scale, j.k_zero, j.v_scale, j.v_zero,
+         j.src_rows, j.dst_rows, j.angle_idx, j.ctab, j.stab) = ptrs
+        j.dst_k, j.dst_v = call.dst_k.data_ptr(), call.dst_v.data_ptr()
+        j.dk_sh, j.dk_sr = call.dst_k.stride(0), call.dst_k.stride(1)
+        j.dv_sh, j.dv_sr = call.dst_v.stride(0), call.dst_v.stride(1)
+    if n == 0:
+        return
+    starts = (ctypes.c_int64 * (n + 1))()
+    lib.pkv_restore(jobs, n, max(1, n_threads or torch.get_num_threads()), starts)
+
+
+def _check_selected(call: ScatterCall, m: int) -> None:
+    """Argument checks for a call restoring only ``src_rows`` of its payload."""
+    p, s = call.payload, call.src_rows
+    if s.dim() != 1 or s.dtype != torch.int64:
+        raise ValueError(f"src_rows must be int64 [M], got {s.dtype} {tuple(s.shape)}")
+    if m and (int(s.min()) < 0 or int(s.max()) >= p.n_rows):
+        raise ValueError(f"src_rows span [{int(s.min())}, {int(s.max())}] outside the run's [0, {p.n_rows})")
+    sub = RunPayload(tag=p.tag, n_rows=m, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
+                     block_size=p.block_size, v_group=p.v_group, k_data=p.k_data, v_data=p.v_data)
+    check_scatter_args(sub, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)

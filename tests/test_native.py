@@ -1,0 +1,185 @@
+"""The native CPU restore (kernels/restore.c) against the torch reference, bit for bit, and the
+dispatcher's choice and fallbacks around it."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from patchkv_agent.kernels import ScatterCall, backend, dequantize_scatter, dequantize_scatter_many, native
+from patchkv_agent.kernels import dispatch
+from patchkv_agent.kernels import quant as Q
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native restore {native.status()}")
+
+
+def _inv_freq(rot):
+    return 1.0 / (1e4 ** (torch.arange(0, rot, 2).float() / rot)) if rot else None
+
+
+def _case(h, d, r, tag, pdt, seed=0, n_src=150, bs=32, vg=32):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(h, n_src, d, generator=g) * torch.exp(torch.randn(d, generator=g))).to(pdt)
+    v = torch.randn(h, n_src, d, generator=g).to(pdt)
+    rows = torch.randperm(n_src, generator=g)[:r].sort().values
+    return Q.reference_quantize_gather(k, v, rows, tag, bs, vg), g
+
+
+def _scatter(name, p, n_dst, dst_rows, delta, inv, inter, src_rows=None, fill=7.0):
+    dk = torch.full((p.num_kv_heads, n_dst, p.head_dim), fill)
+    dv = torch.full((p.num_kv_heads, n_dst, p.head_dim), -fill)
+    with backend(name):
+        path = dequantize_scatter(p, dk, dv, dst_rows, delta, inv, interleaved=inter, src_rows=src_rows)
+    return dk, dv, path
+
+
+# (heads, head_dim, rows, tag, payload dtype, rotary dim, interleaved, block, value group)
+CASES = [
+    (1, 64, 32, Q.K8V4, torch.float32, 64, False, 32, 32),
+    (3, 80, 37, Q.K8V4, torch.float16, 80, False, 32, 32),  # groups 32 + 32 + 16, ends mid-block
+    (16, 128, 45, Q.K8V8, torch.bfloat16, 64, False, 32, 32),  # partial half-layout RoPE
+    (2, 256, 70, Q.K8V4, torch.float32, 256, True, 16, 16),
+    (4, 64, 0, Q.K8V4, torch.float32, 64, False, 32, 32),  # empty run
+    (3, 48, 25, Q.K8V4, torch.float32, 48, False, 32, 32),  # value groups 32 + 16
+    (2, 112, 14, Q.K8V8, torch.float16, 112, True, 5, 64),  # odd block, groups 64 + 48
+    (3, 64, 40, Q.FP16, torch.float16, 64, True, 32, 32),
+    (3, 80, 17, Q.FP16, torch.bfloat16, 40, True, 32, 32),
+    (5, 64, 33, Q.FP16, torch.float32, 64, False, 32, 32),
+    (3, 64, 30, Q.K8V8, torch.float32, 0, False, 32, 32),  # no RoPE
+]
+
+
+@pytest.mark.parametrize("h,d,r,tag,pdt,rot,inter,bs,vg", CASES)
+@pytest.mark.parametrize("shifts", ["mixed", "zero"])
+def test_native_equals_reference_bitwise(h, d, r, tag, pdt, rot, inter, bs, vg, shifts):
+    p, g = _case(h, d, r, tag, pdt, bs=bs, vg=vg)
+    n_dst = 200
+    dst_rows = torch.randperm(n_dst, generator=g)[:r]  # scattered, any order
+    delta = torch.zeros(r, dtype=torch.int64) if shifts == "zero" else torch.randint(-300, 4000, (r,), generator=g)
+    tk, tv, tp = _scatter("torch", p, n_dst, dst_rows, delta, _inv_freq(rot), inter)
+    nk, nv, np_ = _scatter("native", p, n_dst, dst_rows, delta, _inv_freq(rot), inter)
+    assert (tp, np_) == ("torch", "native")
+    assert torch.equal(nk, tk) and torch.equal(nv, tv)
+    untouched = torch.ones(n_dst, dtype=torch.bool)
+    untouched[dst_rows] = False
+    assert torch.all(nk[:, untouched] == 7.0) and torch.all(nv[:, untouched] == -7.0)
+
+
+@pytest.mark.parametrize("tag", Q.FORMATS)
+def test_native_selected_rows_match_decode_then_select(tag):
+    """``src_rows``: only some rows of a run restored, in any order, to strided destinations."""
+    h, d = 3, 64
+    p, g = _case(h, d, 120, tag, torch.float16)
+    sel = torch.randperm(120, generator=g)[:53]
+    dst_rows = torch.randperm(90, generator=g)[:53]
+    delta = torch.randint(-50, 900, (53,), generator=g)
+    inv = _inv_freq(d)
+    ref_k, ref_v = Q.reference_dequantize(p)
+    ref_k = Q.rope_delta_reference(ref_k[:, sel], delta, inv)
+    outs = {}
+    for name in ("torch", "native"):
+        dk = torch.zeros(1, h, 90, d)[0]  # a view of a [1, H, N, D] cache, as the engine passes
+        dv = torch.zeros(1, h, 90, d)[0]
+        with backend(name):
+            dequantize_scatter(p, dk, dv, dst_rows, delta, inv, src_rows=sel)
+        outs[name] = dk, dv
+        torch.testing.assert_close(dk[:, dst_rows], ref_k, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dv[:, dst_rows], ref_v[:, sel], rtol=0, atol=0)
+    assert torch.equal(outs["native"][0], outs["torch"][0]) and torch.equal(outs["native"][1], outs["torch"][1])
+
+
+def test_native_many_calls_one_pass_equals_one_by_one():
+    """Several layers and tags in one ``dequantize_scatter_many`` equal the calls made singly."""
+    h, d, n_dst = 2, 64, 300
+    calls_a, calls_b = [], []
+    for i, tag in enumerate([Q.K8V4, Q.K8V8, Q.FP16, Q.K8V4]):
+        p, g = _case(h, d, 60 + 10 * i, tag, torch.float16, seed=i)
+        rows = torch.arange(p.n_rows) * 2 + i % 2 + 1
+        delta = torch.full((p.n_rows,), 13 * i - 5)
+        for calls in (calls_a, calls_b):
+            calls.append(ScatterCall(p, torch.zeros(h, n_dst, d), torch.zeros(h, n_dst, d), rows, delta, _inv_freq(d)))
+    with backend("native"):
+        assert dequantize_scatter_many(calls_a) == "native"
+    with backend("torch"):
+        for c in calls_b:
+            dequantize_scatter_many([c])
+    for a, b in zip(calls_a, calls_b):
+        assert torch.equal(a.dst_k, b.dst_k) and torch.equal(a.dst_v, b.dst_v)
+
+
+def test_software_half_conversion_build_is_exact(tmp_path):
+    """The fallback fp16 decoder (compilers without _Float16) gives the same bits."""
+    lib = native.load(native.build(tmp_path, ["-DPKV_NO_FLOAT16"], native_arch=False))
+    p, g = _case(3, 80, 64, Q.K8V4, torch.float16)
+    raw, _ = _case(3, 80, 64, Q.FP16, torch.float16)
+    # every fp16 class: subnormals, zeros of both signs, normals, large values
+    special = torch.tensor([0.0, -0.0, 6e-8, -3e-6, 1e-5, 0.5, -2.0, 6e4], dtype=torch.float16)
+    raw = dataclasses.replace(raw, k_data=special.repeat(3 * 64 * 10).view(3, 64, 80))
+    monkey = native._lib
+    try:
+        native._lib = lib
+        for run in (p, raw):
+            rows, delta = torch.arange(64) + 3, torch.full((64,), 21)
+            tk, tv, _ = _scatter("torch", run, 70, rows, delta, _inv_freq(80), False)
+            nk, nv, _ = _scatter("native", run, 70, rows, delta, _inv_freq(80), False)
+            assert torch.equal(nk, tk) and torch.equal(nv, tv)
+    finally:
+        native._lib = monkey
+
+
+def test_auto_uses_native_on_cpu_and_torch_where_it_cannot():
+    p, _ = _case(2, 64, 20, Q.K8V4, torch.float32)
+    rows, delta = torch.arange(20), torch.full((20,), 3)
+    assert _scatter("auto", p, 30, rows, delta, _inv_freq(64), False)[2] == "native"
+    half = torch.zeros(2, 30, 64, dtype=torch.float16)  # fp16 destinations: the reference takes them
+    assert dequantize_scatter(p, half, half.clone(), rows, delta, _inv_freq(64)) == "torch"
+    with backend("native"), pytest.raises(RuntimeError, match="fp32 destinations"):
+        dequantize_scatter(p, half, half.clone(), rows, delta, _inv_freq(64))
+
+
+def test_disabled_native_falls_back_to_torch(monkeypatch):
+    monkeypatch.setenv("PATCHKV_NATIVE", "0")
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    assert not native.available() and "PATCHKV_NATIVE=0" in native.status()
+    p, _ = _case(2, 64, 20, Q.K8V8, torch.float32)
+    assert _scatter("auto", p, 30, torch.arange(20), torch.full((20,), 3), _inv_freq(64), False)[2] == "torch"
+    with backend("native"), pytest.raises(RuntimeError, match="PATCHKV_NATIVE=0"):
+        _scatter("native", p, 30, torch.arange(20), torch.full((20,), 3), _inv_freq(64), False)
+
+
+def test_missing_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native.build(tmp_path)
+
+
+def test_native_rejects_bad_rows():
+    p, _ = _case(2, 64, 20, Q.K8V8, torch.float32)
+    with backend("native"), pytest.raises(ValueError, match="outside"):
+        _scatter("native", p, 10, torch.arange(20), torch.zeros(20, dtype=torch.int64), None, False)
+    with backend("native"), pytest.raises(ValueError, match="src_rows"):
+        _scatter("native", p, 30, torch.arange(3), torch.zeros(3, dtype=torch.int64), None, False,
+                 src_rows=torch.tensor([0, 5, 20]))
+    assert dispatch.get_backend() == "auto"
+
+
+def test_transport_bench_on_a_tiny_model():
+    """The transport benchmark restores what it stored: values exact for FP16 and within each
+    format's bound otherwise, keys equal to the stored keys rotated by the shift (oracle:
+    ``rope_delta_reference``); the native and torch paths are both timed."""
+    from tiny_models import tiny_model
+
+    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.transport_bench import transport_bench
+
+    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, profile=None)
+    ids = torch.randint(3, eng.spec.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = transport_bench(eng, repeats=1, ids=ids)
+    f = out["formats"]
+    assert out["restore_kernel"] == "native" and out["n_tokens"] == 100
+    assert f["FP16"]["value_rel_err"] == 0.0 and f["FP16"]["key_rel_err"] < 1e-6
+    assert 0 < f["INT8"]["value_rel_err"] < 0.006 and 0 < f["INT4"]["value_rel_err"] < 0.09
+    assert 0 < f["INT8"]["key_rel_err"] < 0.006 and 0 < f["INT4"]["key_rel_err"] < 0.006
+    assert f["INT4"]["payload_mib"] < f["INT8"]["payload_mib"] < f["FP16"]["payload_mib"]
+    assert all(v["restore_ms"] > 0 and v["restore_ms_torch"] > 0 for v in f.values())
