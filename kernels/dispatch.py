@@ -1,4 +1,4 @@
-"""Public KV transport functions: Triton kernels on CUDA tensors, torch references on CPU.
+"""Public KV transport functions: Triton kernels on CUDA, the native restore or torch references on CPU.
 
 This is the module the rest of the library calls. It knows nothing about models or checkpoints.
 

@@ -4,7 +4,7 @@ The torch reference of ``dequantize_scatter`` makes several elementwise passes o
 a run; ``restore.c`` decodes, rotates and stores each row in one pass, bit-identical to the
 reference (``tests/test_kernels.py`` checks this over the odd shapes). It needs a C compiler
 (``cc``, or ``$CC``) at first use; the shared library is cached under
-``$PATCHKV_CACHE_DIR`` (default ``~/.cache/patchkv_agent``), keyed by the source, flags, compiler
+``native/`` of ``$PATCHKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/patchkv-agent``, the model cache), keyed by the source, flags, compiler
 and CPU, and published atomically so concurrent processes can build it at once. Without a
 compiler, or with ``PATCHKV_NATIVE=0``, :func:`available` is False and the dispatcher uses the
 torch reference; :func:`status` says why.
@@ -72,7 +72,8 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
     """Compile ``restore.c`` into a shared library (or reuse the cached one) and return its path.
 
     Args:
-        out_dir: cache folder (default ``$PATCHKV_CACHE_DIR`` or ``~/.cache/patchkv_agent``).
+        out_dir: cache folder (default ``native/`` under ``$PATCHKV_CACHE_DIR`` or
+            ``$XDG_CACHE_HOME/patchkv-agent``).
         extra_flags: more compiler flags (the tests build a variant with ``-DPKV_NO_FLOAT16``).
         native_arch: add ``-march=native`` (retried without it if the compiler refuses).
 
@@ -85,7 +86,10 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler {cc!r} on PATH (install gcc, or set CC); the torch reference is used")
-    out_dir = Path(out_dir or os.environ.get("PATCHKV_CACHE_DIR") or Path.home() / ".cache" / "patchkv_agent")
+    if out_dir is None:
+        base = os.environ.get("PATCHKV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "patchkv-agent"
+        out_dir = Path(base) / "native"
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout

@@ -194,6 +194,44 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) ->
             "mixed_adds_to_direct_kl": (m_mx - m_fp) / m_fp if m_fp > 0 else None}
 
 
+def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, target_tokens: int = 3000) -> dict[str, Any]:
+    """``restore_s`` of real resumes (``direct`` at FP16, ``patchkv`` at mixed precision) per kernel
+    path: the default one and the torch reference, alternated, median over contexts x repeats.
+
+    Returns:
+        ``{"contexts", "tokens", "restore_ms": {strategy: {path: ms}}, "kernel": {strategy: path},
+        "identical_logits"}``; the last says whether both paths gave bit-identical first-token logits.
+    """
+    from .replay import plain_messages, version_ids
+    from .workloads import build_traces
+
+    count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
+    traces = build_traces("hotpotqa-e", "replace_tool_result", n=n_contexts, split="eval",
+                          target_tokens=target_tokens, count_tokens=count)
+    runs = {"direct": dict(strategy="direct", precision="fp16"), "patchkv": dict(strategy="patchkv")}
+    times = {(s, p): [] for s in runs for p in ("auto", "torch")}
+    kernel, identical, tokens = {}, True, []
+    for tr in tqdm(traces, desc="engine restore"):
+        old, new = (version_ids(engine, v) for v in tr["versions"][:2])
+        tokens.append(len(new))
+        ckpt = engine.checkpoint(old)
+        for _ in range(repeats):
+            for name, kw in runs.items():
+                logits = {}
+                for path in ("auto", "torch"):
+                    with backend(path):
+                        res = engine.resume(ckpt, new, max_new_tokens=0, **kw)
+                    times[name, path].append(res.stats["restore_s"])
+                    logits[path] = res.logits
+                    if path == "auto":
+                        kernel[name] = res.stats.get("restore_kernel")
+                identical &= bool(torch.equal(logits["auto"], logits["torch"]))
+    return {"contexts": len(traces), "tokens": tokens,
+            "restore_ms": {s: {("default" if p == "auto" else p): statistics.median(times[s, p]) * 1e3
+                               for p in ("auto", "torch")} for s in runs},
+            "kernel": kernel, "identical_logits": identical}
+
+
 def main(args) -> int:
     from .engine import PatchKVEngine
 
@@ -206,6 +244,8 @@ def main(args) -> int:
               "precision_policy": dataclasses.asdict(eng.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
         result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts)
+    if args.engine_contexts:
+        result["engine_restore"] = engine_restore_bench(eng, n_contexts=args.engine_contexts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for name, f in result["transport"]["formats"].items():
@@ -216,6 +256,11 @@ def main(args) -> int:
         k = result["kl"]
         print(f"direct KL fp16 {k['mean_kl_direct_fp16']:.4f}  mixed {k['mean_kl_direct_mixed']:.4f}  "
               f"(+{100 * (k['mixed_adds_to_direct_kl'] or 0):.1f}%)")
+    if "engine_restore" in result:
+        e = result["engine_restore"]
+        for s, ms in e["restore_ms"].items():
+            print(f"resume restore_s {s}: {ms['default']:.1f} ms ({e['kernel'][s]}) vs torch {ms['torch']:.1f} ms")
+        print(f"identical logits across kernel paths: {e['identical_logits']}")
     print(f"wrote {args.out}")
     return 0
 
@@ -226,6 +271,8 @@ def add_cli(sub) -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kl-contexts", type=int, default=4)
+    p.add_argument("--engine-contexts", type=int, default=2,
+                   help="edited ~3k-token contexts for resume restore_s per kernel path (0: skip)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default="runs/transport.json")
     p.add_argument("--profile", default="auto",
