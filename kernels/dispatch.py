@@ -8,8 +8,9 @@ first use) when a C compiler is at hand and the call fits it, else the torch ref
 ``"native"`` forces that restore (``quantize_gather`` has no native twin and takes the reference);
 ``"triton"`` forces the kernels (on CPU tensors this needs the Triton interpreter,
 ``TRITON_INTERPRET=1`` set before triton is first imported: that is how the tests run them);
-``"torch"`` forces the references. :func:`scatter_backend` says which path a call would take. Set it with the ``PATCHKV_KERNELS`` environment variable,
-:func:`set_backend`, or the :func:`backend` context manager. Triton is imported lazily, only when a
+``"torch"`` forces the references. :func:`scatter_backend` says which path a call would take.
+Set the backend with the ``PATCHKV_KERNELS`` environment variable, :func:`set_backend`, or the
+:func:`backend` context manager. Triton is imported lazily, only when a
 kernel is used, so CPU-only installs without a working Triton still run.
 """
 
