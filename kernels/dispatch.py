@@ -27,7 +27,9 @@ from .native import ScatterCall
 from .quant import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_V_GROUP,
+    FP16,
     RunPayload,
+    normalize_tag,
     reference_dequantize,
     reference_dequantize_scatter,
     reference_quantize_gather,
@@ -132,7 +134,7 @@ def scatter_backend(call: ScatterCall) -> str:
                                "head_dim <= 1024; use backend 'auto' to fall back to the torch reference")
         return "native"
     if _use_triton(call.dst_k):
-        return "triton"
+        return "triton" if call.src_rows is None else "torch"  # the kernel takes whole runs
     if name == "auto" and not call.dst_k.is_cuda and native.supports(call) and native.available():
         return "native"
     return "torch"
@@ -210,15 +212,21 @@ def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
 
 
 def _scatter_selected(c: ScatterCall) -> None:
-    """A run restored in part (torch ops on any device): decode it whole, keep ``src_rows``,
-    rotate, ``index_copy_`` into the destinations."""
+    """A run restored in part (torch ops on any device): select ``src_rows`` (``FP16``: before the
+    copy to the device; quantized: after decoding the run whole, as scales span blocks), rotate,
+    ``index_copy_`` into the destinations."""
     native._check_selected(c, c.src_rows.numel())
     if c.src_rows.numel() == 0:
         return
-    dev = c.dst_k.device
-    k, v = reference_dequantize(c.payload.to(dev))
-    sel = c.src_rows.to(dev)
-    k, v = k.index_select(1, sel), v.index_select(1, sel)
+    dev, p = c.dst_k.device, c.payload
+    if normalize_tag(p.tag) == FP16:
+        sel = c.src_rows.to(p.k_data.device)
+        k = p.k_data.index_select(1, sel).to(dev, non_blocking=True).float()
+        v = p.v_data.index_select(1, sel).to(dev, non_blocking=True)
+    else:
+        k, v = reference_dequantize(p.to(dev, non_blocking=True))
+        sel = c.src_rows.to(dev)
+        k, v = k.index_select(1, sel), v.index_select(1, sel)
     if c.inv_freq is not None and bool((c.delta != 0).any()):
         k = rope_rotate(k, *delta_cos_sin(c.delta, c.inv_freq.to(dev)), interleaved=c.interleaved)
     rows = c.dst_rows.to(dev)

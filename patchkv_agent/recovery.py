@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .kernels import RunPayload, ScatterCall, dequantize_scatter_many, scatter_backend
+from .kernels import RunPayload, ScatterCall, dequantize_scatter_many
 from .kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
-from .kernels.rope import delta_cos_sin, rope_rotate
 from .models import ModelSpec
 
 if TYPE_CHECKING:
@@ -174,8 +173,8 @@ def restore_rows(
 ) -> str:
     """Copy checkpoint rows ``old_pos`` into ``new_pos`` of every layer, rotating keys by the shift.
 
-    On CPU the rows go through the native one-pass restore when it is available (see
-    ``kernels.native``), else through torch ops.
+    The rows go to :func:`~patchkv_agent.kernels.dequantize_scatter_many` as one full-precision
+    run per layer (on CPU: the native one-pass restore when available, else torch ops).
 
     Args:
         spec: the model spec (per-layer RoPE).
@@ -197,38 +196,17 @@ def restore_rows(
     new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64)).to(device)
     delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
     shifted = bool((delta != 0).any())
-    layers = range(spec.num_layers) if layers is None else layers
-    for layer in layers if shifted else ():
+    calls = []
+    for layer in range(spec.num_layers) if layers is None else layers:
         rope = spec.rope_for_layer(layer)
-        if not rope.supported:
+        if shifted and not rope.supported:
             raise RuntimeError(f"bug: restoring shifted rows under unsupported RoPE ({rope.reason})")
-    if device.type == "cpu":
-        calls = []
-        for layer in layers:
-            h, n_old, d = src_k[layer].shape
-            run = RunPayload(tag=FP16, n_rows=n_old, num_kv_heads=h, head_dim=d, block_size=n_old or 1,
-                             v_group=effective_v_group(d, DEFAULT_V_GROUP), k_data=src_k[layer], v_data=src_v[layer])
-            rope = spec.rope_for_layer(layer)
-            calls.append(ScatterCall(run, dst_k[layer][0], dst_v[layer][0], new_t, delta,
-                                     rope.inv_freq if shifted else None, rope.interleaved, src_rows=old_t))
-        if all(scatter_backend(c) == "native" for c in calls):
-            return dequantize_scatter_many(calls)
-    cos_sin: dict[int, tuple] = {}
-    for layer in layers:
-        if device.type == "cpu":
-            k, v = src_k[layer].index_select(1, old_t), src_v[layer].index_select(1, old_t)
-        else:  # copy the (pinned) layer asynchronously, gather on the device
-            idx = old_t.to(device, non_blocking=True)
-            k = src_k[layer].to(device, non_blocking=True).index_select(1, idx)
-            v = src_v[layer].to(device, non_blocking=True).index_select(1, idx)
-        if shifted:
-            rope = spec.rope_for_layer(layer)
-            if id(rope) not in cos_sin:
-                cos_sin[id(rope)] = delta_cos_sin(delta, rope.inv_freq.to(device))
-            k = rope_rotate(k.float(), *cos_sin[id(rope)], interleaved=rope.interleaved)
-        dst_k[layer][0].index_copy_(1, new_t, k.to(dst_k[layer].dtype))
-        dst_v[layer][0].index_copy_(1, new_t, v.to(dst_v[layer].dtype))
-    return "torch"
+        h, n_old, d = src_k[layer].shape  # the full-precision rows as one FP16 run, restored in part
+        run = RunPayload(tag=FP16, n_rows=n_old, num_kv_heads=h, head_dim=d, block_size=max(n_old, 1),
+                         v_group=effective_v_group(d, DEFAULT_V_GROUP), k_data=src_k[layer], v_data=src_v[layer])
+        calls.append(ScatterCall(run, dst_k[layer][0], dst_v[layer][0], new_t, delta,
+                                 rope.inv_freq if shifted else None, rope.interleaved, src_rows=old_t))
+    return dequantize_scatter_many(calls)
 
 
 def restore_rows_mixed(

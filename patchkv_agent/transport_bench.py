@@ -120,10 +120,11 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     # Restores are timed round-robin (one repeat of every format, then the next), so load changes on
     # a shared CPU hit all formats alike and the ratios stay meaningful; per kernel path: the
     # default one ("native" on CPU with a compiler) and the torch reference.
-    paths = sorted({scatter_backend(c) for calls in restores.values() for c in calls}) + ["torch"]
-    restore_ts = {(path, name): [] for path in dict.fromkeys(paths) for name in restores}
-    for path in dict.fromkeys(paths):
-        with backend("auto" if path != "torch" else "torch"):
+    default = scatter_backend(restores["FP16"][0])
+    paths = [default] if default == "torch" else [default, "torch"]
+    restore_ts = {(path, name): [] for path in paths for name in restores}
+    for path in paths:
+        with backend("torch" if path == "torch" else "auto"):
             for calls in restores.values():
                 dequantize_scatter_many(calls)  # warm-up: first touch of the destination pages, angle tables
             for _ in range(repeats):
@@ -131,7 +132,6 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
                     t = time.perf_counter()
                     dequantize_scatter_many(calls)
                     restore_ts[path, name].append(time.perf_counter() - t)
-    default = paths[0]
     out["restore_kernel"] = default
     for name, calls in restores.items():
         payloads, store_s, tags = stored[name]
