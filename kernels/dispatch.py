@@ -212,20 +212,20 @@ def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
 
 
 def _scatter_selected(c: ScatterCall) -> None:
-    """A run restored in part (torch ops on any device): select ``src_rows`` (``FP16``: before the
-    copy to the device; quantized: after decoding the run whole, as scales span blocks), rotate,
+    """A run restored in part (torch ops on any device): copy it to the destination's device
+    (non-blocking: from pinned memory this overlaps other work), keep ``src_rows`` (``FP16``:
+    before widening; quantized: after decoding the run whole, as key scales span blocks), rotate,
     ``index_copy_`` into the destinations."""
     native._check_selected(c, c.src_rows.numel())
     if c.src_rows.numel() == 0:
         return
-    dev, p = c.dst_k.device, c.payload
+    dev = c.dst_k.device
+    p = c.payload if c.payload.k_data.device == dev else c.payload.to(dev, non_blocking=True)
+    sel = c.src_rows.to(dev, non_blocking=True)
     if normalize_tag(p.tag) == FP16:
-        sel = c.src_rows.to(p.k_data.device)
-        k = p.k_data.index_select(1, sel).to(dev, non_blocking=True).float()
-        v = p.v_data.index_select(1, sel).to(dev, non_blocking=True)
+        k, v = p.k_data.index_select(1, sel).float(), p.v_data.index_select(1, sel)
     else:
-        k, v = reference_dequantize(p.to(dev, non_blocking=True))
-        sel = c.src_rows.to(dev)
+        k, v = reference_dequantize(p)
         k, v = k.index_select(1, sel), v.index_select(1, sel)
     if c.inv_freq is not None and bool((c.delta != 0).any()):
         k = rope_rotate(k, *delta_cos_sin(c.delta, c.inv_freq.to(dev)), interleaved=c.interleaved)
