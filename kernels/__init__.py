@@ -1,8 +1,8 @@
 """Triton kernels for KV transport and their pure-torch references.
 
 Knows nothing about models, checkpoints or LangGraph: tensors in, tensors out.
-On CUDA the Triton kernels run; on CPU a native one-pass restore (``restore.c``, compiled on first
-use) when a C compiler is present, else the torch references.
+On CUDA the Triton kernels run; on CPU native twins of both (``native.c``, compiled on first use)
+when a C compiler is present, else the torch references.
 """
 
 from .dispatch import (

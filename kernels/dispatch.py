@@ -1,11 +1,11 @@
-"""Public KV transport functions: Triton kernels on CUDA, the native restore or torch references on CPU.
+"""Public KV transport functions: Triton kernels on CUDA, native kernels or torch references on CPU.
 
 This is the module the rest of the library calls. It knows nothing about models or checkpoints.
 
 Backend choice, per call: ``"auto"`` (default) runs Triton when the tensors are on CUDA; on CPU,
-``dequantize_scatter`` runs the native one-pass restore (``native.py``: ``restore.c`` compiled on
-first use) when a C compiler is at hand and the call fits it, else the torch reference;
-``"native"`` forces that restore (``quantize_gather`` has no native twin and takes the reference);
+``dequantize_scatter`` runs the native one-pass restore (``native.py``: ``native.c`` compiled on
+first use) when a C compiler is at hand and the call fits it, else the torch reference, and
+``quantize_gather`` likewise its native twin; ``"native"`` forces them;
 ``"triton"`` forces the kernels (on CPU tensors this needs the Triton interpreter,
 ``TRITON_INTERPRET=1`` set before triton is first imported: that is how the tests run them);
 ``"torch"`` forces the references. :func:`scatter_backend` says which path a call would take.
@@ -109,13 +109,30 @@ def quantize_gather(
 
     Raises:
         ValueError: on bad shapes, dtypes, tag, or out-of-range rows (checked when on CPU).
-        RuntimeError: if the triton backend is forced on CPU without the interpreter.
+        RuntimeError: if the triton backend is forced on CPU without the interpreter, or the
+            native one is forced but unavailable or unfit for the sources.
     """
     if _use_triton(k):
         from .triton_quantize_gather import quantize_gather_triton
 
         return quantize_gather_triton(k, v, rows, tag, block_size, v_group)
+    if _use_native(native.supports_quantize(k, v), "CPU fp32/fp16/bf16 sources of one dtype (inner stride 1) "
+                   "and head_dim <= 1024"):
+        return native.quantize_native(k, v, rows, tag, block_size, v_group)
     return reference_quantize_gather(k, v, rows, tag, block_size, v_group)
+
+
+def _use_native(fits: bool, needs: str) -> bool:
+    """Whether a call that ``fits`` the native kernels runs them: always when the backend is
+    ``"native"`` (which raises if they cannot), when available under ``"auto"``."""
+    name = get_backend()
+    if name == "native":
+        if not native.available():
+            raise RuntimeError(f"the native kernel backend was forced but is {native.status()}")
+        if not fits:
+            raise RuntimeError(f"the native kernels take {needs}; use backend 'auto' to fall back to the torch reference")
+        return True
+    return name == "auto" and fits and native.available()
 
 
 def scatter_backend(call: ScatterCall) -> str:
@@ -125,17 +142,10 @@ def scatter_backend(call: ScatterCall) -> str:
         RuntimeError: ``"native"`` is forced but unavailable or unfit for the call (the message
             says why), or ``"triton"`` is forced on CPU without the interpreter.
     """
-    name = get_backend()
-    if name == "native":
-        if not native.available():
-            raise RuntimeError(f"the native kernel backend was forced but is {native.status()}")
-        if not native.supports(call):
-            raise RuntimeError("the native restore takes CPU tensors with fp32 destinations (inner stride 1) and "
-                               "head_dim <= 1024; use backend 'auto' to fall back to the torch reference")
-        return "native"
     if _use_triton(call.dst_k):
         return "triton" if call.src_rows is None else "torch"  # the kernel takes whole runs
-    if name == "auto" and not call.dst_k.is_cuda and native.supports(call) and native.available():
+    fits = not call.dst_k.is_cuda and native.supports(call)
+    if _use_native(fits, "CPU tensors with fp32 destinations (inner stride 1) and head_dim <= 1024"):
         return "native"
     return "torch"
 
@@ -182,7 +192,7 @@ def dequantize_scatter(
 def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
     """Run several :func:`dequantize_scatter` calls (e.g. every layer and tag of a restore).
 
-    On the native path they go to ``restore.c`` in one multithreaded pass (one thread start per
+    On the native path they go to ``native.c`` in one multithreaded pass (one thread start per
     restore, not per layer); other paths run them one by one.
 
     Returns:

@@ -1,8 +1,9 @@
-"""The native CPU restore: ``restore.c`` compiled on first use and called through ctypes.
+"""The native CPU kernels: ``native.c`` compiled on first use and called through ctypes.
 
-The torch reference of ``dequantize_scatter`` makes several elementwise passes over each piece of
-a run; ``restore.c`` decodes, rotates and stores each row in one pass, bit-identical to the
-reference (``tests/test_kernels.py`` checks this over the odd shapes). It needs a C compiler
+The torch references of ``dequantize_scatter`` and ``quantize_gather`` make several elementwise
+passes over each piece of a run; ``native.c`` decodes, rotates and stores each row in one pass
+(``pkv_restore``) and computes scales and codes block by block (``pkv_quantize``), bit-identical
+to the references (``tests/test_native.py`` checks this over the odd shapes). It needs a C compiler
 (``cc``, or ``$CC``) at first use; the shared library is cached under
 ``native/`` of ``$PATCHKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/patchkv-agent``, the model cache), keyed by the source, flags, compiler
 and CPU, and published atomically so concurrent processes can build it at once. Without a
@@ -29,9 +30,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .quant import FP16, K8V4, K8V8, RunPayload, _angle_tables, check_scatter_args, normalize_tag
+from .quant import (
+    FP16,
+    K8V4,
+    K8V8,
+    RunPayload,
+    _angle_tables,
+    check_quantize_args,
+    check_scatter_args,
+    effective_v_group,
+    normalize_tag,
+)
 
-SOURCE = Path(__file__).with_name("restore.c")
+SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 MAX_HEAD_DIM = 1024
 
@@ -54,6 +65,18 @@ class _Job(ctypes.Structure):
     ]
 
 
+class _QJob(ctypes.Structure):
+    _fields_ = [
+        ("tag", ctypes.c_int32), ("src_dtype", ctypes.c_int32), ("H", ctypes.c_int32), ("D", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("v_group", ctypes.c_int32), ("R", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("k_sh", ctypes.c_int64), ("k_sn", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_sn", ctypes.c_int64),
+        ("rows", ctypes.c_void_p), ("k_data", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p), ("k_zero", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
+        ("v_zero", ctypes.c_void_p),
+    ]
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # reason the library is unavailable (None: not tried yet or loaded)
@@ -69,7 +92,7 @@ def _cpu_id() -> str:
 
 
 def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, native_arch: bool = True) -> Path:
-    """Compile ``restore.c`` into a shared library (or reuse the cached one) and return its path.
+    """Compile ``native.c`` into a shared library (or reuse the cached one) and return its path.
 
     Args:
         out_dir: cache folder (default ``native/`` under ``$PATCHKV_CACHE_DIR`` or
@@ -103,20 +126,22 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
             return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(tmp, target)  # atomic: a concurrent builder publishes the same bytes
             return target
         os.unlink(tmp)
         errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
-    raise RuntimeError("compiling kernels/restore.c failed:\n" + "\n".join(errors))
+    raise RuntimeError("compiling kernels/native.c failed:\n" + "\n".join(errors))
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """Open a library built by :func:`build` and declare ``pkv_restore``'s signature."""
+    """Open a library built by :func:`build` and declare its two entry points."""
     lib = ctypes.CDLL(str(path))
-    lib.pkv_restore.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-    lib.pkv_restore.restype = ctypes.c_int
+    for name, job in (("pkv_restore", _Job), ("pkv_quantize", _QJob)):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.POINTER(job), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -179,8 +204,58 @@ def _c(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
     return t, t.data_ptr()
 
 
+def supports_quantize(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the native quantizer takes these sources: CPU fp32/fp16/bf16 tensors of one dtype
+    with unit inner stride and head_dim <= 1024 (other arguments are checked as in the reference)."""
+    return (k.device.type == "cpu" and v.device.type == "cpu" and k.dtype in _DTYPES and v.dtype == k.dtype
+            and k.dim() == 3 and k.shape == v.shape and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k.shape[-1] <= MAX_HEAD_DIM)
+
+
+def quantize_native(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tag: object, block_size: int,
+                    v_group: int, n_threads: int | None = None) -> RunPayload:
+    """``quantize_gather`` through ``native.c``: the same payload as the reference, bit for bit.
+
+    Args:
+        k, v: ``[num_kv_heads, N, head_dim]`` sources satisfying :func:`supports_quantize`.
+        rows, tag, block_size, v_group: as :func:`~patchkv_agent.kernels.quantize_gather`.
+        n_threads: worker threads (default ``torch.get_num_threads()``).
+
+    Returns:
+        A :class:`RunPayload` on the CPU.
+
+    Raises:
+        RuntimeError: the library is unavailable.
+        ValueError: bad arguments, as the reference raises them.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native kernels {status()}")
+    tag = check_quantize_args(k, v, rows, tag, block_size, v_group)
+    h, _, d = k.shape
+    r, group = rows.numel(), effective_v_group(d, v_group)
+    meta = dict(tag=tag, n_rows=r, num_kv_heads=h, head_dim=d, block_size=block_size, v_group=group)
+    if tag == FP16:
+        out = dict(k_data=k.new_empty((h, r, d)), v_data=v.new_empty((h, r, d)))
+    else:
+        nb, ng, u8 = -(-r // block_size), -(-d // group), torch.uint8
+        out = dict(k_data=torch.empty((h, r, d), dtype=u8), v_data=torch.empty((h, r, d // (2 if tag == K8V4 else 1)), dtype=u8),
+                   k_scale=torch.empty((h, nb, d), dtype=torch.float16), k_zero=torch.empty((h, nb, d), dtype=torch.float16),
+                   v_scale=torch.empty((h, r, ng), dtype=torch.float16), v_zero=torch.empty((h, r, ng), dtype=torch.float16))
+    if r:
+        rows = rows.contiguous()
+        j = _QJob(tag=_TAGS[tag], src_dtype=_DTYPES[k.dtype], H=h, D=d, block_size=block_size, v_group=group, R=r,
+                  k=k.data_ptr(), v=v.data_ptr(), k_sh=k.stride(0), k_sn=k.stride(1), v_sh=v.stride(0),
+                  v_sn=v.stride(1), rows=rows.data_ptr())
+        for name, t in out.items():
+            setattr(j, name, t.data_ptr())
+        starts = (ctypes.c_int64 * 2)()
+        lib.pkv_quantize(ctypes.byref(j), 1, max(1, n_threads or torch.get_num_threads()), starts)
+    return RunPayload(**meta, **out)
+
+
 def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -> None:
-    """Run ``calls`` through ``restore.c`` in one multithreaded pass.
+    """Run ``calls`` through ``native.c``'s ``pkv_restore`` in one multithreaded pass.
 
     Args:
         calls: each must satisfy :func:`supports` (arguments are checked as in the reference).

@@ -5,7 +5,7 @@ Knows nothing about models, checkpoints or precision policy: one layer's ``k, v`
 ``[num_kv_heads, N, head_dim]`` (batch squeezed, any float dtype) in, a :class:`RunPayload` out,
 and back. The Triton kernels in ``triton_quantize_gather.py`` / ``triton_dequantize_scatter.py``
 must agree with the functions here (bit-exact codes under the Triton interpreter), and so must the
-native restore ``restore.c`` (bit for bit); ``dispatch.py`` picks the path.
+native kernels of ``native.c`` (bit for bit); ``dispatch.py`` picks the path.
 
 Formats (a *run* is ``n_rows`` token rows cut into blocks of ``block_size`` rows; the last block
 may be partial):

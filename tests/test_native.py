@@ -1,5 +1,5 @@
-"""The native CPU restore (kernels/restore.c) against the torch reference, bit for bit, and the
-dispatcher's choice and fallbacks around it."""
+"""The native CPU kernels (kernels/native.c: restore and quantize) against the torch references,
+bit for bit, and the dispatcher's choice and fallbacks around them."""
 
 import dataclasses
 
@@ -107,8 +107,66 @@ def test_native_many_calls_one_pass_equals_one_by_one():
         assert torch.equal(a.dst_k, b.dst_k) and torch.equal(a.dst_v, b.dst_v)
 
 
+def _same_payload(a: Q.RunPayload, b: Q.RunPayload) -> None:
+    assert (a.tag, a.n_rows, a.num_kv_heads, a.head_dim, a.block_size, a.v_group) == \
+        (b.tag, b.n_rows, b.num_kv_heads, b.head_dim, b.block_size, b.v_group)
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name, t in ta.items():
+        u = tb[name]
+        assert t.shape == u.shape and t.dtype == u.dtype, name
+        assert t.numel() == 0 or torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)), name
+
+
+def _sources(h, n, d, dtype, kind, seed=0):
+    """Strided ``[H, N, D]`` views (rows cut from a wider buffer) of keys and values of one ``kind``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, h, n + 7, d, generator=g) * torch.exp(torch.randn(d, generator=g))
+    if kind == "large":
+        x = x * 3000
+    elif kind == "tiny":  # fp16 subnormal scales and zeros
+        x = x * 1e-6
+    elif kind == "constant":  # min == max groups and blocks
+        x[:, :, ::3] = 1.5
+    return x[0][:, 3:3 + n].to(dtype), x[1][:, 2:2 + n].to(dtype)
+
+
+@pytest.mark.parametrize("tag", Q.FORMATS)
+@pytest.mark.parametrize("d,h,dtype,bs,vg,kind", [
+    (64, 3, torch.float32, 32, 32, "gauss"),
+    (80, 2, torch.float16, 32, 32, "large"),  # value groups 32 + 32 + 16
+    (128, 1, torch.bfloat16, 16, 64, "tiny"),
+    (48, 4, torch.float32, 5, 32, "constant"),  # odd block; groups 32 + 16
+    (256, 16, torch.float16, 32, 16, "gauss"),
+    (112, 3, torch.float32, 32, 64, "large"),  # groups 64 + 48
+])
+def test_native_quantize_equals_reference_bitwise(tag, d, h, dtype, bs, vg, kind):
+    n = 90
+    k, v = _sources(h, n, d, dtype, kind)
+    g = torch.Generator().manual_seed(d)
+    for r in (0, 1, 37, n):  # empty, one row, ends mid-block, all rows
+        rows = torch.randperm(n, generator=g)[:r]
+        with backend("torch"):
+            ref = dispatch.quantize_gather(k, v, rows, tag, bs, vg)
+        with backend("native"):
+            got = dispatch.quantize_gather(k, v, rows, tag, bs, vg)
+        _same_payload(ref, got)
+
+
+def test_auto_quantize_uses_native_and_checks_arguments():
+    k, v = _sources(2, 40, 64, torch.float32, "gauss")
+    rows = torch.arange(10, 30)
+    with backend("torch"):
+        ref = dispatch.quantize_gather(k, v, rows, Q.K8V4)
+    _same_payload(ref, dispatch.quantize_gather(k, v, rows, Q.K8V4))
+    with backend("native"), pytest.raises(ValueError, match="outside"):
+        dispatch.quantize_gather(k, v, torch.tensor([0, 40]), Q.K8V8)
+    with backend("native"), pytest.raises(RuntimeError, match="one dtype"):
+        dispatch.quantize_gather(k, v.half(), rows, Q.K8V8)
+
+
 def test_software_half_conversion_build_is_exact(tmp_path):
-    """The fallback fp16 decoder (compilers without _Float16) gives the same bits."""
+    """The fallback fp16 conversions (compilers without _Float16) give the same bits, both ways."""
     lib = native.load(native.build(tmp_path, ["-DPKV_NO_FLOAT16"], native_arch=False))
     p, g = _case(3, 80, 64, Q.K8V4, torch.float16)
     raw, _ = _case(3, 80, 64, Q.FP16, torch.float16)
@@ -123,6 +181,14 @@ def test_software_half_conversion_build_is_exact(tmp_path):
             tk, tv, _ = _scatter("torch", run, 70, rows, delta, _inv_freq(80), False)
             nk, nv, _ = _scatter("native", run, 70, rows, delta, _inv_freq(80), False)
             assert torch.equal(nk, tk) and torch.equal(nv, tv)
+        for kind in ("gauss", "large", "tiny", "constant"):  # scales and zeros rounded to fp16 in C
+            k, v = _sources(3, 50, 80, torch.float16, kind)
+            rows = torch.arange(3, 47)
+            for tag in (Q.K8V8, Q.K8V4):
+                with backend("torch"):
+                    ref = dispatch.quantize_gather(k, v, rows, tag, 16)
+                with backend("native"):
+                    _same_payload(ref, dispatch.quantize_gather(k, v, rows, tag, 16))
     finally:
         native._lib = monkey
 
@@ -184,4 +250,4 @@ def test_transport_bench_on_a_tiny_model():
     assert 0 < f["INT8"]["value_rel_err"] < 0.006 and 0 < f["INT4"]["value_rel_err"] < 0.09
     assert 0 < f["INT8"]["key_rel_err"] < 0.006 and 0 < f["INT4"]["key_rel_err"] < 0.006
     assert f["INT4"]["payload_mib"] < f["INT8"]["payload_mib"] < f["FP16"]["payload_mib"]
-    assert all(v["restore_ms"] > 0 and v["restore_ms_torch"] > 0 for v in f.values())
+    assert all(v["restore_ms"] > 0 and v["restore_ms_torch"] > 0 and v["store_ms_torch"] > 0 for v in f.values())

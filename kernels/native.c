@@ -1,0 +1,392 @@
+/* Native CPU transport kernels: the twins of quant.reference_quantize_gather and
+ * quant.reference_dequantize_scatter (and of the Triton kernels).
+ *
+ * pkv_restore: decode a run's payload, RoPE-correct its keys, write fp32 destination rows, in one
+ * pass per row and head (read codes, decode, rotate, store) instead of the torch reference's
+ * several elementwise passes. pkv_quantize: gather a run's rows, compute per-block key and
+ * per-group value scales, write codes (4-bit values packed two per byte), in one pass per block.
+ *
+ * Bit-identical to the references: the same fp32 operations in the same order, compiled with
+ * -ffp-contract=off (no fused multiply-adds, which would round differently); fp32 -> fp16 rounds to
+ * nearest even, as torch's .half(); the cos/sin tables come from the caller (rope.delta_cos_sin
+ * through quant._angle_tables).
+ *
+ * Knows nothing about Python or torch: native.py compiles it on first use, fills job records with
+ * data pointers and calls the two entry points. Work is cut into (job, head, row-chunk) items that
+ * POSIX threads take from a shared counter.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { TAG_RAW = 0, TAG_K8V8 = 1, TAG_K8V4 = 2 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+typedef struct {
+    int32_t tag;         /* TAG_RAW ("FP16": stored in the source dtype), TAG_K8V8, TAG_K8V4 */
+    int32_t src_dtype;   /* TAG_RAW only: DT_F32 / DT_F16 / DT_BF16 */
+    int32_t H, D;        /* kv heads, head_dim */
+    int32_t block_size;  /* rows per key-scale block */
+    int32_t v_group;     /* value group (effective, power of two) */
+    int32_t rot;         /* rotated channels (0: keys are not rotated) */
+    int32_t interleaved; /* RoPE pairs (2i, 2i+1) instead of (i, i + rot/2) */
+    int64_t R;           /* payload rows */
+    int64_t M;           /* rows to restore */
+    const void *k_data, *v_data;           /* [H, R, D] (K8V4 values: [H, R, D/2]) */
+    const uint16_t *k_scale, *k_zero;      /* fp16 [H, NB, D] */
+    const uint16_t *v_scale, *v_zero;      /* fp16 [H, R, NG] */
+    const int64_t *src_rows;               /* [M] payload rows, NULL: 0..M-1 */
+    const int64_t *dst_rows;               /* [M] destination rows */
+    const int32_t *angle_idx;              /* [M] row of ctab/stab; NULL when rot == 0 */
+    const float *ctab, *stab;              /* [U, rot]: C = (cos, cos), S = (-sin, sin) in channel layout */
+    float *dst_k, *dst_v;                  /* fp32, innermost stride 1 */
+    int64_t dk_sh, dk_sr, dv_sh, dv_sr;    /* element strides: head, row */
+} pkv_job;
+
+static inline float h2f(uint16_t h) {
+#if defined(__FLT16_MANT_DIG__) && !defined(PKV_NO_FLOAT16)
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: value man * 2^-24, exact in fp32 */
+        float f = (float)man * 5.9604644775390625e-08f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+#endif
+}
+
+static inline float bf2f(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline uint16_t f2h(float f) { /* round to nearest even, as torch's .half() */
+#if defined(__FLT16_MANT_DIG__) && !defined(PKV_NO_FLOAT16)
+    _Float16 h = (_Float16)f;
+    uint16_t out;
+    memcpy(&out, &h, 2);
+    return out;
+#else
+    uint32_t x, m, sign, h, rem;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000u;
+    x &= 0x7FFFFFFFu;
+    if (x >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (x > 0x7F800000u ? 0x200u : 0u)); /* inf, nan */
+    if (x >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);                                  /* >= 65520 */
+    if (x < 0x38800000u) { /* below 2^-14: a subnormal half, |f| * 2^24 rounded (exact scaling) */
+        float a;
+        memcpy(&a, &x, 4);
+        return (uint16_t)(sign | (uint32_t)rintf(a * 16777216.0f));
+    }
+    m = x & 0x7FFFFFu;
+    h = ((((x >> 23) - 112u)) << 10) | (m >> 13);
+    rem = m & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++; /* a carry into the exponent is right */
+    return (uint16_t)(sign | h);
+#endif
+}
+
+/* n elements of a source in dtype dt, from element offset off, widened to fp32. */
+static void load_raw_as(int dt, const void *base, int64_t off, int n, float *out) {
+    if (dt == DT_F32) {
+        memcpy(out, (const float *)base + off, (size_t)n * sizeof(float));
+    } else if (dt == DT_F16) {
+        const uint16_t *s = (const uint16_t *)base + off;
+        for (int c = 0; c < n; c++) out[c] = h2f(s[c]);
+    } else {
+        const uint16_t *s = (const uint16_t *)base + off;
+        for (int c = 0; c < n; c++) out[c] = bf2f(s[c]);
+    }
+}
+
+static void load_raw(const pkv_job *j, const void *base, int64_t off, float *out) {
+    load_raw_as(j->src_dtype, base, off, j->D, out);
+}
+
+/* Key scales and zeros of (head h, block b) widened to fp32 (once per block, not per row). */
+static void key_meta(const pkv_job *j, int h, int64_t b, float *ks, float *kz) {
+    int64_t nb = (j->R + j->block_size - 1) / j->block_size, off = ((int64_t)h * nb + b) * j->D;
+    for (int c = 0; c < j->D; c++) {
+        ks[c] = h2f(j->k_scale[off + c]);
+        kz[c] = h2f(j->k_zero[off + c]);
+    }
+}
+
+/* Keys of payload row r, head h, decoded into x[D]: q * s + z (the product is exact in fp32). */
+static void decode_key(const pkv_job *j, int h, int64_t r, const float *ks, const float *kz, float *x) {
+    int D = j->D;
+    if (j->tag == TAG_RAW) {
+        load_raw(j, j->k_data, ((int64_t)h * j->R + r) * D, x);
+        return;
+    }
+    const uint8_t *q = (const uint8_t *)j->k_data + ((int64_t)h * j->R + r) * D;
+    for (int c = 0; c < D; c++) x[c] = (float)q[c] * ks[c] + kz[c];
+}
+
+static void decode_value(const pkv_job *j, int h, int64_t r, float *out) {
+    int D = j->D;
+    if (j->tag == TAG_RAW) {
+        load_raw(j, j->v_data, ((int64_t)h * j->R + r) * D, out);
+        return;
+    }
+    int g = j->v_group, ng = (D + g - 1) / g;
+    const uint16_t *s = j->v_scale + ((int64_t)h * j->R + r) * ng, *z = j->v_zero + ((int64_t)h * j->R + r) * ng;
+    if (j->tag == TAG_K8V8) {
+        const uint8_t *q = (const uint8_t *)j->v_data + ((int64_t)h * j->R + r) * D;
+        for (int k = 0; k < ng; k++) {
+            float sf = h2f(s[k]), zf = h2f(z[k]);
+            int c1 = (k + 1) * g < D ? (k + 1) * g : D;
+            for (int c = k * g; c < c1; c++) out[c] = (float)q[c] * sf + zf;
+        }
+    } else { /* two codes per byte: channel 2i in the low nibble, 2i + 1 in the high one */
+        const uint8_t *q = (const uint8_t *)j->v_data + ((int64_t)h * j->R + r) * (D / 2);
+        uint8_t codes[1024];
+        for (int i = 0; i < D / 2; i++) {
+            codes[2 * i] = q[i] & 15;
+            codes[2 * i + 1] = q[i] >> 4;
+        }
+        for (int k = 0; k < ng; k++) {
+            float sf = h2f(s[k]), zf = h2f(z[k]);
+            int c1 = (k + 1) * g < D ? (k + 1) * g : D;
+            for (int c = k * g; c < c1; c++) out[c] = (float)codes[c] * sf + zf;
+        }
+    }
+}
+
+/* out = x * C + partner(x) * S over the rotated channels (two roundings then one add, as the
+ * torch reference), the rest copied. */
+static void rotate(const pkv_job *j, const float *x, const float *C, const float *S, float *out) {
+    int rot = j->rot, D = j->D;
+    if (j->interleaved) {
+        for (int c = 0; c < rot; c += 2) {
+            float a = x[c] * C[c], b = x[c + 1] * S[c];
+            float e = x[c + 1] * C[c + 1], f = x[c] * S[c + 1];
+            out[c] = a + b;
+            out[c + 1] = e + f;
+        }
+    } else {
+        int half = rot / 2;
+        for (int c = 0; c < half; c++) {
+            float a = x[c] * C[c], b = x[c + half] * S[c];
+            out[c] = a + b;
+        }
+        for (int c = half; c < rot; c++) {
+            float a = x[c] * C[c], b = x[c - half] * S[c];
+            out[c] = a + b;
+        }
+    }
+    for (int c = rot; c < D; c++) out[c] = x[c];
+}
+
+static void run_item(const pkv_job *j, int h, int64_t m0, int64_t m1) {
+    float x[1024], ks[1024], kz[1024]; /* head_dim <= 1024, checked by the caller */
+    int64_t cur = -1;                  /* key block whose scales are in ks, kz */
+    for (int64_t m = m0; m < m1; m++) {
+        int64_t r = j->src_rows ? j->src_rows[m] : m, d = j->dst_rows[m];
+        if (j->tag != TAG_RAW && r / j->block_size != cur) {
+            cur = r / j->block_size;
+            key_meta(j, h, cur, ks, kz);
+        }
+        float *ok = j->dst_k + h * j->dk_sh + d * j->dk_sr;
+        if (j->rot) {
+            decode_key(j, h, r, ks, kz, x);
+            int64_t u = j->angle_idx[m];
+            rotate(j, x, j->ctab + u * j->rot, j->stab + u * j->rot, ok);
+        } else {
+            decode_key(j, h, r, ks, kz, ok);
+        }
+        decode_value(j, h, r, j->dst_v + h * j->dv_sh + d * j->dv_sr);
+    }
+}
+
+/* ---------------------------------------------------------------- work pool */
+
+typedef struct {
+    const char *jobs;
+    size_t job_bytes;
+    const int64_t *starts; /* [n_jobs + 1] first item of each job */
+    int64_t n_items;
+    void (*run)(const void *job, int64_t local_item);
+    int64_t next; /* shared counter */
+} pkv_work;
+
+static void *worker(void *arg) {
+    pkv_work *w = (pkv_work *)arg;
+    int ji = 0;
+    for (;;) {
+        int64_t it = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (it >= w->n_items) break;
+        while (w->starts[ji + 1] <= it) ji++; /* items are taken in increasing order per thread */
+        w->run(w->jobs + (size_t)ji * w->job_bytes, it - w->starts[ji]);
+    }
+    return NULL;
+}
+
+/* Run every item on n_threads threads (the caller's included); returns 0, or -1 when a thread
+ * could not be started (the work then finishes on the others, so the result is complete). */
+static int run_pool(pkv_work *w, int n_threads) {
+    if (n_threads > 64) n_threads = 64;
+    if (n_threads > w->n_items) n_threads = (int)w->n_items;
+    pthread_t th[64];
+    int started = 0, rc = 0;
+    for (int t = 1; t < n_threads; t++) {
+        if (pthread_create(&th[started], NULL, worker, w) != 0) {
+            rc = -1;
+            break;
+        }
+        started++;
+    }
+    worker(w);
+    for (int t = 0; t < started; t++) pthread_join(th[t], NULL);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- restore */
+
+#define CHUNK_ROWS 256
+
+static void restore_item(const void *job, int64_t local) {
+    const pkv_job *j = (const pkv_job *)job;
+    int64_t per_head = (j->M + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int64_t m0 = (local % per_head) * CHUNK_ROWS, m1 = m0 + CHUNK_ROWS < j->M ? m0 + CHUNK_ROWS : j->M;
+    run_item(j, (int)(local / per_head), m0, m1);
+}
+
+/* Restore every job (starts: scratch of n_jobs + 1 entries); returns as run_pool. */
+int pkv_restore(const pkv_job *jobs, int n_jobs, int n_threads, int64_t *starts) {
+    starts[0] = 0;
+    for (int i = 0; i < n_jobs; i++)
+        starts[i + 1] = starts[i] + (int64_t)jobs[i].H * ((jobs[i].M + CHUNK_ROWS - 1) / CHUNK_ROWS);
+    pkv_work w = {(const char *)jobs, sizeof(pkv_job), starts, starts[n_jobs], restore_item, 0};
+    return run_pool(&w, n_threads);
+}
+
+/* ---------------------------------------------------------------- quantize */
+
+typedef struct {
+    int32_t tag;        /* TAG_RAW, TAG_K8V8, TAG_K8V4 */
+    int32_t src_dtype;  /* DT_F32 / DT_F16 / DT_BF16 of k and v */
+    int32_t H, D, block_size, v_group;
+    int64_t R;                           /* rows gathered */
+    const void *k, *v;                   /* sources [H, N, D], innermost stride 1 */
+    int64_t k_sh, k_sn, v_sh, v_sn;      /* element strides: head, row */
+    const int64_t *rows;                 /* [R] source rows */
+    void *k_data, *v_data;               /* [H, R, D] codes (raw: source dtype); K8V4 values [H, R, D/2] */
+    uint16_t *k_scale, *k_zero;          /* fp16 [H, NB, D] */
+    uint16_t *v_scale, *v_zero;          /* fp16 [H, R, NG] */
+} pkv_qjob;
+
+#define CHUNK_BLOCKS 8
+
+/* fp16 (scale, zero) covering [mn, mx] with the nudges of quant.scale_zero; returns them widened. */
+static void scale_zero(float mn, float mx, float qmax, uint16_t *s, uint16_t *z, float *sf, float *zf) {
+    const float rel = 0.0009765625f, tiny = 5.9604644775390625e-08f;
+    float a = fabsf(mn) * rel, b = mn - a, c = b - tiny;
+    *z = f2h(c);
+    *zf = h2f(*z);
+    float u = mx - *zf, w = u / qmax, y = w * (1.0f + rel), t = y + tiny;
+    *s = f2h(t);
+    *sf = h2f(*s);
+}
+
+static inline int32_t code(float x, float sf, float zf, float qmax) {
+    float d = x - zf, e = d / sf, q = floorf(e + 0.5f);
+    q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
+    return (int32_t)q; /* integral in [0, qmax]; narrowed to bytes in a loop of its own (vectorizes) */
+}
+
+static void quantize_item(const void *job, int64_t local) {
+    const pkv_qjob *j = (const pkv_qjob *)job;
+    int D = j->D, bs = j->block_size, es = j->src_dtype == DT_F32 ? 4 : 2;
+    int64_t nb = (j->R + bs - 1) / bs, per_head = (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+    int h = (int)(local / per_head);
+    int64_t b0 = (local % per_head) * CHUNK_BLOCKS, b1 = b0 + CHUNK_BLOCKS < nb ? b0 + CHUNK_BLOCKS : nb;
+    int64_t r0 = b0 * bs, r1 = b1 * bs < j->R ? b1 * bs : j->R;
+    const char *kb = (const char *)j->k, *vb = (const char *)j->v;
+    if (j->tag == TAG_RAW) {
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t src = j->rows[r], dst = ((int64_t)h * j->R + r) * D;
+            memcpy((char *)j->k_data + dst * es, kb + (h * j->k_sh + src * j->k_sn) * es, (size_t)D * es);
+            memcpy((char *)j->v_data + dst * es, vb + (h * j->v_sh + src * j->v_sn) * es, (size_t)D * es);
+        }
+        return;
+    }
+    float mn[1024], mx[1024], sf[1024], zf[1024], x[1024];
+    int32_t iq[1024];
+    float *blk = (float *)malloc((size_t)bs * D * sizeof(float)); /* one block of keys, widened */
+    for (int64_t b = b0; b < b1; b++) { /* keys: per channel over the block's rows */
+        int64_t e = (b + 1) * bs < j->R ? (b + 1) * bs : j->R, moff = ((int64_t)h * nb + b) * D;
+        int n = (int)(e - b * bs);
+        for (int c = 0; c < D; c++) {
+            mn[c] = INFINITY;
+            mx[c] = -INFINITY;
+        }
+        for (int i = 0; i < n; i++) {
+            float *row = blk ? blk + (size_t)i * D : x;
+            load_raw_as(j->src_dtype, j->k, h * j->k_sh + j->rows[b * bs + i] * j->k_sn, D, row);
+            for (int c = 0; c < D; c++) {
+                mn[c] = row[c] < mn[c] ? row[c] : mn[c];
+                mx[c] = row[c] > mx[c] ? row[c] : mx[c];
+            }
+        }
+        for (int c = 0; c < D; c++) scale_zero(mn[c], mx[c], 255.0f, j->k_scale + moff + c, j->k_zero + moff + c, sf + c, zf + c);
+        for (int i = 0; i < n; i++) {
+            float *row = blk ? blk + (size_t)i * D : x;
+            if (!blk) load_raw_as(j->src_dtype, j->k, h * j->k_sh + j->rows[b * bs + i] * j->k_sn, D, row);
+            uint8_t *q = (uint8_t *)j->k_data + ((int64_t)h * j->R + b * bs + i) * D;
+            for (int c = 0; c < D; c++) iq[c] = code(row[c], sf[c], zf[c], 255.0f);
+            for (int c = 0; c < D; c++) q[c] = (uint8_t)iq[c];
+        }
+    }
+    free(blk);
+    int g = j->v_group, ng = (D + g - 1) / g;
+    float qmax = j->tag == TAG_K8V4 ? 15.0f : 255.0f;
+    for (int64_t r = r0; r < r1; r++) { /* values: per token, groups of g channels */
+        int64_t off = h * j->v_sh + j->rows[r] * j->v_sn, moff = ((int64_t)h * j->R + r) * ng;
+        load_raw_as(j->src_dtype, j->v, off, D, x);
+        for (int k = 0; k < ng; k++) {
+            int c0 = k * g, c1 = c0 + g < D ? c0 + g : D;
+            float lo = INFINITY, hi = -INFINITY, s, z;
+            for (int c = c0; c < c1; c++) {
+                lo = x[c] < lo ? x[c] : lo;
+                hi = x[c] > hi ? x[c] : hi;
+            }
+            scale_zero(lo, hi, qmax, j->v_scale + moff + k, j->v_zero + moff + k, &s, &z);
+            for (int c = c0; c < c1; c++) iq[c] = code(x[c], s, z, qmax);
+        }
+        if (j->tag == TAG_K8V8) {
+            uint8_t *p = (uint8_t *)j->v_data + ((int64_t)h * j->R + r) * D;
+            for (int c = 0; c < D; c++) p[c] = (uint8_t)iq[c];
+        } else {
+            uint8_t *p = (uint8_t *)j->v_data + ((int64_t)h * j->R + r) * (D / 2);
+            for (int i = 0; i < D / 2; i++) p[i] = (uint8_t)(iq[2 * i] | (iq[2 * i + 1] << 4));
+        }
+    }
+}
+
+/* Quantize every job (starts: scratch of n_jobs + 1 entries); returns as run_pool. */
+int pkv_quantize(const pkv_qjob *jobs, int n_jobs, int n_threads, int64_t *starts) {
+    starts[0] = 0;
+    for (int i = 0; i < n_jobs; i++) {
+        int64_t nb = (jobs[i].R + jobs[i].block_size - 1) / jobs[i].block_size;
+        starts[i + 1] = starts[i] + (int64_t)jobs[i].H * ((nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS);
+    }
+    pkv_work w = {(const char *)jobs, sizeof(pkv_qjob), starts, starts[n_jobs], quantize_item, 0};
+    return run_pool(&w, n_threads);
+}
