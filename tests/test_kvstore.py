@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+import uuid
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ class Tier:
     def __init__(self, name, request, tmp_path):
         self.name, self.request, self.tmp_path = name, request, tmp_path
         self.persistent = name != "memory"
-        self.prefix = f"t{id(self)}"
+        self.prefix = f"t{uuid.uuid4().hex}"  # not id(self): ids are reused, the server outlives a test
 
     def open(self, deployment="dep", **kw):
         if self.name == "memory":
