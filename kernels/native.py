@@ -163,7 +163,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """True when the native restore is built (building it on first call) and not disabled."""
+    """True when the native kernels are built (building them on first call) and not disabled."""
     return _library() is not None
 
 
