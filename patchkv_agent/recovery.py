@@ -7,7 +7,7 @@ token at new position p sees every row at positions <= p: prefix, restored and r
 layers also mask rows outside their window). The recomputed K/V rows are scattered into place by a
 cache layer whose ``update`` writes given rows of a preallocated full-length K/V.
 
-Knows models, the RoPE kernel references and plans (duck-typed: ``prefix_len``,
+Knows models, the transport kernels (``dequantize_scatter_many``) and plans (duck-typed: ``prefix_len``,
 ``restore_old_positions``, ``restore_new_positions``, ``recompute_positions``); knows nothing about
 diffing, planning policy or LangGraph.
 """
