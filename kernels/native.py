@@ -270,33 +270,40 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
         raise RuntimeError(f"native restore {status()}")
     jobs = (_Job * len(calls))()
     keep: list = []  # tensors whose pointers the jobs hold, alive until the call returns
+    checked: set = set()  # the layers of a restore share their row tensors: check and tabulate once
+    angles: dict = {}
     n = 0
     for call in calls:
         p, tag = call.payload, normalize_tag(call.payload.tag)
         m = p.n_rows if call.src_rows is None else call.src_rows.numel()
-        if call.src_rows is None:
-            check_scatter_args(p, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)
-        else:
-            _check_selected(call, m)
+        sig = (id(call.src_rows), id(call.dst_rows), id(call.delta), id(call.inv_freq), p.n_rows, p.num_kv_heads,
+               p.head_dim, tuple(call.dst_k.shape), tuple(call.dst_v.shape))
+        if sig not in checked:  # the same tensors and shapes pass or fail the same checks
+            if call.src_rows is None:
+                check_scatter_args(p, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)
+            else:
+                _check_selected(call, m)
+            checked.add(sig)
         if m == 0:
             continue
-        delta = call.delta.cpu().numpy()
+        akey = (id(call.delta), id(call.inv_freq), call.interleaved)
+        if akey not in angles:
+            delta = call.delta.cpu().numpy()
+            if call.inv_freq is not None and delta.any():
+                shifts, inverse = np.unique(delta, return_inverse=True)
+                ctab, stab = _angle_tables(shifts, call.inv_freq, call.interleaved, torch.device("cpu"))
+                angles[akey] = (2 * call.inv_freq.shape[0], torch.from_numpy(inverse.astype(np.int32).reshape(-1)),
+                                ctab, stab)
+            else:
+                angles[akey] = (0, None, None, None)
         j = jobs[n]
         n += 1
         j.tag, j.H, j.D, j.block_size, j.R, j.M = _TAGS[tag], p.num_kv_heads, p.head_dim, p.block_size, p.n_rows, m
         j.v_group = p.v_group
         j.src_dtype = _DTYPES.get(p.k_data.dtype, 0)
         j.interleaved = int(call.interleaved)
-        tensors = [p.k_data, p.v_data, p.k_scale, p.k_zero, p.v_scale, p.v_zero,
-                   call.src_rows, call.dst_rows.to(torch.int64)]
-        if call.inv_freq is not None and delta.any():
-            shifts, inverse = np.unique(delta, return_inverse=True)
-            ctab, stab = _angle_tables(shifts, call.inv_freq, call.interleaved, torch.device("cpu"))
-            j.rot = 2 * call.inv_freq.shape[0]
-            tensors += [torch.from_numpy(inverse.astype(np.int32).reshape(-1)), ctab, stab]
-        else:
-            j.rot = 0
-            tensors += [None, None, None]
+        j.rot, *angle = angles[akey]
+        tensors = [p.k_data, p.v_data, p.k_scale, p.k_zero, p.v_scale, p.v_zero, call.src_rows, call.dst_rows, *angle]
         ptrs = []
         for t in tensors:
             t, ptr = _c(t)
