@@ -2,15 +2,15 @@
 
 Boundary: drives a :class:`~patchkv_agent.engine.PatchKVEngine` through its public methods
 (``checkpoint``, ``resume`` with a strategy name or a :class:`~patchkv_agent.strategies.Strategy` instance),
-reads the planner's block layout and plan assembly (:mod:`patchkv_agent.plan`), the RoPE and K8V4/K8V8
-torch references (:mod:`patchkv_agent.kernels`) and the scoring of :mod:`patchkv_agent.replay`; per-token
+reads the planner's block layout and plan assembly (:mod:`patchkv_agent.core.plan`), the RoPE and K8V4/K8V8
+torch references (:mod:`patchkv_agent.kernels`) and the scoring of :mod:`patchkv_agent.eval.replay`; per-token
 cosines come from :func:`.drift.span_drift` / :func:`.drift.token_deviation`. It writes one JSON file and
 one PNG per figure; the ``plot_*`` functions read only that JSON (no model), for the notebook. Nothing here
 is imported by the resume path, and no module of the library is patched: the selection experiment plugs in
 through :class:`BlockSetStrategy`, the precision experiment swaps rows of a checkpoint and puts them back.
 
 Per edited context (version 0 checkpointed with ``engine.checkpoint``, version 1 prefilled exactly with
-``engine.resume(None, ids, strategy="exact")``, aligned by :func:`patchkv_agent.diff.diff_versions`):
+``engine.resume(None, ids, strategy="exact")``, aligned by :func:`patchkv_agent.core.diff.diff_versions`):
 
 (a) drift: per edited span followed by an aligned segment, by distance from the span in ``bin_size``-token
     bins, the cosine similarity against the exact version-1 rows of (i) the stale values, (ii) the stale
@@ -18,7 +18,7 @@ Per edited context (version 0 checkpointed with ``engine.checkpoint``, version 1
     position shift; each the mean over layers and KV heads, then over the tokens of the bin. Summary:
     median and 10-90 % band over spans per bin.
 (b) selection: ``D`` = the first ``window`` suffix tokens after each edited span, block-rounded as
-    :func:`patchkv_agent.plan.plan_repair` does with kappa 0 (new tokens and the block of the last token
+    :func:`patchkv_agent.core.plan.plan_repair` does with kappa 0 (new tokens and the block of the last token
     always recomputed). Each selector adds the same budget of ``B`` blocks outside ``D``: ``attention``
     (highest stored score per block: its maximum token score, i.e. the blocks the top tokens of ``H`` hit
     first), ``distance`` (the blocks nearest to an edit after ``D``), ``random`` (seeded),
@@ -54,11 +54,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from patchkv_agent.diff import Edit, diff_versions
+from patchkv_agent.core.diff import Edit, diff_versions
 from patchkv_agent.kernels.quant import FORMATS, reference_dequantize, reference_quantize_gather
 from patchkv_agent.kernels.rope import rope_delta_reference
-from patchkv_agent.plan import LengthModel, RepairPlan, SuffixBlocks, plan_blocks, plan_repair, plan_suffix_blocks
-from patchkv_agent.replay import first_token_kl, teacher_forced_agreement
+from patchkv_agent.core.plan import LengthModel, RepairPlan, SuffixBlocks, plan_blocks, plan_repair, plan_suffix_blocks
+from patchkv_agent.eval.replay import first_token_kl, teacher_forced_agreement
 from patchkv_agent.strategies import Strategy
 
 from .drift import block_deviation, span_drift, token_deviation
@@ -236,7 +236,7 @@ def corrected_keys(spec, keys: Sequence[torch.Tensor], edit: Edit) -> list[torch
     Rows the edit drops and rows with zero shift are returned as stored (bit for bit when nothing shifts).
 
     Args:
-        spec: the model's :class:`~patchkv_agent.models.ModelSpec` (per-layer RoPE).
+        spec: the model's :class:`~patchkv_agent.core.models.ModelSpec` (per-layer RoPE).
         keys: per layer old keys ``[H, N_old, D]`` (or ``[1, H, N_old, D]``), as stored (post-RoPE).
         edit: the diff of the old and new versions.
     Returns:
@@ -302,7 +302,7 @@ def drift_spans(spec, old_keys, old_values, new_keys, new_values, edit: Edit, *,
         layers: layers averaged over (None: all).
         bin_size: distance bin in tokens.
     Returns:
-        One dict per span: ``P, E, S`` (:func:`patchkv_agent.plan.span_features`), ``shift`` (the segment's
+        One dict per span: ``P, E, S`` (:func:`patchkv_agent.core.plan.span_features`), ``shift`` (the segment's
         position shift) and, for ``value``, ``key_raw``, ``key_corrected``, the mean cosine per bin
         (``ceil(S / bin_size)`` values, bin ``j`` covering distances ``[j * bin_size, (j + 1) * bin_size)``).
     Raises:
@@ -349,8 +349,8 @@ def summarize_drift(spans: Sequence[dict], bin_size: int) -> dict[str, Any]:
 class BlockSetStrategy(Strategy):
     """Recompute the new tokens, the given suffix blocks and the block of the last token; restore the rest.
 
-    Blocks are those of :func:`patchkv_agent.plan.suffix_blocks` at ``block_size`` (the planner's layout);
-    the plan is assembled as :func:`patchkv_agent.plan.plan_repair` assembles its own. Not registered:
+    Blocks are those of :func:`patchkv_agent.core.plan.suffix_blocks` at ``block_size`` (the planner's layout);
+    the plan is assembled as :func:`patchkv_agent.core.plan.plan_repair` assembles its own. Not registered:
     pass an instance to ``engine.resume(ckpt, ids, strategy=BlockSetStrategy(...))``.
 
     Args:
@@ -383,7 +383,7 @@ class BlockSetStrategy(Strategy):
             ckpt: the checkpoint (unused: the blocks are fixed in advance).
             edit: the diff of the checkpoint's version and the new context.
         Returns:
-            A :class:`~patchkv_agent.plan.RepairPlan` (``strategy`` = ``label``).
+            A :class:`~patchkv_agent.core.plan.RepairPlan` (``strategy`` = ``label``).
         Raises:
             ValueError: a block id outside the edit's suffix blocks.
         """
@@ -393,7 +393,7 @@ class BlockSetStrategy(Strategy):
 def block_scores(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
     """Stored attention per suffix block: the maximum score of its tokens (at their old positions).
 
-    Ranking blocks by it is what :func:`patchkv_agent.plan.plan_repair`'s ``H`` does when its top tokens
+    Ranking blocks by it is what :func:`patchkv_agent.core.plan.plan_repair`'s ``H`` does when its top tokens
     are taken one at a time until ``B`` distinct blocks are hit.
 
     Args:
@@ -532,7 +532,7 @@ def quantized_rows(ckpt, rows: np.ndarray, fmt: str = "K8V4") -> Iterator[None]:
     original rows are written back on exit, also after an error.
 
     Args:
-        ckpt: a :class:`~patchkv_agent.store.Checkpoint` (its ``keys``/``values`` are modified in place).
+        ckpt: a :class:`~patchkv_agent.core.checkpoint.Checkpoint` (its ``keys``/``values`` are modified in place).
         rows: old positions (one block: contiguous, any order accepted).
         fmt: ``K8V4``, ``K8V8`` or ``FP16`` (``FP16`` keeps the source dtype: an identity).
     Yields:
@@ -728,7 +728,7 @@ def build_contexts(engine, n: int, *, workloads: Sequence[str] = DEFAULT_WORKLOA
 
     Context ``i`` is of workload ``workloads[i % len(workloads)]`` and edit kind
     ``EDITS[i % len(EDITS)]``: the first example of that workload's evaluation split that takes the kind
-    and is not already used (:func:`patchkv_agent.workloads.build_traces`, two versions).
+    and is not already used (:func:`patchkv_agent.eval.workloads.build_traces`, two versions).
 
     Args:
         engine: the engine (its tokenizer renders and counts the chat messages).
@@ -741,8 +741,8 @@ def build_contexts(engine, n: int, *, workloads: Sequence[str] = DEFAULT_WORKLOA
     Raises:
         ValueError: an unknown workload, or ``n < 0``.
     """
-    from patchkv_agent.replay import plain_messages, version_ids
-    from patchkv_agent.workloads import EDITS, build_traces
+    from patchkv_agent.eval.replay import plain_messages, version_ids
+    from patchkv_agent.eval.workloads import EDITS, build_traces
 
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")

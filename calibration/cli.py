@@ -1,6 +1,6 @@
 """``patchkv-agent calibrate``: build calibration episodes, run the profiler, write the profile JSON.
 
-Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_agent.workloads.build_traces`
+Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_agent.eval.workloads.build_traces`
 (``split="calib"``), the work from :func:`.profile.run_calibration`. The lead CLI adds the command with
 ``add_calibrate_cli(subparsers)``; ``calibrate_main(args)`` runs it.
 
@@ -156,7 +156,7 @@ def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
 def calib_traces(workload: str, edit: str, n: int, **build_kwargs) -> list[dict]:
     """Up to ``n`` calibration-split episodes of a workload, one edit kind per example where possible.
 
-    With ``edit="all"`` the kinds rotate over examples (as :func:`patchkv_agent.workloads.build_traces`
+    With ``edit="all"`` the kinds rotate over examples (as :func:`patchkv_agent.eval.workloads.build_traces`
     does); when that yields fewer than ``n`` (long passages leave too few editable exchanges for some
     kinds, e.g. 2WikiMQA at 1.5k tokens), each kind is built on its own and the episodes are taken
     round-robin over kinds, distinct examples first, then further kinds of examples already taken.
@@ -169,7 +169,7 @@ def calib_traces(workload: str, edit: str, n: int, **build_kwargs) -> list[dict]
     Returns:
         At most ``n`` traces with distinct ids.
     """
-    from patchkv_agent.workloads import EDITS, build_traces
+    from patchkv_agent.eval.workloads import EDITS, build_traces
 
     first = build_traces(workload, edit, n=n, split="calib", **build_kwargs)
     if edit != "all" or len(first) >= n:
@@ -202,7 +202,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
         SystemExit: no episodes could be built, or too few tasks to split.
     """
     from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.replay import plain_messages
+    from patchkv_agent.eval.replay import plain_messages
     from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
 
     if args.threads:

@@ -1,9 +1,9 @@
 """Drift labels: how far stale (direct-restored) suffix values are from exact ones, and the oracle window.
 
 Boundary: torch tensors of one old/new version pair in (the per-layer V of an exact prefill of each
-version, plus their :class:`~patchkv_agent.diff.Edit`), numpy arrays and small dataclasses out. This
+version, plus their :class:`~patchkv_agent.core.diff.Edit`), numpy arrays and small dataclasses out. This
 module runs no model, knows nothing about engines, checkpoints' storage or plans beyond
-:func:`patchkv_agent.plan.span_features`.
+:func:`patchkv_agent.core.plan.span_features`.
 
 Definitions (DESIGN.md section 2 vocabulary):
 
@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from patchkv_agent.plan import span_features
+from patchkv_agent.core.plan import span_features
 
 __all__ = ["METRICS", "SpanDrift", "token_deviation", "span_drift", "block_deviation", "oracle_boundary",
            "default_profile_layers"]
@@ -106,7 +106,7 @@ class SpanDrift:
     """Drift after one edited span: its length features and the token deviations of its segment.
 
     Attributes:
-        prefix_len, edit_len, suffix_len: ``P_k``, ``E_k``, ``S_k`` of :func:`patchkv_agent.plan.span_features`.
+        prefix_len, edit_len, suffix_len: ``P_k``, ``E_k``, ``S_k`` of :func:`patchkv_agent.core.plan.span_features`.
         deviation: float64 ``[S_k]`` token deviations of the aligned segment after the span, by distance.
     """
 
@@ -121,7 +121,7 @@ def span_drift(edit, old_values: Sequence[torch.Tensor], new_values: Sequence[to
     """Drift after every edited span that is followed by an aligned segment.
 
     Args:
-        edit: :func:`patchkv_agent.diff.diff_versions` of the old and new token ids.
+        edit: :func:`patchkv_agent.core.diff.diff_versions` of the old and new token ids.
         old_values: per layer values of an exact prefill of the old version.
         new_values: per layer values of an exact prefill of the new version.
         layers: profiled layers.

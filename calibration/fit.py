@@ -1,6 +1,6 @@
 """The length model fit: a high-quantile linear model of ``log d*`` on log-length features (numpy only).
 
-Boundary: numpy arrays in, a :class:`patchkv_agent.plan.LengthModel` and numbers out. No torch, no model.
+Boundary: numpy arrays in, a :class:`patchkv_agent.core.plan.LengthModel` and numbers out. No torch, no model.
 
 Fit: minimise the pinball (check) loss ``sum_i rho_q(y_i - phi_i . w) + ridge * |w_{1:}|^2`` over the
 standardised features ``phi = [1, a, b, c, ab, ac, bc]`` (:meth:`LengthModel.features`), ``y = log(max(d*, 1))``,
@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from patchkv_agent.plan import LengthModel
+from patchkv_agent.core.plan import LengthModel
 
 __all__ = ["pinball_loss", "fit_quantile", "fit_length_model", "coverage", "split_by_group", "log_target"]
 

@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from patchkv_agent.engine import DEFAULT_DIRTY_WINDOW
-from patchkv_agent.diff import diff_versions
-from patchkv_agent.plan import LengthModel, plan_full
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.plan import LengthModel, plan_full
 from patchkv_agent.kernels import value_residual_4bit
-from patchkv_agent.precision import PrecisionPolicy, Tag, assign_tags
-from patchkv_agent.store import quantize_mixed
+from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags
+from patchkv_agent.core.checkpoint import quantize_mixed
 from patchkv_agent.profiles import PROFILE_SCHEMA
-from patchkv_agent.replay import first_token_kl, teacher_forced_agreement, version_ids
+from patchkv_agent.eval.replay import first_token_kl, teacher_forced_agreement, version_ids
 
 from .drift import SpanDrift, block_deviation, default_profile_layers, oracle_boundary, span_drift
 from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_group
@@ -162,7 +162,7 @@ def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
 
     Args:
         engine: the engine (its tokenizer renders ``messages``/``text`` versions).
-        traces: trace dicts (e.g. :func:`patchkv_agent.workloads.build_traces`).
+        traces: trace dicts (e.g. :func:`patchkv_agent.eval.workloads.build_traces`).
     Returns:
         One :class:`Episode` per trace; ``task`` = ``<workload>/<source id>`` (from ``meta.source_id``,
         else the trace id without its edit kind), so edit kinds of one example share a task.
@@ -504,7 +504,7 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
 
     Each policy re-tags the pair's checkpoint (its own attention scores and 4-bit value residuals,
     blocks of ``block_size``; the residuals are computed once per pair) and quantizes each distinct
-    tag layout once (:func:`patchkv_agent.store.quantize_mixed`); ``direct``
+    tag layout once (:func:`patchkv_agent.core.checkpoint.quantize_mixed`); ``direct``
     then restores the whole suffix from those runs, so the KL it adds over the FP16 restore is the
     precision policy's alone (no recomputed block hides a quantization error).
 

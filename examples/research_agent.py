@@ -41,9 +41,9 @@ from langgraph.graph.message import add_messages
 
 from patchkv_agent.langgraph import PatchKVChatModel, PatchKVCheckpointSaver, TraceRecorder, patchkv_node
 from patchkv_agent.langgraph.keys import current_thread_key
-from patchkv_agent.replay import token_f1
-from patchkv_agent.threads import ThreadRegistry, thread_key
-from patchkv_agent.workloads import load_qa
+from patchkv_agent.eval.replay import token_f1
+from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
+from patchkv_agent.eval.workloads import load_qa
 
 SYSTEM = ("You are a research assistant with a `search` tool that returns one encyclopedia passage per call. "
           "Use the evidence to answer the user's question with a short phrase.")

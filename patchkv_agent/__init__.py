@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return getattr(engine, name)
     if name == "Checkpoint":
-        from .store import Checkpoint
+        from .core.checkpoint import Checkpoint
 
         return Checkpoint
     raise AttributeError(f"module 'patchkv_agent' has no attribute {name!r}")

@@ -61,7 +61,7 @@ def _engine(args):
 
 
 def _count_tokens(eng):
-    from .replay import plain_messages
+    from .eval.replay import plain_messages
 
     return lambda msgs: len(eng.encode(plain_messages(msgs)))
 
@@ -70,8 +70,8 @@ def _token_counter_for(model: str):
     """Chat-template token counter of a model's tokenizer (for `traces build --model`)."""
     from transformers import AutoTokenizer
 
-    from .models import EMBEDDED_MODELS, ensure_embedded
-    from .replay import plain_messages
+    from .core.models import EMBEDDED_MODELS, ensure_embedded
+    from .eval.replay import plain_messages
 
     if model in EMBEDDED_MODELS or model.endswith(".gguf"):
         path = ensure_embedded(model) if model in EMBEDDED_MODELS else __import__("pathlib").Path(model).resolve()
@@ -87,7 +87,7 @@ def _token_counter_for(model: str):
 
 
 def cmd_replay(args) -> int:
-    from .replay import read_jsonl, replay_episode, write_jsonl
+    from .eval.replay import read_jsonl, replay_episode, write_jsonl
 
     eng = _engine(args)
     traces = read_jsonl(args.traces)[: args.limit or None]
@@ -102,8 +102,8 @@ def cmd_replay(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .replay import replay_episode, write_jsonl
-    from .workloads import build_traces
+    from .eval.replay import replay_episode, write_jsonl
+    from .eval.workloads import build_traces
 
     eng = _engine(args)
     traces = build_traces(args.workload, args.edit, n=1, split="eval", target_tokens=args.target_tokens,
@@ -137,12 +137,12 @@ def _shard(spec: str) -> tuple[int, int]:
 
 
 def cmd_bench(args) -> int:
-    from .bench import markdown_table, read_results, run_bench, write_summary
+    from .eval.bench import markdown_table, read_results, run_bench, write_summary
 
     if args.summarize:
         summary = write_summary([r for f in args.summarize for r in read_results(f)], args.out_dir)
     else:
-        from .workloads import build_traces
+        from .eval.workloads import build_traces
 
         eng = _engine(args)
         count = _count_tokens(eng)
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results.jsonl")
     p.set_defaults(func=cmd_replay)
 
-    from .bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS
+    from .eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS
 
     p = sub.add_parser("bench", help="replay the workloads' eval episodes under every strategy; summary + plots")
     _common(p)
@@ -213,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only summarize these results.jsonl files (merged) into --out-dir (no model is loaded)")
     p.set_defaults(func=cmd_bench)
 
-    from . import transport_bench
-    from .stress import add_stress_cli
-    from .workloads import add_traces_cli
+    from .eval import transport_bench
+    from .eval.stress import add_stress_cli
+    from .eval.workloads import add_traces_cli
 
     from .calibration.cli import add_calibrate_cli
 

@@ -17,18 +17,18 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .diff import Edit, diff_versions
-from .models import DEFAULT_MODEL, ModelSpec, load_model, model_spec
-from .plan import LengthModel, plan_full
-from .recovery import (
+from .core.diff import Edit, diff_versions
+from .core.models import DEFAULT_MODEL, ModelSpec, load_model, model_spec
+from .core.plan import LengthModel, plan_full
+from .core.recovery import (
     FullRecompute,
     check_attn_implementation,
     execute,
     greedy_decode,
     to_dynamic_cache,
 )
-from .precision import PrecisionPolicy
-from .store import Checkpoint, CorruptCheckpoint, build_mixed
+from .core.precision import PrecisionPolicy
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
 from .strategies import Strategy, get_strategy
 
 DEFAULT_DIRTY_WINDOW = 32
@@ -69,7 +69,7 @@ class PatchKVEngine:
         block_size: suffix block size in tokens (unit of selection, transfer and precision).
         dirty_window: fixed dirty-window length used until a calibrated length model is given.
         kappa: fraction of suffix tokens outside the window recomputed by attention score.
-        length_model: a calibrated :class:`~patchkv_agent.plan.LengthModel` (overrides ``dirty_window``).
+        length_model: a calibrated :class:`~patchkv_agent.core.plan.LengthModel` (overrides ``dirty_window``).
         capture_window: how many final query positions the attention statistics look from.
         mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
@@ -148,7 +148,7 @@ class PatchKVEngine:
         """Load a model (HF id, local dir, ``.gguf`` path or ``"smollm2-135m"``) and wrap it.
 
         Args:
-            name_or_path: what to load; see :func:`patchkv_agent.models.load_model`.
+            name_or_path: what to load; see :func:`patchkv_agent.core.models.load_model`.
             dtype: parameter dtype.
             device: where the model runs.
             **kwargs: engine options (``block_size``, ``dirty_window``, ``kappa``, ...).
@@ -208,7 +208,7 @@ class PatchKVEngine:
 
     def _capture(self):
         try:
-            from .capture import AttentionCapture
+            from .core.capture import AttentionCapture
         except ImportError:  # statistics are optional for exact strategies
             return None
         return AttentionCapture(self.model, window=self.capture_window)

@@ -1,11 +1,11 @@
 """Frozen per-model calibration profiles: find, load and apply them.
 
 A profile is one JSON file written by ``patchkv-agent calibrate`` (``patchkv_agent.calibration``):
-model name and fingerprint, the dirty-window :class:`~patchkv_agent.plan.LengthModel`, ``kappa``,
+model name and fingerprint, the dirty-window :class:`~patchkv_agent.core.plan.LengthModel`, ``kappa``,
 ``block_size``, the precision policy and the provenance of all of it. See ``docs/calibration.md``.
 
 Search path, first match wins within each pass: ``$PATCHKV_PROFILE_DIR`` (``os.pathsep``-separated
-folders), ``<user cache>/profiles`` (:func:`patchkv_agent.models.cache_dir`), then the profiles shipped in
+folders), ``<user cache>/profiles`` (:func:`patchkv_agent.core.models.cache_dir`), then the profiles shipped in
 the package (``calibration/profiles/*.json``). Matching: first by model fingerprint (exact), then by
 model name (the name the model was loaded by, e.g. ``"smollm2-135m"``); a name-only match whose
 fingerprint differs is returned with a warning (e.g. the same weights under another transformers
@@ -17,13 +17,14 @@ beyond ``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from .plan import LengthModel
+from .core.plan import LengthModel
 
 __all__ = ["PROFILE_SCHEMA", "profile_dirs", "iter_profiles", "load_profile", "profile_length_model",
            "apply_profile", "is_profile", "read_profile",
@@ -42,12 +43,13 @@ def profile_dirs() -> list[Path]:
         Existing and non-existing folders alike; callers skip missing ones.
     """
     dirs = [Path(p) for p in os.environ.get("PATCHKV_PROFILE_DIR", "").split(os.pathsep) if p]
-    from .models import cache_dir
+    from .core.models import cache_dir
 
     dirs.append(cache_dir() / "profiles")
-    import patchkv_agent.calibration as _cal
-
-    dirs.append(Path(_cal.__file__).resolve().parent / "profiles")
+    # locate the calibration package's folder without importing it (calibration sits above the engine)
+    spec = importlib.util.find_spec("patchkv_agent.calibration")
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        dirs.append(Path(loc).resolve() / "profiles")
     return dirs
 
 
@@ -144,7 +146,7 @@ def load_profile(spec_or_fingerprint: Any, *, model_name: str | None = None,
 
     Args:
         spec_or_fingerprint: a :class:`~patchkv_agent.engine.PatchKVEngine`, a
-            :class:`~patchkv_agent.models.ModelSpec`, a fingerprint string (``"<model_type>:<hex>"``) or a
+            :class:`~patchkv_agent.core.models.ModelSpec`, a fingerprint string (``"<model_type>:<hex>"``) or a
             model name (e.g. ``"smollm2-135m"``, an HF id or a path).
         model_name: name to fall back on when no profile matches the fingerprint (default: the name the
             engine's model was loaded by, if known).

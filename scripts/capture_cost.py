@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python scripts/capture_cost.py --tokens 3000 --repeats 5 --out runs/capture_cost.json
 
 Times the same prefill forward (``recovery.execute`` over the whole context, as ``engine.checkpoint``
-runs it) with and without :class:`patchkv_agent.capture.AttentionCapture`, alternating the two so load
+runs it) with and without :class:`patchkv_agent.core.capture.AttentionCapture`, alternating the two so load
 swings hit both alike, and reports the medians and the relative extra time (target: < 5 %).
 
 Boundary: loads a model through the engine, runs forwards, prints and writes JSON; asserts nothing.
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.recovery import FullRecompute, execute
-    from patchkv_agent.transport_bench import _context
+    from patchkv_agent.core.recovery import FullRecompute, execute
+    from patchkv_agent.eval.transport_bench import _context
 
     eng = PatchKVEngine.from_pretrained(args.model, profile=None)
     ids = torch.tensor(_context(eng, args.tokens), dtype=torch.long)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from patchkv_agent.store import Checkpoint, build_mixed
+from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
 
 REDIS_SKIP = ("Redis tier tests skipped: redis-server is not on PATH (Debian: apt-get install redis-server; "
               ".ci/run installs it)")

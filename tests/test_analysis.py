@@ -29,7 +29,7 @@ from patchkv_agent.calibration.analysis import (
     summarize_precision,
     write_outputs,
 )
-from patchkv_agent.plan import LengthModel, _prep, plan_repair
+from patchkv_agent.core.plan import LengthModel, _prep, plan_repair
 
 VOCAB = 211
 

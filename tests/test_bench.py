@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from patchkv_agent.bench import markdown_table, plot_frontier, read_results, run_bench, summarize, write_summary
-from patchkv_agent.replay import RESULT_FIELDS
+from patchkv_agent.eval.bench import markdown_table, plot_frontier, read_results, run_bench, summarize, write_summary
+from patchkv_agent.eval.replay import RESULT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "results_small.jsonl"

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.cacheblend import CacheBlendStrategy, select_top_deviation
-from patchkv_agent.diff import diff_versions
+from patchkv_agent.strategies.cacheblend import CacheBlendStrategy, select_top_deviation
+from patchkv_agent.core.diff import diff_versions
 from test_recovery import assert_cache_equal, edited_pair, multi_edit_pair, oracle
 from tiny_models import _config
 

@@ -20,8 +20,8 @@ from patchkv_agent.calibration.drift import (
 )
 from patchkv_agent.calibration.fit import coverage, fit_length_model, fit_quantile, pinball_loss, split_by_group
 from patchkv_agent.calibration.select import select_config
-from patchkv_agent.diff import diff_versions
-from patchkv_agent.plan import LengthModel, span_features
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.plan import LengthModel, span_features
 from patchkv_agent.profiles import apply_profile, load_profile, profile_length_model
 
 # --- oracle boundary ------------------------------------------------------------------------------------------------

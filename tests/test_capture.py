@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from patchkv_agent.capture import AttentionCapture, default_layers
+from patchkv_agent.core.capture import AttentionCapture, default_layers
 
 N_TOKENS = 48
 

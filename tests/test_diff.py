@@ -1,4 +1,4 @@
-"""Tests for patchkv_agent.diff: hand-made cases with exact values, input handling, and hypothesis properties."""
+"""Tests for patchkv_agent.core.diff: hand-made cases with exact values, input handling, and hypothesis properties."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchkv_agent.diff import AlignedSegment, Edit, EditedSpan, diff_versions
+from patchkv_agent.core.diff import AlignedSegment, Edit, EditedSpan, diff_versions
 
 
 def spans(e: Edit) -> list[tuple[int, int, int, int]]:

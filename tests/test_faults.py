@@ -3,7 +3,7 @@
 Faults: a flipped payload byte (each tier), a truncated disk file, a missing or evicted checkpoint, a
 checkpoint of another model, another thread's entry under the key, Redis down before and in the middle
 of a resume. Also: offload in one process and resume in another (disk and Redis), misuse errors, and a
-property test of diff + plan + recover (patchkv_agent.properties) through a store over random edits, the
+property test of diff + plan + recover (patchkv_agent.eval.properties) through a store over random edits, the
 stress load test and its command line.
 """
 
@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, RedisServer
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
-from patchkv_agent.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
+from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
+from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
 from tiny_models import tiny_model
 
@@ -98,7 +98,7 @@ def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, eng, pair, ckpt,
     elif tier == "disk":
         store = DiskStore(tmp_path, fsync=False)
     else:
-        from patchkv_agent.kvstore import RedisStore
+        from patchkv_agent.runtime.kvstore import RedisStore
 
         store = RedisStore(request.getfixturevalue("redis_server").url)
     key = store.key_for(ckpt, thread_id="t", version=1)
@@ -141,7 +141,7 @@ def test_flipped_payload_byte_in_memory(eng, pair, exact):
 
 
 def test_flipped_payload_byte_in_redis(eng, pair, ckpt, exact, redis_server):
-    from patchkv_agent.kvstore import RedisStore
+    from patchkv_agent.runtime.kvstore import RedisStore
 
     store = RedisStore(redis_server.url)
     key = store.key_for(ckpt, thread_id="t", version=1)
@@ -198,7 +198,7 @@ def test_wrong_thread(eng, pair, ckpt, exact, tmp_path):
 
 
 def test_redis_down_before_resume(eng, pair, ckpt, exact, redis_server):
-    from patchkv_agent.kvstore import RedisStore
+    from patchkv_agent.runtime.kvstore import RedisStore
 
     store = RedisStore(redis_server.url, timeout_s=1.0)
     key = store.key_for(ckpt, thread_id="t", version=1)
@@ -211,7 +211,7 @@ def test_redis_down_before_resume(eng, pair, ckpt, exact, redis_server):
 def test_redis_down_in_the_middle_of_a_read(eng, pair, ckpt, exact, redis_server, monkeypatch):
     import redis
 
-    from patchkv_agent.kvstore import RedisStore
+    from patchkv_agent.runtime.kvstore import RedisStore
 
     store = RedisStore(redis_server.url)
     key = store.key_for(ckpt, thread_id="t", version=1)
@@ -246,7 +246,7 @@ WRITER = textwrap.dedent("""
     import sys
     from tiny_models import tiny_model
     from patchkv_agent import PatchKVEngine
-    from patchkv_agent.kvstore import DiskStore, RedisStore
+    from patchkv_agent.runtime.kvstore import DiskStore, RedisStore
     eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
     ckpt = eng.checkpoint([int(t) for t in sys.argv[3].split(",")])
     for store in [DiskStore(sys.argv[1], fsync=True)] + ([RedisStore(sys.argv[2])] if sys.argv[2] != "-" else []):
@@ -282,7 +282,7 @@ def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offload
     else:
         if where["redis"] is None:
             pytest.skip(REDIS_SKIP)
-        from patchkv_agent.kvstore import RedisStore
+        from patchkv_agent.runtime.kvstore import RedisStore
 
         store = RedisStore(where["redis"])
     assert store.keys() == [key]
@@ -338,7 +338,7 @@ def test_property_runner_counts_examples_and_covers_every_edit_kind(eng):
 def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
     import dataclasses
 
-    from patchkv_agent.diff import diff_versions
+    from patchkv_agent.core.diff import diff_versions
     from patchkv_agent.strategies import get_strategy
 
     old, new = pair
@@ -363,7 +363,7 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
 
 
 def test_stress_16_threads_x_5_versions_equal_solo_runs(eng):
-    from patchkv_agent.stress import format_summary, run_stress
+    from patchkv_agent.eval.stress import format_summary, run_stress
 
     s = run_stress(threads=16, versions=5, budget_entries=2.0, engine=eng, tool_s=0.01)
     print(format_summary(s))
@@ -377,7 +377,7 @@ def test_stress_16_threads_x_5_versions_equal_solo_runs(eng):
 def test_stress_cli_asyncio_disk(capsys, tmp_path):
     import argparse
 
-    from patchkv_agent.stress import add_stress_cli
+    from patchkv_agent.eval.stress import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
@@ -400,7 +400,7 @@ def test_stress_cli_asyncio_disk(capsys, tmp_path):
 def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
     import argparse
 
-    from patchkv_agent.stress import add_stress_cli
+    from patchkv_agent.eval.stress import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))

@@ -15,7 +15,7 @@ from patchkv_agent.kernels import dispatch  # noqa: E402
 from patchkv_agent.kernels import quant as Q  # noqa: E402
 from patchkv_agent.kernels.triton_dequantize_scatter import _dequantize_scatter_kernel, dequantize_scatter_triton  # noqa: E402
 from patchkv_agent.kernels.triton_quantize_gather import _quantize_gather_kernel, quantize_gather_triton  # noqa: E402
-from patchkv_agent.precision import Tag  # noqa: E402
+from patchkv_agent.core.precision import Tag  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

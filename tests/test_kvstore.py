@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kv_helpers import RedisServer, assert_same_checkpoint, make_ckpt
-from patchkv_agent.kvstore import (
+from patchkv_agent.runtime.kvstore import (
     CheckpointKey,
     CheckpointMissing,
     CorruptCheckpoint,
@@ -49,7 +49,7 @@ class Tier:
             return MemoryStore(deployment=deployment, **kw)
         if self.name == "disk":
             return DiskStore(self.tmp_path / "kv", deployment=deployment, fsync=False, **kw)
-        from patchkv_agent.kvstore import RedisStore
+        from patchkv_agent.runtime.kvstore import RedisStore
 
         srv = self.request.getfixturevalue("redis_server")
         return RedisStore(srv.url, deployment=deployment, prefix=self.prefix, **kw)
@@ -329,7 +329,7 @@ def test_disk_appended_bytes_are_a_wrong_length(tmp_path):
 
 
 def test_redis_budget_and_lru_are_shared_by_processes(redis_server):
-    from patchkv_agent.kvstore import RedisStore
+    from patchkv_agent.runtime.kvstore import RedisStore
 
     c0, c1 = make_ckpt(70), make_ckpt(71)
     n = _probe_bytes(c0)
@@ -347,7 +347,7 @@ def test_redis_budget_and_lru_are_shared_by_processes(redis_server):
 
 
 def test_redis_ttl_expiry_says_expired(redis_server):
-    from patchkv_agent.kvstore import RedisStore
+    from patchkv_agent.runtime.kvstore import RedisStore
 
     s = RedisStore(redis_server.url, deployment="ttl", prefix="ttl", ttl_s=60)
     key, _ = _put(s, make_ckpt(72))
@@ -372,7 +372,7 @@ def test_redis_without_client_names_the_install(monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", fake)
-    from patchkv_agent.kvstore.redis_tier import RedisStore
+    from patchkv_agent.runtime.kvstore.redis_tier import RedisStore
 
     with pytest.raises(ImportError, match=r"pip install 'patchkv-agent\[redis\]'"):
         RedisStore()

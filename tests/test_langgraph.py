@@ -28,9 +28,9 @@ from patchkv_agent.langgraph import (
     TraceRecorder,
     patchkv_node,
 )
-from patchkv_agent.replay import version_ids
-from patchkv_agent.threads import ThreadRegistry
-from patchkv_agent.workloads import validate_trace
+from patchkv_agent.eval.replay import version_ids
+from patchkv_agent.runtime.threads import ThreadRegistry
+from patchkv_agent.eval.workloads import validate_trace
 from test_langgraph_common import CHATML_TOOLS, one_torch_thread, tiny_engine  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -299,7 +299,7 @@ def test_middleware_rejects_a_model_of_another_registry(engine):
 
 
 def test_recorder_writes_middle_edits_that_replay_reads(engine, tmp_path):
-    from patchkv_agent.workloads import read_traces
+    from patchkv_agent.eval.workloads import read_traces
 
     model = chat(engine, max_new_tokens=4)
     g = build_graph(model)

@@ -238,7 +238,7 @@ def test_transport_bench_on_a_tiny_model():
     from tiny_models import tiny_model
 
     from patchkv_agent import PatchKVEngine
-    from patchkv_agent.transport_bench import transport_bench
+    from patchkv_agent.eval.transport_bench import transport_bench
 
     eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, profile=None)
     ids = torch.randint(3, eng.spec.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()

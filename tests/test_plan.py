@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patchkv_agent.diff import diff_versions
-from patchkv_agent.plan import (
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.plan import (
     plan_blocks,
     plan_suffix_blocks,
     LengthModel,

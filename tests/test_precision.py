@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from patchkv_agent.precision import (
+from patchkv_agent.core.precision import (
     PrecisionPolicy,
     Run,
     Tag,
@@ -21,7 +21,7 @@ POLICY = PrecisionPolicy(alpha=0.5, tau_L=0.2, tau_H=1.0, g4=0.15)
 
 
 def test_precision_does_not_import_torch():
-    code = "import sys, patchkv_agent.precision; assert 'torch' not in sys.modules"
+    code = "import sys, patchkv_agent.core.precision; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -17,7 +17,7 @@ def eng():
 
 
 def _episode(eng):
-    from patchkv_agent.workloads import load_qa
+    from patchkv_agent.eval.workloads import load_qa
 
     ex = load_qa("hotpotqa")[0]
     other = load_qa("hotpotqa")[1]["passages"]

@@ -259,7 +259,7 @@ def test_engine_loads_its_profile_automatically_and_arguments_win(tmp_path, monk
     fp = PatchKVEngine(model, None, profile=None).spec.fingerprint
     prof = {"schema": 1, "model": "tiny", "fingerprint": fp, "kappa": 0.02, "block_size": 16,
             "precision_policy": {"tau_L": 0.5, "tau_H": 4.0}}
-    from patchkv_agent.plan import LengthModel
+    from patchkv_agent.core.plan import LengthModel
 
     prof["length_model"] = LengthModel.fixed(40).to_dict()
     (tmp_path / "tiny.json").write_text(json.dumps(prof))

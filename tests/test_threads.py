@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from patchkv_agent.threads import ThreadRegistry, ids_hash, run_stream, thread_key
+from patchkv_agent.runtime.threads import ThreadRegistry, ids_hash, run_stream, thread_key
 from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -239,7 +239,7 @@ def _same(got, want):
 
 
 def test_store_tier_is_transparent_and_keeps_one_entry_per_thread(engine):
-    from patchkv_agent.kvstore import MemoryStore
+    from patchkv_agent.runtime.kvstore import MemoryStore
 
     c = [ctx(90)]
     c += [edited(c[0], at=60), edited(edited(c[0], at=60), at=150, new=[30, 31])]
@@ -270,7 +270,7 @@ def test_store_tier_is_transparent_and_keeps_one_entry_per_thread(engine):
 
 
 def test_store_budget_evicts_and_the_next_resume_is_exact_with_the_reason(engine):
-    from patchkv_agent.kvstore import MemoryStore
+    from patchkv_agent.runtime.kvstore import MemoryStore
 
     ca, cb = ctx(91), ctx(92)
     probe = MemoryStore(deployment="t")
@@ -301,7 +301,7 @@ def test_store_budget_evicts_and_the_next_resume_is_exact_with_the_reason(engine
 
 
 def test_disk_store_survives_a_restart_and_damage_falls_back(engine, tmp_path):
-    from patchkv_agent.kvstore import DiskStore
+    from patchkv_agent.runtime.kvstore import DiskStore
 
     ca, cb = ctx(93), ctx(94)
     ref = ThreadRegistry(engine)

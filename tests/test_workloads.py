@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from patchkv_agent import workloads as W
-from patchkv_agent.workloads import (
+from patchkv_agent.eval import workloads as W
+from patchkv_agent.eval.workloads import (
     EDITS, WORKLOADS, answer_passage_indices, build_traces, estimate_tokens, load_qa, read_traces,
     split_of, validate_trace, write_traces,
 )

@@ -9,7 +9,7 @@
   records the KV handle of each thread version in checkpoint metadata.
 - :class:`~patchkv_agent.langgraph.recorder.TraceRecorder`: writes live runs as replayable traces.
 
-The per-thread state lives in :class:`patchkv_agent.threads.ThreadRegistry`. Submodules import
+The per-thread state lives in :class:`patchkv_agent.runtime.threads.ThreadRegistry`. Submodules import
 LangChain / LangGraph; this package imports them lazily.
 """
 

@@ -3,13 +3,13 @@
 Each call renders the messages with the tokenizer's chat template, finds its thread key (the one set by
 :class:`~patchkv_agent.langgraph.middleware.PatchKVMiddleware` or :func:`~patchkv_agent.langgraph.node.patchkv_node`,
 else ``configurable.thread_id`` + namespace of the run config, else ``default_thread_id``) and resumes
-that thread's previous context version through a :class:`~patchkv_agent.threads.ThreadRegistry`
+that thread's previous context version through a :class:`~patchkv_agent.runtime.threads.ThreadRegistry`
 (diff, plan, restore, recompute), then decodes greedily token by token. The resume stats of each call
 are in ``AIMessage.response_metadata["patchkv"]``.
 
 Tools (``bind_tools``): rendered with ``tools=`` by chat templates that use it; otherwise (SmolLM2's
 template ignores it) the JSON protocol of :mod:`~patchkv_agent.langgraph.tools` is appended to the
-system prompt, and earlier calls/results are written back as text (:func:`patchkv_agent.replay.plain_messages`).
+system prompt, and earlier calls/results are written back as text (:func:`patchkv_agent.eval.replay.plain_messages`).
 Output is parsed by the tolerant :func:`~patchkv_agent.langgraph.tools.parse_tool_calls`. ``tool_choice``
 is not enforced (a local greedy decoder cannot be forced to call); ``"none"`` hides the tools.
 
@@ -36,8 +36,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables.config import ensure_config, run_in_executor
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from ..replay import plain_messages
-from ..threads import ThreadKey, ThreadRegistry
+from ..eval.replay import plain_messages
+from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .tools import TOOL_CALL_OPEN, ParsedOutput, held_back, parse_tool_calls, to_trace_messages, tool_schemas, with_tool_protocol
 
@@ -67,7 +67,7 @@ class PatchKVChatModel(BaseChatModel):
     middleware / node wrapper / checkpointer) or ``PatchKVChatModel(engine=engine)`` (a registry of its own).
 
     Attributes:
-        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` holding the threads' KV.
+        registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` holding the threads' KV.
         strategy: resume strategy when a thread has KV (``patchkv``, ``prefix``, ``direct``, ``exact`` ...).
         strategy_options: options for the strategy (``dirty_window=``, ``kappa=`` ...).
         max_new_tokens: greedy tokens per call (also a per-call kwarg).

@@ -7,7 +7,7 @@ Wraps a ``BaseCheckpointSaver`` (in-memory, SQLite, Postgres, ...) and delegates
 
 one handle per registry key of the graph thread and namespace: the context version the KV belongs to,
 a hash of its token ids, and where the KV was (``resident``/``offloading``/``offloaded``). ``get_tuple``
-reads the handles back and tells the registry (:meth:`~patchkv_agent.threads.ThreadRegistry.expect`):
+reads the handles back and tells the registry (:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.expect`):
 in a new process, or with a new registry, the KV is gone, so the thread's next generation is an exact
 recompute whose ``stats["fallback"]`` says so, and the version numbers continue from the checkpoint's.
 
@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver, ChannelVersions, Checkpoint, CheckpointMetadata, CheckpointTuple
 
-from ..threads import ThreadRegistry, thread_key
+from ..runtime.threads import ThreadRegistry, thread_key
 from .keys import base_ns, canonical_ns
 
 META_KEY = "patchkv"
@@ -32,7 +32,7 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
 
     Args:
         inner: the saver that stores everything.
-        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` whose handles are recorded.
+        registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` whose handles are recorded.
     """
 
     def __init__(self, inner: BaseCheckpointSaver, registry: ThreadRegistry):

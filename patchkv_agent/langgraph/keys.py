@@ -15,7 +15,7 @@ import contextlib
 from contextvars import ContextVar
 from typing import Any, Iterator, Mapping
 
-from ..threads import ThreadKey, thread_key
+from ..runtime.threads import ThreadKey, thread_key
 
 _NS_SEP, _NS_END = "|", ":"
 _TASK_ID = "__pregel_task_id"

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import AIMessage
 
-from ..threads import ThreadKey, ThreadRegistry
+from ..runtime.threads import ThreadKey, ThreadRegistry
 from .chat_model import PatchKVChatModel
 from .keys import thread_key_from_config, using_thread_key
 
@@ -55,7 +55,7 @@ class PatchKVMiddleware(AgentMiddleware):
     """Per-thread KV resume and background offload around ``create_agent`` model calls.
 
     Args:
-        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` of the agent's ``PatchKVChatModel``.
+        registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` of the agent's ``PatchKVChatModel``.
         scope: optional key scope (separates this agent's context from other LLM contexts of the thread).
         offload: ``"tool_calls"`` (offload when the model asks for tools), ``"always"`` or ``"never"``.
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableConfig
 
-from ..threads import ThreadKey, ThreadRegistry
+from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import thread_key_from_config, using_thread_key
 
 OFFLOAD_POLICIES = ("tool_calls", "always", "never")
@@ -47,7 +47,7 @@ def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = 
 
     Args:
         fn: the node function; it returns a state update.
-        registry: the :class:`~patchkv_agent.threads.ThreadRegistry` its model uses.
+        registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` its model uses.
         scope: optional key scope (two LLM nodes of one graph thread with different contexts).
         offload: when to offload after the node returns: ``"tool_calls"`` (the update's last message is
             an AIMessage with tool calls), ``"always"`` (the graph always pauses after this node, e.g. a

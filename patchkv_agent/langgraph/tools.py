@@ -5,7 +5,7 @@ the model lists the tools as JSON schemas and is asked to reply, to call one, wi
 
     <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>
 
-which is also how :func:`patchkv_agent.replay.plain_messages` writes earlier calls back into the
+which is also how :func:`patchkv_agent.eval.replay.plain_messages` writes earlier calls back into the
 context (tool results as ``<tool_response>...</tool_response>``), so a call the model wrote and the
 same call re-rendered are the same text.
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import time
 
-from ..store import CorruptCheckpoint
-from ..strategies import get_strategy
+from ...core.checkpoint import CorruptCheckpoint
+from ...strategies import get_strategy
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 

@@ -1,6 +1,6 @@
 """The in-process CPU tier (the default): checkpoints held by reference, checksums verified on every read.
 
-No copy is made: the entry is the immutable :class:`~patchkv_agent.store.Checkpoint` itself plus the
+No copy is made: the entry is the immutable :class:`~patchkv_agent.core.checkpoint.Checkpoint` itself plus the
 checksums of its bytes taken at ``put``; ``get`` re-hashes the tensors in place, so a byte changed
 after publication (a stray in-place write, bad RAM) is refused instead of served. Entries evicted by
 the budget can spill to another tier (typically a :class:`~.disk.DiskStore`), where ``get`` finds them.
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..store import Checkpoint
+from ...core.checkpoint import Checkpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, verify_blobs
 

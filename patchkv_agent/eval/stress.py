@@ -2,7 +2,7 @@
 
 ``run_stress`` drives ``threads`` threads (OS threads or asyncio tasks), each through ``versions`` context
 versions: version 0 is checkpointed into the store; every later version is a random middle edit of the
-previous one, resumed from the stored checkpoint (:func:`~patchkv_agent.kvstore.resume_from_store`) and
+previous one, resumed from the stored checkpoint (:func:`~patchkv_agent.runtime.kvstore.resume_from_store`) and
 checkpointed again, replacing the thread's previous entry. The store's byte budget holds only a few
 threads' checkpoints, so entries are evicted and those resumes fall back to exact recomputation.
 
@@ -12,7 +12,7 @@ which resumes hit the store, never what a resume returns, and no thread ever see
 The summary reports evictions, fallbacks by reason, peak RSS and wall time.
 
 ``patchkv-agent stress`` then runs the property check of diff + plan + recover
-(:func:`~patchkv_agent.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
+(:func:`~patchkv_agent.eval.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
 examples on the same tiny engine) and adds its counts to the summary.
 
 Knows the engine, the stores and a tiny model config; nothing about LangGraph or benchmarks.
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engine import PatchKVEngine
-from .kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
+from ..engine import PatchKVEngine
+from ..runtime.kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
 
 LOGIT_TOL = 1e-4
 
@@ -172,7 +172,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
     engine = engine or tiny_engine(seed)
     work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
     probe = engine.checkpoint(work[0][0])
-    from .kvstore.codec import encode_checkpoint
+    from ..runtime.kvstore.codec import encode_checkpoint
 
     entry = sum(b["nbytes"] for b in encode_checkpoint(
         probe, CheckpointKey.of(probe, deployment="stress", thread_id="probe", version=0))[0]["blobs"])
@@ -186,7 +186,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
             root = tmp.name
         store = DiskStore(root, deployment="stress", budget_bytes=budget, fsync=False)
     elif tier == "redis":
-        from .kvstore import RedisStore
+        from ..runtime.kvstore import RedisStore
 
         store = RedisStore(redis_url or "redis://127.0.0.1:6379/0", deployment="stress",
                            prefix=f"stress-{time.time_ns()}", budget_bytes=budget)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .kernels import RunPayload, quantize_gather, value_residual_4bit
+from ..kernels import RunPayload, quantize_gather, value_residual_4bit
 from .precision import PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
 
 
@@ -50,7 +50,7 @@ class MixedKV:
 
     Attributes:
         block_size: tokens per block (blocks start at old position 0).
-        tags: int8 ``[n_blocks]`` :class:`~patchkv_agent.precision.Tag` per block.
+        tags: int8 ``[n_blocks]`` :class:`~patchkv_agent.core.precision.Tag` per block.
         runs: consecutive blocks of one tag, in block order.
         tag_rows: per tag name, the sorted old positions packed in that tag's payloads.
         payloads: ``payloads[layer][tag name]``.
@@ -109,7 +109,7 @@ def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: n
 
     Args:
         keys, values: per layer ``[H, N, D]``.
-        tags: int8 :class:`~patchkv_agent.precision.Tag` per block of ``block_size`` tokens.
+        tags: int8 :class:`~patchkv_agent.core.precision.Tag` per block of ``block_size`` tokens.
         block_size: tokens per block.
 
     Returns:
@@ -137,7 +137,7 @@ class Checkpoint:
     Attributes:
         token_ids: int64 ``[N]`` ids of the context.
         keys, values: per layer ``[num_kv_heads, N, head_dim]`` CPU tensors (post-RoPE keys).
-        fingerprint: :func:`patchkv_agent.models.fingerprint` of the model that wrote it.
+        fingerprint: :func:`patchkv_agent.core.models.fingerprint` of the model that wrote it.
         scores: float32 ``[N]`` normalized attention mass per token from the checkpoint pass, or None.
         stats: off-path costs (``offload_s``, ``stats_s``, ``quantize_s``) and provenance.
         mixed: the mixed-precision runs (``patchkv`` restores from these), or None.

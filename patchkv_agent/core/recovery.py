@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from .kernels import RunPayload, ScatterCall, dequantize_scatter_many
-from .kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
+from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
+from ..kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
 from .models import ModelSpec
 
 if TYPE_CHECKING:
-    from .store import MixedKV
+    from .checkpoint import MixedKV
 
 
 class PlanLike(Protocol):
@@ -227,7 +227,7 @@ def restore_rows_mixed(
 
     Args:
         spec: the model spec (per-layer RoPE).
-        mixed: the checkpoint's :class:`~patchkv_agent.store.MixedKV`.
+        mixed: the checkpoint's :class:`~patchkv_agent.core.checkpoint.MixedKV`.
         n_old: tokens in the checkpoint.
         dst_k, dst_v: per layer ``[1, H, N_new, D]`` destinations.
         old_pos, new_pos: aligned int64 rows to restore.

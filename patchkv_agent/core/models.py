@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .kernels.rope import rope_delta_reference
+from ..kernels.rope import rope_delta_reference
 
 # RoPE kinds whose frequencies are position-independent, so a delta rotation is exact.
 SUPPORTED_ROPE_KINDS = frozenset({"default", "linear", "llama3", "yarn"})

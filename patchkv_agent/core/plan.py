@@ -1,4 +1,4 @@
-"""Repair planner: an :class:`~patchkv_agent.diff.Edit` (plus stored attention) -> a :class:`RepairPlan`.
+"""Repair planner: an :class:`~patchkv_agent.core.diff.Edit` (plus stored attention) -> a :class:`RepairPlan`.
 
 Boundary: numpy in, frozen dataclasses out. This module knows nothing about torch, models, KV tensors,
 checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix,

@@ -12,8 +12,8 @@ check layer's fresh K/V for every token and runs its attention for the selected 
 
 Here, on an edited agent context:
 - start from the same stale KV as ``direct``: prefix rows exact, all suffix rows restored from the
-  checkpoint with the RoPE correction (:func:`~patchkv_agent.recovery.restore_rows` on the
-  :func:`~patchkv_agent.plan.plan_direct` plan);
+  checkpoint with the RoPE correction (:func:`~patchkv_agent.core.recovery.restore_rows` on the
+  :func:`~patchkv_agent.core.plan.plan_direct` plan);
 - layers ``0..check_layer`` recompute every non-prefix token (``X`` and all of ``S``);
 - at the check layer, rank suffix tokens by ``||V_recomputed - V_restored||`` (L2 over KV heads and
   channels) and keep the top ``floor(ratio * |S|)`` (the public code's ``int(n * ratio)``), plus all
@@ -21,7 +21,7 @@ Here, on an edited agent context:
 - layers after the check layer recompute only those tokens; every other row keeps its restored K/V.
 
 Where this differs from the original, deliberately:
-- a true per-token causal mask (:func:`~patchkv_agent.recovery.build_masks` for the queries being
+- a true per-token causal mask (:func:`~patchkv_agent.core.recovery.build_masks` for the queries being
   recomputed), not the public code's bottom-right mask, which lets a recomputed token see rows at later
   positions than its own;
 - one selection at the check layer, not the paper's gradual filtering over several layers (the public
@@ -47,14 +47,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .plan import plan_direct
-from .recovery import RecoveryOutput, ScatterCache, build_masks, restore_rows
-from .strategies import Strategy, register_strategy
+from ..core.plan import plan_direct
+from ..core.recovery import RecoveryOutput, ScatterCache, build_masks, restore_rows
+from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:
-    from .diff import Edit
-    from .engine import PatchKVEngine
-    from .store import Checkpoint
+    from ..core.diff import Edit
+    from ..engine import PatchKVEngine
+    from ..core.checkpoint import Checkpoint
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "glm", "gemma3_text"})
 

@@ -20,8 +20,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .engine import PatchKVEngine, ResumeResult
-from .recovery import to_dynamic_cache
+from ..engine import PatchKVEngine, ResumeResult
+from ..core.recovery import to_dynamic_cache
 
 RESULT_FIELDS = (
     "id", "workload", "edit", "version", "strategy", "model", "prompt_tokens", "prefix_tokens", "new_tokens",

@@ -1,6 +1,6 @@
 """Benchmark: replay the workloads' evaluation episodes under every strategy, then summarize.
 
-:func:`run_bench` replays traces (``shared/TRACES.md``) with :func:`patchkv_agent.replay.replay_episode`
+:func:`run_bench` replays traces (``shared/TRACES.md``) with :func:`patchkv_agent.eval.replay.replay_episode`
 and appends each finished episode's result rows to ``results.jsonl`` as it goes, so an interrupted run
 keeps what it finished and ``resume=True`` runs only the (episode, strategy) pairs still missing.
 :func:`write_summary` turns result rows into ``summary.json``, ``summary.md`` and one
@@ -112,7 +112,7 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     from tqdm import tqdm
 
     from .replay import replay_episode
-    from .strategies import STRATEGIES
+    from ..strategies import STRATEGIES
 
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:

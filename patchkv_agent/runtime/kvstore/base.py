@@ -9,7 +9,7 @@ Contract (``tests/test_kvstore.py`` checks it for every tier):
 
 - ``put`` publishes atomically: a reader sees the whole entry or none, never a part.
 - ``get`` returns a checkpoint only after every byte matched the checksum written with it and the entry
-  matched the requested key; otherwise it raises :class:`~patchkv_agent.store.CorruptCheckpoint`
+  matched the requested key; otherwise it raises :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint`
   (:class:`~.codec.ForeignCheckpoint` for another key's content). A key that is not there raises
   :class:`CheckpointMissing` whose ``reason`` says whether it was evicted, never stored, too large or
   expired. A tier that cannot be reached raises :class:`StoreUnavailable`.
@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..store import Checkpoint, CorruptCheckpoint
+from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .codec import CheckpointKey, blob_nbytes, encode_checkpoint
 
 MAX_TOMBSTONES = 4096

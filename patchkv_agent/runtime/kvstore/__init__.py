@@ -15,7 +15,7 @@ Knows checkpoints and the engine's public ``resume``; nothing about LangGraph.
 
 from __future__ import annotations
 
-from ..store import CorruptCheckpoint
+from ...core.checkpoint import CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, PutResult, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint, decode_checkpoint, encode_checkpoint, ids_hash
 from .disk import DiskStore
@@ -28,7 +28,7 @@ def __getattr__(name: str):
         from .redis_tier import RedisStore
 
         return RedisStore
-    raise AttributeError(f"module 'patchkv_agent.kvstore' has no attribute {name!r}")
+    raise AttributeError(f"module 'patchkv_agent.runtime.kvstore' has no attribute {name!r}")
 
 
 __all__ = ["KVStore", "MemoryStore", "DiskStore", "RedisStore", "CheckpointKey", "PutResult", "CheckpointMissing",

@@ -28,7 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..store import Checkpoint, CorruptCheckpoint
+from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, blob_nbytes, check_meta, decode_checkpoint
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
-from .kernels.rope import rope_delta_reference
-from .precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
+from ..kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
+from ..kernels.rope import rope_delta_reference
+from ..core.precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
 
 
 def _context(engine, n_tokens: int, seed: int = 0) -> list[int]:
@@ -236,11 +236,11 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
 
 
 def main(args) -> int:
-    from .engine import PatchKVEngine
+    from ..engine import PatchKVEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .profiles import resolve_profile_arg
+    from ..profiles import resolve_profile_arg
 
     eng = PatchKVEngine.from_pretrained(args.model, profile=resolve_profile_arg(args.profile), block_size=args.block_size)
     result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.block_size,

@@ -1,12 +1,12 @@
 """Checkpoint <-> (metadata dict + named binary blobs), every blob checksummed, and the checkpoint key.
 
-A :class:`~patchkv_agent.store.Checkpoint` becomes a JSON-safe metadata dict (the key it was stored
+A :class:`~patchkv_agent.core.checkpoint.Checkpoint` becomes a JSON-safe metadata dict (the key it was stored
 under, the fingerprint, stats, the mixed-precision layout, and per blob its dtype, shape, length and
 xxh3-64) plus one raw byte blob per tensor: ``token_ids``, ``scores``, ``k.<layer>``, ``v.<layer>``,
 ``mixed.tags``, ``mixed.rows.<tag>``, ``p.<layer>.<tag>.<field>`` (the :class:`RunPayload` tensors).
 :func:`decode_checkpoint` checks every blob's length and checksum, the metadata's own checksum, and
 that the content belongs to the requested key (thread, version, fingerprint, token-ids hash) before
-it builds a single tensor; a failure raises :class:`~patchkv_agent.store.CorruptCheckpoint` (or its
+it builds a single tensor; a failure raises :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint` (or its
 subclass :class:`ForeignCheckpoint`) naming what failed.
 
 Knows the checkpoint and run-payload layouts; nothing about where the bytes live (see the stores).
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import xxhash
 
-from ..kernels import RunPayload
-from ..precision import Run, Tag
-from ..store import Checkpoint, CorruptCheckpoint, MixedKV
+from ...kernels import RunPayload
+from ...core.precision import Run, Tag
+from ...core.checkpoint import Checkpoint, CorruptCheckpoint, MixedKV
 
 SCHEMA = 1
 _PAYLOAD_HEADER = ("tag", "n_rows", "num_kv_heads", "head_dim", "block_size", "v_group")
@@ -38,7 +38,7 @@ class ForeignCheckpoint(CorruptCheckpoint):
 def ids_hash(token_ids) -> str:
     """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits).
 
-    The same function as :func:`patchkv_agent.threads.ids_hash`, so registry handles and store keys agree.
+    The same function as :func:`patchkv_agent.runtime.threads.ids_hash`, so registry handles and store keys agree.
     """
     return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
@@ -52,7 +52,7 @@ class CheckpointKey:
         thread_id: the agent thread.
         checkpoint_ns: the graph namespace (``""`` for a root graph).
         version: the thread's context version the checkpoint holds.
-        fingerprint: :func:`patchkv_agent.models.fingerprint` of the model that wrote it.
+        fingerprint: :func:`patchkv_agent.core.models.fingerprint` of the model that wrote it.
         ids_hash: :func:`ids_hash` of the checkpoint's token ids.
     """
 

@@ -26,7 +26,7 @@ import json
 import uuid
 from typing import Any, Iterator
 
-from ..store import Checkpoint, CorruptCheckpoint
+from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, check_meta, decode_checkpoint
 

@@ -1,6 +1,6 @@
 """Edited-context (-E) agent workloads: build, write and read trace files (``shared/TRACES.md``).
 
-Boundary: pure Python over the packaged QA data (``patchkv_agent/data``). No model, no torch, no
+Boundary: pure Python over the packaged QA data (``patchkv_agent/eval/data``). No model, no torch, no
 tokenizer: token counts come through a ``count_tokens(messages) -> int`` callable that the caller
 supplies (the benchmark passes its model's chat-template count); without one, :func:`estimate_tokens`
 (a documented chars/4 estimate) is used.
@@ -105,7 +105,7 @@ def _load(dataset: str) -> tuple[dict, ...]:
 
 
 def load_qa(dataset: str) -> list[dict]:
-    """Load a packaged multi-document QA set (see ``patchkv_agent/data/SOURCES.md``).
+    """Load a packaged multi-document QA set (see ``patchkv_agent/eval/data/SOURCES.md``).
 
     Args:
         dataset: ``hotpotqa``, ``2wikimqa`` or ``nq`` (NQ-open, file ``nq_open.jsonl``).

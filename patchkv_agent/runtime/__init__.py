@@ -1,0 +1,5 @@
+"""The agent runtime around the engine: per-thread context versions and checkpoint tiers.
+
+- :mod:`.threads`: :class:`~.threads.ThreadRegistry` (thread state, resident budget, background offload).
+- :mod:`.kvstore`: memory / disk / Redis checkpoint tiers behind one interface, resume with safe fallback.
+"""

@@ -1,0 +1,648 @@
+"""Per-thread context versions and their KV: resident after decode, offloaded while the thread waits.
+
+A :class:`ThreadRegistry` holds, for every thread key (``thread_id``, ``checkpoint_ns``), the thread's
+current context version (token ids, a monotone version number) and the KV of that version in one of
+two places:
+
+- *resident*: the last resume's K/V (what a decode leaves on the accelerator), or
+- *offloaded*: a :class:`~patchkv_agent.core.checkpoint.Checkpoint` written by ``engine.checkpoint_from``, which
+  can run in a background worker while the agent waits for a tool (:meth:`ThreadRegistry.offload_async`);
+  held in this process, or, with ``store=``, put into a :class:`~patchkv_agent.runtime.kvstore.KVStore` tier
+  (memory, disk, Redis) under a :class:`~patchkv_agent.runtime.kvstore.CheckpointKey` (deployment, thread,
+  namespace, version, model fingerprint, token-ids hash), where the tier's byte budget and LRU eviction
+  apply. A resume from the tier goes through :func:`~patchkv_agent.runtime.kvstore.resume_from_store`: an
+  evicted, corrupt or missing entry gives the exact result with ``stats["fallback"]`` saying why. A thread
+  keeps one entry (its latest offloaded version); a registry opened on a persistent tier after a restart
+  finds it again through :meth:`ThreadRegistry.expect`.
+
+:meth:`ThreadRegistry.stream` / :meth:`ThreadRegistry.generate` resume a thread's next version: no KV
+-> ``exact`` (and, when the KV existed once but is gone, ``stats["fallback"]`` says why); KV ->
+``engine.resume(checkpoint, ids, strategy)``. A resume waits for a pending offload of its thread. Resident
+KV beyond ``resident_budget_bytes`` is evicted least-recently-used first: offloaded, or dropped with the
+reason recorded for the next resume.
+
+Locking: one lock per thread (state transitions of that thread), one lock for the model forward (one
+forward at a time per model), one short registry lock for the tables. A thread lock may be held while
+taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
+checkpoint.
+
+Knows the engine's public methods (``resume``, ``checkpoint_from``), the store interface, and nothing about
+LangGraph.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NewType
+
+import numpy as np
+import torch
+
+from ..engine import PatchKVEngine, ResumeResult
+from .kvstore import CheckpointKey, KVStore, StoreUnavailable, load_for_resume, resume_from_store
+
+log = logging.getLogger(__name__)
+
+ThreadKey = NewType("ThreadKey", tuple)  # (thread_id: str, checkpoint_ns: str)
+DEFAULT_RESIDENT_BUDGET = 1 << 30
+
+
+def thread_key(thread_id: str, checkpoint_ns: str = "") -> ThreadKey:
+    """The registry key of a thread.
+
+    Args:
+        thread_id: the LangGraph ``thread_id`` (any string).
+        checkpoint_ns: the graph namespace (``""`` for a root graph).
+
+    Returns:
+        A ``(thread_id, checkpoint_ns)`` tuple.
+    """
+    return ThreadKey((str(thread_id), str(checkpoint_ns)))
+
+
+def ids_hash(token_ids) -> str:
+    """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits)."""
+    return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+def _as_ids(token_ids) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.detach().cpu().reshape(-1).numpy().astype(np.int64)
+    return np.asarray(list(token_ids), dtype=np.int64)
+
+
+def _kv_bytes(res: ResumeResult) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(res.keys, res.values))
+
+
+def _ckpt_bytes(ckpt) -> int:
+    return int(getattr(ckpt, "nbytes", 0) or 0)
+
+
+@dataclass(eq=False)
+class _Thread:
+    key: ThreadKey
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    version: int = 0                   # context versions seen so far (the current one is `version`)
+    token_ids: np.ndarray | None = None
+    resident: ResumeResult | None = None   # KV of `version` (context + decoded tokens), cache dropped
+    checkpoint: Any = None                 # offloaded KV of `checkpoint_version`
+    checkpoint_version: int = 0
+    checkpoint_source: str = ""            # "background", "on_path", "evicted"
+    pending: Future | None = None
+    lost: str | None = None                # why the KV of `version` is gone (next resume says so)
+    store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
+    store_version: int = 0                 # the context version that entry holds
+    store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
+    last_used: float = 0.0
+
+
+class TokenStream:
+    """Greedy decode of one resumed thread version, one token per ``next()``.
+
+    ``result`` is available at once (first-token logits, context, resume stats); ``result.output_ids``
+    grows as tokens are drawn. The stream ends at ``max_new_tokens`` or after an EOS token (included);
+    :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
+    decode step takes the registry's forward lock; the thread lock is not held between steps.
+    """
+
+    def __init__(self, registry: "ThreadRegistry", th: _Thread | None, version: int, result: ResumeResult,
+                 max_new_tokens: int):
+        self._registry, self._th, self._version = registry, th, version
+        self.result = result
+        self.max_new_tokens = max_new_tokens
+        self._cache = result.cache
+        self._pos = len(result.context_ids)
+        self._decode_s = 0.0
+        self._done = False
+        result.output_ids = []
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The resume stats (``result.stats``), with ``decode_s`` once the stream has ended."""
+        return self.result.stats
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> int:
+        out = self.result.output_ids
+        eos = self._registry.engine.eos_ids
+        if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos):
+            self.close()
+            raise StopIteration
+        t0 = time.perf_counter()
+        if not out:
+            tok = int(self.result.logits.argmax())
+        else:
+            eng = self._registry.engine
+            with self._registry.forward_lock, torch.no_grad():
+                logits = eng.model(input_ids=torch.tensor([[out[-1]]], device=eng.device),
+                                   position_ids=torch.tensor([[self._pos]], device=eng.device),
+                                   cache=self._cache, use_cache=True).logits[0, -1]
+            self._pos += 1
+            tok = int(logits.argmax())
+        self._decode_s += time.perf_counter() - t0
+        out.append(tok)
+        return tok
+
+    def close(self) -> None:
+        """End the stream early (or after exhaustion) and commit the thread's resident state."""
+        if self._done:
+            return
+        self._done = True
+        self.result.stats["decode_s"] = self._decode_s
+        self.result.stats["output_tokens"] = len(self.result.output_ids)
+        if self._th is not None:
+            self._registry._commit(self._th, self._version, self.result, self._cache)
+
+
+class ThreadRegistry:
+    """Context versions and KV per agent thread over one :class:`PatchKVEngine`.
+
+    Args:
+        engine: the engine (one model; one forward at a time through it).
+        resident_budget_bytes: resident K/V held across all threads; beyond it the least recently
+            used other threads are evicted (``on_evict``).
+        offload_budget_bytes: offloaded checkpoint bytes across all threads (None: unlimited); beyond
+            it the least recently used other threads' checkpoints are dropped (the next resume of such a
+            thread is exact and says so).
+        on_evict: ``"offload"`` (write a checkpoint of the evicted version) or ``"drop"``.
+        workers: background offload workers.
+        store: the tier offloaded checkpoints go to (None: held in this process, ``offload_budget_bytes``
+            applies). The tier's own budget and eviction apply; the caller owns (and closes) it.
+
+    Raises:
+        ValueError: a bad ``on_evict`` or budget, or ``offload_budget_bytes`` together with ``store`` (give
+            the budget to the store).
+    """
+
+    def __init__(self, engine: PatchKVEngine, *, resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET,
+                 offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1,
+                 store: KVStore | None = None):
+        if on_evict not in ("offload", "drop"):
+            raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
+        if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
+            raise ValueError("budgets must be >= 0 bytes")
+        if store is not None and offload_budget_bytes is not None:
+            raise ValueError("offload_budget_bytes applies to checkpoints held in this process; with a store, "
+                             "set the budget on the store (budget_bytes=)")
+        self.engine = engine
+        self.store = store
+        self.resident_budget_bytes = resident_budget_bytes
+        self.offload_budget_bytes = offload_budget_bytes
+        self.on_evict = on_evict
+        self.forward_lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._threads: OrderedDict[ThreadKey, _Thread] = OrderedDict()  # least recently used first
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="patchkv-offload")
+        self.events: list[dict[str, Any]] = []  # evictions and drops, for inspection
+
+    # ----------------------------------------------------------------- tables
+
+    def _thread(self, key: ThreadKey, create: bool = True) -> _Thread | None:
+        with self._lock:
+            th = self._threads.get(key)
+            if th is None and create:
+                th = self._threads[key] = _Thread(key=key)
+            if th is not None:
+                self._threads.move_to_end(key)
+                th.last_used = time.monotonic()
+            return th
+
+    def keys(self) -> list[ThreadKey]:
+        """Known thread keys, least recently used first."""
+        with self._lock:
+            return list(self._threads)
+
+    def resident_bytes(self) -> int:
+        """K/V bytes held resident across threads."""
+        with self._lock:
+            return sum(_kv_bytes(t.resident) for t in self._threads.values() if t.resident is not None)
+
+    def offloaded_bytes(self) -> int:
+        """Checkpoint bytes held in this process across threads (a store's bytes: ``store.nbytes()``)."""
+        with self._lock:
+            return sum(_ckpt_bytes(t.checkpoint) for t in self._threads.values() if t.checkpoint is not None)
+
+    def handle(self, key: ThreadKey) -> dict[str, Any] | None:
+        """The KV handle of a thread's current version, JSON-serialisable (no tensors).
+
+        Returns:
+            ``{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv"}`` with ``kv`` one of
+            ``"resident"``, ``"offloaded"``, ``"offloading"``, ``"none"``; None for an unknown thread.
+        """
+        th = self._thread(key, create=False)
+        if th is None or th.token_ids is None:
+            return None
+        if th.resident is not None:
+            kv = "offloading" if th.pending is not None and not th.pending.done() else "resident"
+        elif ((th.checkpoint is not None and th.checkpoint_version == th.version)
+              or (th.store_key is not None and th.store_version == th.version)):
+            kv = "offloaded"
+        else:
+            kv = "none"
+        return {"thread_id": key[0], "checkpoint_ns": key[1], "version": th.version,
+                "ids_hash": ids_hash(th.token_ids), "tokens": int(len(th.token_ids)), "kv": kv}
+
+    def handles(self, thread_id: str) -> list[dict[str, Any]]:
+        """Handles of every key of ``thread_id`` (all namespaces)."""
+        return [h for k in self.keys() if k[0] == str(thread_id) and (h := self.handle(k)) is not None]
+
+    def expect(self, key: ThreadKey, handle: dict[str, Any]) -> None:
+        """Note that a persisted graph checkpoint refers to ``handle``'s context version of ``key``.
+
+        When this registry holds no KV of that version (a new process or registry), the thread's version
+        counter continues from the handle's. With a store holding an entry of that version of the thread
+        written by this model (a persistent tier after a restart), the next resume starts from it;
+        otherwise it is exact with ``stats["fallback"]`` saying why. A registry that already holds the
+        version (or a later one) ignores the call.
+        """
+        v = int(handle.get("version", 0))
+        th = self._thread(key)
+        found = self._find_stored(key, v) if self.store is not None else None
+        with th.lock:
+            if th.version >= v:
+                return
+            th.version, th.token_ids = v, None
+            th.resident, th.checkpoint = None, None
+            self._set_store_entry(th, found, v, "restart")
+            th.lost = None if found is not None else (
+                f"exact recompute: the graph checkpoint refers to KV of context version {v} "
+                f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)"
+                + (f"; the {self.store.tier} store holds no checkpoint of it either" if self.store is not None else ""))
+
+    def _find_stored(self, key: ThreadKey, version: int) -> CheckpointKey | None:
+        """The store's most recently used entry of ``version`` of thread ``key`` written by this model."""
+        try:
+            keys = self.store.keys()
+        except StoreUnavailable:
+            log.warning("store unavailable while looking up thread %s version %d", key, version, exc_info=True)
+            return None
+        fp = self.engine.spec.fingerprint
+        hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
+        return hits[-1] if hits else None
+
+    def fork(self, src: ThreadKey, dst: ThreadKey) -> bool:
+        """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors).
+
+        ``dst``'s previous state, if any, is replaced. A pending offload of ``src`` is waited for.
+
+        Returns:
+            False when ``src`` has no context version.
+        """
+        s = self._thread(src, create=False)
+        if s is None:
+            return False
+        self._wait_pending(s)
+        d = self._thread(dst)
+        with s.lock:
+            if s.token_ids is None:
+                return False
+            snapshot = (s.version, s.token_ids, s.resident, s.checkpoint, s.checkpoint_version, s.checkpoint_source)
+            skey = s.store_key if s.store_key is not None and s.store_version == s.version else None
+            ssource = s.store_source
+        stored, reason = None, None
+        if skey is not None:  # dst gets its own entry: each thread owns (and replaces) exactly one
+            stored, reason = load_for_resume(self.engine, self.store, skey)
+        self._wait_pending(d)
+        with d.lock:
+            (d.version, d.token_ids, d.resident, d.checkpoint, d.checkpoint_version, d.checkpoint_source) = snapshot
+            d.lost, d.pending = None, None
+            if stored is not None:
+                self._put_store(d, stored, d.version, ssource)
+            else:
+                self._set_store_entry(d, None)
+                if reason is not None:
+                    d.lost = reason
+        self._enforce_resident_budget(keep=dst)
+        return True
+
+    def forget(self, thread_id: str) -> None:
+        """Drop every key of ``thread_id`` (e.g. when the graph thread is deleted)."""
+        for k in self.keys():
+            if k[0] == str(thread_id):
+                th = self._thread(k, create=False)
+                if th is not None:
+                    self._wait_pending(th)
+                    with th.lock, self._lock:
+                        self._threads.pop(k, None)
+                    with th.lock:
+                        self._set_store_entry(th, None)
+
+    def close(self) -> None:
+        """Finish pending offloads and stop the worker (a store stays open: its owner closes it)."""
+        self._executor.shutdown(wait=True)
+
+    # ---------------------------------------------------------------- resume
+
+    def stream(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
+               **options) -> TokenStream:
+        """Resume ``key``'s next context version and return a greedy token stream over it.
+
+        Args:
+            key: the thread key (None: a one-off exact resume, nothing kept).
+            token_ids: the new context version's ids.
+            strategy: the strategy when the thread has KV (``exact`` always recomputes).
+            max_new_tokens: greedy tokens to draw.
+            **options: strategy options (``dirty_window=``, ``kappa=`` ...).
+
+        Returns:
+            A :class:`TokenStream`; its ``result.stats`` holds the engine's resume stats plus
+            ``thread_id``, ``checkpoint_ns``, ``version``, ``base_version``, ``base`` (where the base KV
+            came from), ``requested_strategy``, ``offload_wait_s``, ``offload_on_path_s`` and ``fallback``;
+            resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
+
+        Raises:
+            ValueError: bad ids or strategy (from the engine).
+        """
+        ids = _as_ids(token_ids)
+        if key is None:
+            with self.forward_lock:
+                res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
+            res.stats.update(thread_id=None, checkpoint_ns=None, version=None, base_version=None, base="none",
+                             requested_strategy=strategy, offload_wait_s=0.0, offload_on_path_s=0.0)
+            return TokenStream(self, None, 0, res, max_new_tokens)
+        th = self._thread(key)
+        wait_s = self._wait_pending(th)
+        with th.lock:
+            if strategy == "exact":  # no base needed: do not write one
+                base, base_version, source, on_path, skey = None, None, "none", 0.0, None
+                fallback = None
+            else:
+                base, base_version, source, on_path, skey = self._base(th)
+                fallback = th.lost if base is None and skey is None else None
+            if skey is not None:  # the store read runs outside the forward lock
+                res = resume_from_store(self.engine, self.store, skey, ids, strategy=strategy, max_new_tokens=0,
+                                        forward_lock=self.forward_lock, **options)
+                if res.stats["strategy"] == "exact" and res.stats["fallback"] is not None:
+                    base_version, source = None, "none"  # evicted, corrupt, missing: exact, reason recorded
+            else:
+                with self.forward_lock:
+                    if base is None:
+                        res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
+                    else:
+                        res = self.engine.resume(base, ids, strategy=strategy, max_new_tokens=0, **options)
+            th.version += 1
+            th.token_ids, th.lost = ids, None
+            th.resident = dataclasses.replace(res, cache=None, output_ids=[])
+            th.checkpoint, th.pending = None, None  # superseded by the resident version
+            stale = th.store_key
+            th.store_key = None
+            version = th.version
+        if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
+            self._submit_delete(stale)
+        res.stats.update(thread_id=key[0], checkpoint_ns=key[1], version=version, base_version=base_version,
+                         base=source, requested_strategy=strategy, offload_wait_s=wait_s,
+                         offload_on_path_s=on_path)
+        if res.stats.get("fallback") is None and fallback is not None:
+            res.stats["fallback"] = fallback
+        self._enforce_resident_budget(keep=key)
+        return TokenStream(self, th, version, res, max_new_tokens)
+
+    def generate(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
+                 **options) -> ResumeResult:
+        """Resume ``key``'s next context version and decode greedily (see :meth:`stream`).
+
+        Returns:
+            The :class:`~patchkv_agent.engine.ResumeResult` (``output_ids`` filled, ``cache`` holding the
+            context and the decoded tokens except the last).
+        """
+        s = self.stream(key, token_ids, strategy=strategy, max_new_tokens=max_new_tokens, **options)
+        for _ in s:
+            pass
+        return s.result
+
+    async def agenerate(self, key: ThreadKey | None, token_ids, **kwargs) -> ResumeResult:
+        """Async twin of :meth:`generate` (runs in the default executor)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, **kwargs))
+
+    def _base(self, th: _Thread):
+        """Where to resume ``th`` from: ``(checkpoint, version, source, on_path_s, store_key)``.
+
+        A checkpoint in this process (written on the critical path if only resident KV exists), else the
+        thread's store entry of its current version (``checkpoint`` None, ``store_key`` set), else nothing.
+        """
+        if th.checkpoint is not None and (th.resident is None or th.checkpoint_version == th.version):
+            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0, None
+        if th.resident is not None:
+            t0 = time.perf_counter()
+            with self.forward_lock:
+                ckpt = self.engine.checkpoint_from(th.resident)
+            th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, th.version, "on_path"
+            return ckpt, th.version, "on_path", time.perf_counter() - t0, None
+        if th.store_key is not None and th.store_version == th.version:
+            return None, th.version, th.store_source, 0.0, th.store_key
+        return None, None, "none", 0.0, None
+
+    # ----------------------------------------------------------------- store
+
+    def _set_store_entry(self, th: _Thread, key: CheckpointKey | None, version: int = 0, source: str = "") -> None:
+        """Make ``key`` the thread's store entry (caller holds ``th.lock``); its previous entry is deleted."""
+        old = th.store_key
+        th.store_key, th.store_version, th.store_source = key, version, source
+        if old is not None and old != key:
+            self._delete_quietly(old)
+
+    def _put_store(self, th: _Thread, ckpt, version: int, source: str) -> None:
+        """Put ``ckpt`` as ``version`` of ``th`` into the store (caller holds ``th.lock``).
+
+        Not stored (larger than the whole budget, tier unreachable): the thread has no KV and its next
+        resume is exact, saying why.
+        """
+        key = self.store.key_for(ckpt, thread_id=th.key[0], version=version, checkpoint_ns=th.key[1])
+        try:
+            put = self.store.put(key, ckpt)
+            reason = put.reason
+        except StoreUnavailable as e:
+            put, reason = None, f"store unavailable: {e}"
+        if put is not None and put.stored:
+            self._set_store_entry(th, key, version, source)
+            if put.evicted:
+                self.events.append({"event": "store_evict", "key": th.key, "version": version,
+                                    "evicted": [(k.thread_id, k.checkpoint_ns, k.version) for k in put.evicted]})
+        else:
+            self._set_store_entry(th, None)
+            th.lost = (f"exact recompute: checkpoint of context version {version} was not kept by the "
+                       f"{self.store.tier} store ({reason})")
+            self.events.append({"event": "store_refused", "key": th.key, "version": version, "reason": reason})
+
+    def _delete_quietly(self, key: CheckpointKey) -> None:
+        try:
+            self.store.delete(key)
+        except StoreUnavailable:  # the tier's budget or expiry removes it eventually
+            log.warning("could not delete %s from the %s store", key.describe(), self.store.tier, exc_info=True)
+
+    def _submit_delete(self, key: CheckpointKey) -> None:
+        try:
+            self._executor.submit(self._delete_quietly, key)
+        except RuntimeError:  # the worker is shut down (close()): delete here
+            self._delete_quietly(key)
+
+    def _commit(self, th: _Thread, version: int, res: ResumeResult, cache) -> None:
+        """Make the decoded tokens' KV part of the thread's resident version (if still current)."""
+        out = res.output_ids
+        keys, values, ids = res.keys, res.values, res.context_ids
+        if len(out) > 1 and cache is not None:
+            n = len(ids) + len(out) - 1
+            try:
+                ks = [layer.keys for layer in cache.layers]
+                vs = [layer.values for layer in cache.layers]
+            except AttributeError:
+                ks = vs = []
+            if ks and all(k.shape[-2] == n for k in ks) and all(v.shape[-2] == n for v in vs):
+                keys, values = ks, vs
+                ids = np.concatenate([ids, np.asarray(out[:-1], dtype=np.int64)])
+        with th.lock:
+            if th.version != version or th.resident is None:
+                return
+            th.resident = dataclasses.replace(res, cache=None, output_ids=[], context_ids=ids, keys=keys,
+                                              values=values)
+        self._enforce_resident_budget(keep=th.key)
+
+    # --------------------------------------------------------------- offload
+
+    def offload_async(self, key: ThreadKey | None) -> Future | None:
+        """Start writing the thread's resident KV to a checkpoint in the background worker.
+
+        A later resume of this thread waits for it. Nothing happens for an unknown thread, a thread
+        without resident KV, or one whose offload is already pending (that future is returned).
+
+        Args:
+            key: the thread key.
+
+        Returns:
+            The offload's future (its result: the offload seconds, or None when there was nothing to do),
+            or None when nothing was started.
+        """
+        if key is None:
+            return None
+        th = self._thread(key, create=False)
+        if th is None:
+            return None
+        with th.lock:
+            if th.pending is not None and not th.pending.done():
+                return th.pending
+            if th.resident is None:
+                return None
+            th.pending = self._executor.submit(self._offload_job, th, th.version, "background")
+            return th.pending
+
+    def offload(self, key: ThreadKey | None) -> float | None:
+        """Synchronous :meth:`offload_async`: returns the offload seconds (None when nothing to do)."""
+        fut = self.offload_async(key)
+        return fut.result() if fut is not None else None
+
+    async def aoffload(self, key: ThreadKey | None) -> float | None:
+        """Async twin of :meth:`offload`."""
+        fut = self.offload_async(key)
+        return await asyncio.wrap_future(fut) if fut is not None else None
+
+    def wait(self, key: ThreadKey | None) -> float:
+        """Wait for a pending offload of ``key``; returns the seconds waited."""
+        th = self._thread(key, create=False) if key is not None else None
+        return self._wait_pending(th) if th is not None else 0.0
+
+    def _wait_pending(self, th: _Thread) -> float:
+        fut = th.pending
+        if fut is None or fut.done():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        except Exception:  # the job recorded the failure in th.lost / kept the resident KV
+            log.exception("background offload of thread %s failed", th.key)
+        return time.perf_counter() - t0
+
+    def _offload_job(self, th: _Thread, version: int, source: str) -> float | None:
+        with th.lock:
+            if th.version != version or th.resident is None:
+                return None
+            t0 = time.perf_counter()
+            with self.forward_lock:
+                ckpt = self.engine.checkpoint_from(th.resident)
+            if self.store is None:
+                th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
+            else:
+                self._put_store(th, ckpt, version, source)
+            th.resident = None
+            dt = time.perf_counter() - t0
+        self._enforce_offload_budget(keep=th.key)
+        return dt
+
+    # -------------------------------------------------------------- budgets
+
+    def _victims(self, keep: ThreadKey) -> Iterator[_Thread]:
+        with self._lock:
+            order = [t for k, t in self._threads.items() if k != keep]
+        yield from order
+
+    def _enforce_resident_budget(self, keep: ThreadKey) -> None:
+        """Evict least recently used resident KV (other than ``keep``'s) beyond the budget: offloads are
+        queued on the background worker, drops take effect at once."""
+        total = self.resident_bytes()
+        for th in self._victims(keep):
+            if total <= self.resident_budget_bytes:
+                break
+            if th.resident is None or not th.lock.acquire(blocking=False):
+                continue
+            try:
+                if th.resident is None or (th.pending is not None and not th.pending.done()):
+                    continue
+                total -= _kv_bytes(th.resident)
+                if self.on_evict == "offload":
+                    th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
+                    self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
+                else:
+                    th.lost = (f"exact recompute: resident KV of context version {th.version} was evicted "
+                               f"(resident budget {self.resident_budget_bytes} B) without an offload")
+                    th.resident, th.checkpoint = None, None
+                    self.events.append({"event": "evict_drop", "key": th.key, "version": th.version})
+            finally:
+                th.lock.release()
+
+    def _enforce_offload_budget(self, keep: ThreadKey) -> None:
+        if self.offload_budget_bytes is None:
+            return
+        for th in self._victims(keep):
+            if self.offloaded_bytes() <= self.offload_budget_bytes:
+                return
+            if th.checkpoint is None or not th.lock.acquire(blocking=False):
+                continue
+            try:
+                if th.checkpoint is None:
+                    continue
+                if th.resident is None and th.checkpoint_version == th.version:
+                    th.lost = (f"exact recompute: checkpoint of context version {th.version} was dropped "
+                               f"(offload budget {self.offload_budget_bytes} B)")
+                self.events.append({"event": "drop_checkpoint", "key": th.key, "version": th.checkpoint_version})
+                th.checkpoint = None
+            finally:
+                th.lock.release()
+
+
+def run_stream(stream: TokenStream, on_token: Callable[[int], bool | None] | None = None) -> ResumeResult:
+    """Drain a :class:`TokenStream`, calling ``on_token(tok)`` after each token; a truthy return stops it.
+
+    Returns:
+        The stream's result.
+    """
+    try:
+        for tok in stream:
+            if on_token is not None and on_token(tok):
+                break
+    finally:
+        stream.close()
+    return stream.result
+
+
+__all__ = ["ThreadRegistry", "ThreadKey", "TokenStream", "thread_key", "ids_hash", "run_stream"]
