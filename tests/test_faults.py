@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, RedisServer
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
+from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
 from tiny_models import tiny_model
@@ -117,10 +117,11 @@ def test_flipped_payload_byte_on_disk(eng, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    meta = json.loads((store.path_of(key) / "meta.json").read_text())
+    meta, _ = encode_checkpoint(ckpt, key)
     tag = next(iter(ckpt.mixed.tag_rows))
     off, n = _blob_span(meta, f"p.1.{tag}.v_data")
-    with open(store.path_of(key) / "data.bin", "r+b") as f:
+    off += store.data_offset(key)
+    with open(store.path_of(key), "r+b") as f:
         f.seek(off + n // 2)
         b = f.read(1)
         f.seek(off + n // 2)
@@ -156,8 +157,8 @@ def test_truncated_disk_file(eng, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    p = store.path_of(key) / "data.bin"
-    os.truncate(p, p.stat().st_size // 3)
+    p = store.path_of(key)
+    os.truncate(p, p.stat().st_size - (p.stat().st_size - store.data_offset(key)) // 3)
     res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "truncated or wrong length")
 

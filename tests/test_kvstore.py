@@ -58,9 +58,9 @@ class Tier:
         if self.name == "memory":  # the held checkpoint's bytes change after publication
             ckpt.values[1].view(-1).view(torch.uint8)[7] ^= 0x10
         elif self.name == "disk":
-            p = store.path_of(key) / "data.bin"
+            p, off = store.path_of(key), store.data_offset(key)
             data = bytearray(p.read_bytes())
-            data[len(data) // 2] ^= 0x01
+            data[off + (len(data) - off) // 2] ^= 0x01
             p.write_bytes(bytes(data))
         else:
             name = store.blob_keys(key)[-1]
@@ -70,7 +70,7 @@ class Tier:
 
     def truncate(self, store, key):
         if self.name == "disk":
-            p = store.path_of(key) / "data.bin"
+            p = store.path_of(key)
             p.write_bytes(p.read_bytes()[:-5])
         else:
             name = store.blob_keys(key)[2]
@@ -80,16 +80,12 @@ class Tier:
         """Put ``src``'s stored entry where ``dst``'s would be (a mis-copied file, a tampered key)."""
         if self.name == "disk":
             store.path_of(src).rename(store.path_of(dst))
-        else:
+        else:  # the metadata hash lands under dst's name, indexed as dst's
             store.client.rename(store.meta_key(src), store.meta_key(dst))
-            store.client.hset(f"{store.ns}:size", dst.digest, 1)  # as if indexed under dst
-            store.client.hset(f"{store.ns}:keys", dst.digest, dst.to_json())
+            meta = json.loads(store.client.hget(store.meta_key(dst), "meta"))
+            store.client.hset(f"{store.ns}:idx", dst.digest,
+                              store._record(dst, 1, meta["store"]["gen"], len(meta["blobs"])))
             store.client.zadd(f"{store.ns}:lru", {dst.digest: 10**9})
-            gen = store.client.hget(store.meta_key(dst), "gen").decode()
-            n = int(store.client.hget(store.meta_key(dst), "nblobs"))
-            for i in range(n):
-                blob = f"{store.ns}:blob:{{}}:{gen}:{i}"
-                store.client.rename(blob.format(src.digest), blob.format(dst.digest))
 
 
 @pytest.fixture(params=["memory", "disk", "redis"])
@@ -310,19 +306,18 @@ def _probe_bytes(ckpt):
 def test_disk_publish_is_atomic_and_cleans_interrupted_writes(tmp_path):
     s = DiskStore(tmp_path, deployment="dep", fsync=False)
     key, _ = _put(s, make_ckpt(60))
-    stale = s.dir / f".tmp-{key.digest}-dead"
-    stale.mkdir()
-    (stale / "data.bin").write_bytes(b"half")  # a crashed put: never visible
+    stale = s.dir / f".tmp-{key.digest}-dead.kv"
+    stale.write_bytes(b"half")  # a crashed put: never visible
     os.utime(stale, (0, 0))
     s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
     assert s2.keys() == [key] and not stale.exists()
-    assert sorted(p.name for p in s.path_of(key).iterdir()) == ["data.bin", "meta.json"]
+    assert sorted(p.name for p in s.dir.iterdir() if not p.name.startswith(".")) == [s.path_of(key).name]
 
 
 def test_disk_appended_bytes_are_a_wrong_length(tmp_path):
     s = DiskStore(tmp_path, deployment="dep", fsync=False)
     key, _ = _put(s, make_ckpt(61))
-    with open(s.path_of(key) / "data.bin", "ab") as f:
+    with open(s.path_of(key), "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(CorruptCheckpoint, match="wrong length"):
         s.get(key)

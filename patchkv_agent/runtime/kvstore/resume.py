@@ -13,6 +13,7 @@ Knows the engine's public ``resume`` and the store interface; nothing about tier
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 from ...core.checkpoint import CorruptCheckpoint
@@ -21,6 +22,8 @@ from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
 FALLBACK_PREFIX = "exact recompute: "
+
+log = logging.getLogger(__name__)
 
 
 def load_for_resume(engine, store: KVStore, key: CheckpointKey):
@@ -47,6 +50,10 @@ def load_for_resume(engine, store: KVStore, key: CheckpointKey):
         return None, f"{FALLBACK_PREFIX}corrupt checkpoint: {e}"
     except StoreUnavailable as e:
         return None, f"{FALLBACK_PREFIX}store unavailable: {e}"
+    except Exception as e:  # noqa: BLE001 - last line of defence: a store fault never escapes a resume
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log.warning("%s store failed reading %s: %s", store.tier, key.describe(), detail)
+        return None, f"{FALLBACK_PREFIX}store error: {detail}"
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
