@@ -250,7 +250,7 @@ class DiskStore(KVStore):
                     data = _read_fd(fd, st.st_size)
                 if stored.digest != digest or len(data) != entry_nbytes(meta):
                     raise CorruptCheckpoint("legacy entry does not match its name or length")
-                self._publish(final, raw_meta, [memoryview(data)])
+                self._publish(final, raw_meta, [memoryview(data)], recovering=True)
                 self.recovered["legacy_restored" if restored else "legacy_migrated"] += 1
         except (OSError, CorruptCheckpoint, *DECODE_ERRORS) as e:
             log.warning("disk store %s: legacy entry %s not migrated: %s", self.dir, src.name, str(e)[:200])
@@ -315,10 +315,13 @@ class DiskStore(KVStore):
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot write {key.describe()}: {e}") from e
 
-    def _publish(self, final: Path, raw_meta: bytes, chunks: list) -> None:
-        """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory."""
+    def _publish(self, final: Path, raw_meta: bytes, chunks: list, *, recovering: bool = False) -> None:
+        """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory.
+
+        ``recovering``: called by recovery, which already holds the exclusive lock.
+        """
         tmp = self.dir / f".tmp-{final.name[:32]}-{uuid.uuid4().hex}{SUFFIX}"
-        with self._dir_lock():
+        with contextlib.nullcontext(True) if recovering else self._dir_lock():
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
                 try:
