@@ -373,13 +373,14 @@ class BlockSetStrategy(Strategy):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         b = np.asarray(repair_blocks)
         self.repair_blocks = np.flatnonzero(b) if b.dtype == bool else b.astype(np.int64).ravel()
-        self.block_size, self.precision, self.label = int(block_size), precision, label
+        self.block_size, self.label = int(block_size), label
+        self.set_overrides(restore_precision=precision)  # read by the default execute
 
-    def plan(self, engine, ckpt, edit: Edit) -> RepairPlan:
+    def plan(self, settings, ckpt, edit: Edit) -> RepairPlan:
         """The plan (see the class docstring).
 
         Args:
-            engine: the engine (unused: the block size is this strategy's).
+            settings: the engine's recovery settings (unused: the block size is this strategy's).
             ckpt: the checkpoint (unused: the blocks are fixed in advance).
             edit: the diff of the checkpoint's version and the new context.
         Returns:

@@ -11,15 +11,18 @@ Knows models, diff, plan, strategies and recovery; knows nothing about LangGraph
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
 from .core.diff import Edit, diff_versions
+from .core.fallback import Fallback, FallbackKind
 from .core.models import DEFAULT_MODEL, ModelSpec, load_model, model_spec
-from .core.plan import LengthModel, plan_full
+from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
+from .core.precision import PrecisionPolicy
 from .core.recovery import (
     FullRecompute,
     check_attn_implementation,
@@ -27,11 +30,77 @@ from .core.recovery import (
     greedy_decode,
     to_dynamic_cache,
 )
-from .core.precision import PrecisionPolicy
-from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
+from .core.settings import DEFAULT_CAPTURE_WINDOW, RecoverySettings
 from .strategies import Strategy, get_strategy
 
-DEFAULT_DIRTY_WINDOW = 32
+__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
+           "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
+
+
+@dataclass(kw_only=True)
+class ResumeStats:
+    """The per-resume fields of the trace-result format (docs/TRACES.md), as the engine fills them.
+
+    ``ResumeResult.stats`` is the plain dict :meth:`to_dict` gives (JSON-serialisable, extended in place
+    by the runtime with thread and store fields); :meth:`from_dict` reads one back.
+
+    Attributes:
+        strategy: the strategy that ran (``exact`` after a fallback).
+        prompt_tokens: tokens in ``C_new``.
+        prefix_tokens: common-prefix tokens of the checkpoint's version and ``C_new``.
+        new_tokens: tokens of ``C_new`` in edited spans.
+        suffix_tokens: aligned suffix tokens.
+        recompute_tokens: rows recomputed.
+        recompute_ratio: ``recompute_tokens`` over the rows after the reused prefix.
+        restore_tokens: suffix rows restored from the checkpoint.
+        payload_bytes: checkpoint bytes read by the restore.
+        ttft_s: restore + recompute until the first token's logits.
+        plan_s: diff + plan.
+        restore_s, recompute_s: the two parts of the recovery.
+        offload_s, stats_s, quantize_s: the checkpoint's own costs (None without a checkpoint).
+        fallback: None, or why the exact path was taken (a :class:`Fallback`, serialised as its text).
+        extras: strategy-specific fields (``restore_kernel``, ``cacheblend_*``), appended in order.
+    """
+
+    strategy: str
+    prompt_tokens: int
+    prefix_tokens: int
+    new_tokens: int
+    suffix_tokens: int
+    recompute_tokens: int
+    recompute_ratio: float
+    restore_tokens: int
+    payload_bytes: int
+    ttft_s: float
+    plan_s: float
+    restore_s: float
+    recompute_s: float
+    offload_s: float | None
+    stats_s: float | None
+    quantize_s: float | None
+    fallback: Fallback | None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The named fields, in the order :meth:`to_dict` writes them (``extras`` excluded)."""
+        return tuple(f.name for f in fields(cls) if f.name != "extras")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stats dict of a resume: the named fields in order, then the extras not named."""
+        out = {k: getattr(self, k) for k in self.keys()}
+        out.update({k: v for k, v in self.extras.items() if k not in out})
+        return out
+
+    @classmethod
+    def from_dict(cls, stats: dict[str, Any]) -> "ResumeStats":
+        """Read a stats dict back; keys beyond the named fields go to ``extras``.
+
+        Raises:
+            KeyError: a named field is missing.
+        """
+        names = cls.keys()
+        return cls(**{k: stats[k] for k in names}, extras={k: v for k, v in stats.items() if k not in names})
 
 
 @dataclass(eq=False)
@@ -44,7 +113,9 @@ class ResumeResult:
         cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
             the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
         stats: the per-resume fields of TRACES.md (``ttft_s``, ``recompute_tokens``, ...), plus
-            ``fallback`` (None, or why the exact path was taken).
+            ``fallback`` (None, or a :class:`Fallback`: why the exact path was taken): the dict of
+            :meth:`ResumeStats.to_dict` (a plain dict; the runtime adds thread and store fields to it;
+            ``ResumeStats.from_dict(res.stats)`` reads it back typed).
         context_ids: ``C_new`` token ids.
         keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).
         edit: the diff of the checkpoint's version against ``C_new``.
@@ -73,12 +144,20 @@ class PatchKVEngine:
         capture_window: how many final query positions the attention statistics look from.
         mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
+        settings: a whole :class:`RecoverySettings` to start from instead of the profile's (the
+            arguments above still override its fields).
         profile: ``"auto"`` (default) loads this model's calibration profile from
             ``calibration/profiles/`` by fingerprint (or by the name it was loaded by); a dict applies
             that profile; None uses the built-in defaults. Explicit arguments above override it.
 
+    Attributes:
+        settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen; replace it
+            whole, or assign ``engine.block_size`` etc., which replace it). Built once from the
+            profile and the explicit arguments.
+
     Raises:
-        ValueError: the model's attention implementation cannot take per-token masks.
+        ValueError: the model's attention implementation cannot take per-token masks, or a setting is
+            outside its range.
     """
 
     def __init__(
@@ -90,57 +169,104 @@ class PatchKVEngine:
         dirty_window: int | None = None,
         kappa: float | None = None,
         length_model: LengthModel | None = None,
-        capture_window: int = 32,
-        mixed_precision: bool = True,
+        capture_window: int | None = None,
+        mixed_precision: bool | None = None,
         precision_policy: PrecisionPolicy | None = None,
+        settings: RecoverySettings | None = None,
         profile: dict | str | None = "auto",
     ):
         check_attn_implementation(model)
-        if block_size is not None and block_size < 1:
-            raise ValueError("block_size must be >= 1")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec: ModelSpec = model_spec(model, tokenizer)
-        self.block_size, self.kappa = 32, 0.0
-        self.length_model = LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
-        self.precision_policy = PrecisionPolicy()
         self.profile_path: str | None = None
-        self._apply_profile(profile)
-        # explicit arguments win over the profile
-        if block_size is not None:
-            self.block_size = block_size
-        if kappa is not None:
-            self.kappa = kappa
-        if dirty_window is not None:
-            self.length_model = LengthModel.fixed(dirty_window)
-        if length_model is not None:
-            self.length_model = length_model
-        if precision_policy is not None:
-            self.precision_policy = precision_policy
-        self.capture_window = capture_window
-        self.mixed_precision = mixed_precision
+        base = settings if settings is not None else self._profile_settings(profile, RecoverySettings())
+        if not isinstance(base, RecoverySettings):
+            raise ValueError(f"settings must be a RecoverySettings, got {type(base).__name__}")
+        explicit = {"block_size": block_size, "kappa": kappa, "precision_policy": precision_policy,
+                    "capture_window": capture_window, "mixed_precision": mixed_precision,
+                    "length_model": length_model if length_model is not None else (
+                        None if dirty_window is None else LengthModel.fixed(dirty_window))}
+        # explicit arguments win over the profile (and over `settings`)
+        self.settings: RecoverySettings = base.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.device = next(model.parameters()).device
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
 
-    def _apply_profile(self, profile) -> None:
+    def _profile_settings(self, profile, base: RecoverySettings) -> RecoverySettings:
         if profile is None:
-            return
-        from .profiles import apply_profile, load_profile
+            return base
+        from .profiles import load_profile, profile_settings
 
         if profile == "auto":
             profile = load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None))
             if profile is None:
-                return
+                return base
         elif not isinstance(profile, dict):
             raise ValueError("profile must be 'auto', a profile dict (patchkv_agent.profiles.load_profile) or None")
-        apply_profile(self, profile)
-        pol = profile.get("precision_policy")
-        if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
-            self.precision_policy = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
-                                                       if k in pol})
+        self.profile_path = (profile.get("_source") or {}).get("path")
+        return profile_settings(profile, base)
+
+    # ------------------------------------------------- settings, as attributes (read and replace)
+
+    def _set(self, **change) -> None:
+        self.settings = self.settings.replace(**change)
+
+    @property
+    def block_size(self) -> int:
+        """``settings.block_size``; assigning replaces the settings (validated)."""
+        return self.settings.block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self._set(block_size=value)
+
+    @property
+    def kappa(self) -> float:
+        """``settings.kappa``; assigning replaces the settings (validated)."""
+        return self.settings.kappa
+
+    @kappa.setter
+    def kappa(self, value: float) -> None:
+        self._set(kappa=value)
+
+    @property
+    def length_model(self) -> LengthModel:
+        """``settings.length_model``; assigning replaces the settings (validated)."""
+        return self.settings.length_model
+
+    @length_model.setter
+    def length_model(self, value: LengthModel) -> None:
+        self._set(length_model=value)
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """``settings.precision_policy``; assigning replaces the settings (validated)."""
+        return self.settings.precision_policy
+
+    @precision_policy.setter
+    def precision_policy(self, value: PrecisionPolicy) -> None:
+        self._set(precision_policy=value)
+
+    @property
+    def capture_window(self) -> int:
+        """``settings.capture_window``; assigning replaces the settings (validated)."""
+        return self.settings.capture_window
+
+    @capture_window.setter
+    def capture_window(self, value: int) -> None:
+        self._set(capture_window=value)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """``settings.mixed_precision``; assigning replaces the settings (validated)."""
+        return self.settings.mixed_precision
+
+    @mixed_precision.setter
+    def mixed_precision(self, value: bool) -> None:
+        self._set(mixed_precision=value)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
@@ -211,7 +337,7 @@ class PatchKVEngine:
             from .core.capture import AttentionCapture
         except ImportError:  # statistics are optional for exact strategies
             return None
-        return AttentionCapture(self.model, window=self.capture_window)
+        return AttentionCapture(self.model, window=self.settings.capture_window)
 
     def checkpoint(self, token_ids) -> Checkpoint:
         """Checkpoint-creation pass: prefill with attention statistics, offload every layer's KV to CPU.
@@ -244,9 +370,10 @@ class PatchKVEngine:
     def _offload(self, ids, keys, values, scores) -> Checkpoint:
         t0 = time.perf_counter()
         mixed = None
-        if self.mixed_precision:
+        settings = self.settings
+        if settings.mixed_precision:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
-                                block_size=self.block_size, policy=self.precision_policy)
+                                block_size=settings.block_size, policy=settings.precision_policy)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         quantize_s = time.perf_counter() - t0
         return Checkpoint(
@@ -278,7 +405,7 @@ class PatchKVEngine:
         scores = None
         cap = self._capture()
         if cap is not None:
-            w = min(self.capture_window, n)
+            w = min(self.settings.capture_window, n)
             plan = _TailPlan(new_len=n, tail=w)
             with cap:  # execute writes into fresh tensors: result's K/V stay as they were
                 execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
@@ -334,27 +461,28 @@ class PatchKVEngine:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
         if ckpt is not None:
             self._validate_checkpoint(ckpt)
+        settings = self.settings  # one snapshot for the whole resume
         t0 = time.perf_counter()
         old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
         edit = diff_versions(old, new)
-        plan = strat.plan(self, ckpt, edit)
-        fallback = None
+        plan = strat.plan(settings, ckpt, edit)
+        fallback: Fallback | None = None
         restore_new = np.asarray(plan.restore_new_positions)
         if len(restore_new) and not self.spec.rope_supported:
             shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
             if shifted:
-                fallback = f"exact recompute: {self.spec.rope_unsupported_reason}"
-                plan = plan_full(edit, block_size=self.block_size)
+                fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, self.spec.rope_unsupported_reason)
+                plan = plan_full(edit, block_size=settings.block_size)
         plan_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
         out = None
         if fallback is None:
             try:
-                out = strat.execute(self, ckpt, edit, plan, torch.from_numpy(new))
+                out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
             except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
-                fallback = f"exact recompute: {e}"
-                plan = plan_full(edit, block_size=self.block_size)
+                fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
+                plan = plan_full(edit, block_size=settings.block_size)
         if out is None:
             out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
@@ -365,27 +493,27 @@ class PatchKVEngine:
         n_restore = len(plan.restore_new_positions)
         prefix_tokens = min(edit.prefix_len, len(new))
         denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-        stats: dict[str, Any] = {
-            "strategy": strat.name,
-            "prompt_tokens": len(new),
-            "prefix_tokens": prefix_tokens,
-            "new_tokens": int(edit.new_token_count),
-            "suffix_tokens": int(edit.suffix_len),
-            "recompute_tokens": int(out.stats["recompute_tokens"]),
-            "recompute_ratio": out.stats["recompute_tokens"] / denom,
-            "restore_tokens": int(n_restore),
-            "payload_bytes": int(out.stats.get("payload_bytes", 0)),
-            "ttft_s": ttft,
-            "plan_s": plan_s,
-            "restore_s": out.stats["restore_s"],
-            "recompute_s": out.stats["recompute_s"],
-            "offload_s": ckpt.stats.get("offload_s") if ckpt is not None else None,
-            "stats_s": ckpt.stats.get("stats_s") if ckpt is not None else None,
-            "quantize_s": ckpt.stats.get("quantize_s") if ckpt is not None else None,
-            "fallback": fallback,
-        }
-        stats.update({k: v for k, v in out.stats.items() if k not in stats})  # strategy-specific extras
-        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
+        stats = ResumeStats(
+            strategy=strat.name,
+            prompt_tokens=len(new),
+            prefix_tokens=prefix_tokens,
+            new_tokens=int(edit.new_token_count),
+            suffix_tokens=int(edit.suffix_len),
+            recompute_tokens=int(out.stats["recompute_tokens"]),
+            recompute_ratio=out.stats["recompute_tokens"] / denom,
+            restore_tokens=int(n_restore),
+            payload_bytes=int(out.stats.get("payload_bytes", 0)),
+            ttft_s=ttft,
+            plan_s=plan_s,
+            restore_s=out.stats["restore_s"],
+            recompute_s=out.stats["recompute_s"],
+            offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
+            stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
+            quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
+            fallback=fallback,
+            extras=dict(out.stats),  # strategy-specific extras (named fields win)
+        )
+        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
                             context_ids=new, keys=out.keys, values=out.values, edit=edit)
 
 

@@ -49,8 +49,8 @@ def run(eng, old, new, **options):
     ckpt = eng.checkpoint(old)
     strat = CacheBlendStrategy(**options)
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
-    plan = strat.plan(eng, ckpt, edit)
-    return ckpt, edit, plan, strat.execute(eng, ckpt, edit, plan, torch.tensor(new))
+    plan = strat.plan(eng.settings, ckpt, edit)
+    return ckpt, edit, plan, strat.execute(eng.model, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "glm", "gemma3"])

@@ -186,11 +186,6 @@ class ModelSpec:
     def rope_unsupported_reason(self) -> str:
         return "; ".join(f"{t}: {r.reason}" for t, r in self.rope.items() if not r.supported)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V per token across layers at fp32."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
-
 
 def _text_config(model) -> Any:
     cfg = model.config

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, NewType
 import numpy as np
 import torch
 
+from ..core.fallback import Fallback, FallbackKind
 from ..engine import PatchKVEngine, ResumeResult
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, load_for_resume, resume_from_store
 
@@ -98,7 +99,7 @@ class _Thread:
     checkpoint_version: int = 0
     checkpoint_source: str = ""            # "background", "on_path", "evicted"
     pending: Future | None = None
-    lost: str | None = None                # why the KV of `version` is gone (next resume says so)
+    lost: Fallback | None = None           # why the KV of `version` is gone (next resume says so)
     store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
     store_version: int = 0                 # the context version that entry holds
     store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
@@ -275,8 +276,9 @@ class ThreadRegistry:
             th.version, th.token_ids = v, None
             th.resident, th.checkpoint = None, None
             self._set_store_entry(th, found, v, "restart")
-            th.lost = None if found is not None else (
-                f"exact recompute: the graph checkpoint refers to KV of context version {v} "
+            th.lost = None if found is not None else Fallback(
+                FallbackKind.NOT_HELD,
+                f"the graph checkpoint refers to KV of context version {v} "
                 f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)"
                 + (f"; the {self.store.tier} store holds no checkpoint of it either" if self.store is not None else ""))
 
@@ -472,8 +474,8 @@ class ThreadRegistry:
                                     "evicted": [(k.thread_id, k.checkpoint_ns, k.version) for k in put.evicted]})
         else:
             self._set_store_entry(th, None)
-            th.lost = (f"exact recompute: checkpoint of context version {version} was not kept by the "
-                       f"{self.store.tier} store ({reason})")
+            th.lost = Fallback(FallbackKind.STORE_REFUSED, f"checkpoint of context version {version} was not kept "
+                               f"by the {self.store.tier} store ({reason})")
             self.events.append({"event": "store_refused", "key": th.key, "version": version, "reason": reason})
 
     def _delete_quietly(self, key: CheckpointKey) -> None:
@@ -603,8 +605,8 @@ class ThreadRegistry:
                     th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
-                    th.lost = (f"exact recompute: resident KV of context version {th.version} was evicted "
-                               f"(resident budget {self.resident_budget_bytes} B) without an offload")
+                    th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "
+                                       f"evicted (resident budget {self.resident_budget_bytes} B) without an offload")
                     th.resident, th.checkpoint = None, None
                     self.events.append({"event": "evict_drop", "key": th.key, "version": th.version})
             finally:
@@ -622,8 +624,8 @@ class ThreadRegistry:
                 if th.checkpoint is None:
                     continue
                 if th.resident is None and th.checkpoint_version == th.version:
-                    th.lost = (f"exact recompute: checkpoint of context version {th.version} was dropped "
-                               f"(offload budget {self.offload_budget_bytes} B)")
+                    th.lost = Fallback(FallbackKind.BUDGET_DROPPED, f"checkpoint of context version {th.version} "
+                                       f"was dropped (offload budget {self.offload_budget_bytes} B)")
                 self.events.append({"event": "drop_checkpoint", "key": th.key, "version": th.checkpoint_version})
                 th.checkpoint = None
             finally:

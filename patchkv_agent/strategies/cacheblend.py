@@ -52,9 +52,10 @@ from ..core.recovery import RecoveryOutput, ScatterCache, build_masks, restore_r
 from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:
-    from ..core.diff import Edit
-    from ..engine import PatchKVEngine
     from ..core.checkpoint import Checkpoint
+    from ..core.diff import Edit
+    from ..core.models import ModelSpec
+    from ..core.settings import RecoverySettings
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "glm", "gemma3_text"})
 
@@ -129,16 +130,18 @@ class CacheBlendStrategy(Strategy):
             raise ValueError(f"cacheblend check_layer must be >= 0, got {check_layer}")
         self.ratio, self.check_layer = float(ratio), int(check_layer)
 
-    def plan(self, engine, ckpt, edit):
-        return plan_direct(edit, block_size=engine.block_size)
+    def plan(self, settings, ckpt, edit):
+        return plan_direct(edit, block_size=settings.block_size)
 
     @torch.no_grad()
-    def execute(self, engine: "PatchKVEngine", ckpt: "Checkpoint | None", edit: "Edit", plan,
-                new_ids: torch.Tensor) -> RecoveryOutput:
+    def execute(self, model, spec: "ModelSpec", settings: "RecoverySettings", ckpt: "Checkpoint | None",
+                edit: "Edit", plan, new_ids: torch.Tensor) -> RecoveryOutput:
         """Restore like ``direct``, then recompute layer by layer with the CacheBlend selection.
 
         Args:
-            engine: the engine (model and spec).
+            model: the HF causal LM.
+            spec: its model spec.
+            settings: the recovery settings (unused: CacheBlend restores full-precision rows).
             ckpt: the checkpoint of the previous version.
             edit: the diff (unused beyond the plan).
             plan: a ``plan_direct`` plan: ``recompute_positions`` = X + last token, restore = all of S.
@@ -154,7 +157,6 @@ class CacheBlendStrategy(Strategy):
         Raises:
             ValueError: unsupported model family, or a plan that does not recompute the last token.
         """
-        model, spec = engine.model, engine.spec
         check_supported(model)
         n = int(new_ids.numel())
         always = np.asarray(plan.recompute_positions, dtype=np.int64)

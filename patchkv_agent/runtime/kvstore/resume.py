@@ -16,37 +16,40 @@ import contextlib
 import time
 
 from ...core.checkpoint import CorruptCheckpoint
+from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from ...strategies import get_strategy
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
-FALLBACK_PREFIX = "exact recompute: "
+__all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
 
 
 def load_for_resume(engine, store: KVStore, key: CheckpointKey):
     """Fetch ``key`` for ``engine``, or say why it cannot be used.
 
     Returns:
-        ``(checkpoint, None)`` or ``(None, reason)``; ``reason`` starts with ``"exact recompute: "``.
+        ``(checkpoint, None)`` or ``(None, reason)``; ``reason`` is a
+        :class:`~patchkv_agent.core.fallback.Fallback` (its text starts with ``"exact recompute: "``).
 
     Raises:
         TypeError, ValueError: ``key`` is not a key of ``store``'s deployment.
     """
     store.check_key(key)
     if key.fingerprint != engine.spec.fingerprint:
-        return None, (f"{FALLBACK_PREFIX}the checkpoint of {key.describe()} was written by another model "
-                      f"({key.fingerprint[:24]}...) than this engine's ({engine.spec.fingerprint[:24]}...); "
-                      "not loaded")
+        return None, Fallback(FallbackKind.FOREIGN_MODEL,
+                              f"the checkpoint of {key.describe()} was written by another model "
+                              f"({key.fingerprint[:24]}...) than this engine's ({engine.spec.fingerprint[:24]}...); "
+                              "not loaded")
     try:
         return store.get(key), None
     except CheckpointMissing as e:
-        return None, f"{FALLBACK_PREFIX}checkpoint missing: {e.reason}"
+        return None, Fallback(FallbackKind.MISSING, e.reason)
     except ForeignCheckpoint as e:
-        return None, f"{FALLBACK_PREFIX}foreign checkpoint: {e}"
+        return None, Fallback(FallbackKind.FOREIGN, e)
     except CorruptCheckpoint as e:
-        return None, f"{FALLBACK_PREFIX}corrupt checkpoint: {e}"
+        return None, Fallback(FallbackKind.CORRUPT_CHECKPOINT, e)
     except StoreUnavailable as e:
-        return None, f"{FALLBACK_PREFIX}store unavailable: {e}"
+        return None, Fallback(FallbackKind.STORE_UNAVAILABLE, e)
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
