@@ -14,6 +14,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .core.inputs import InvalidInput, non_negative_int
+
+
+def _max_new_tokens(text: str) -> int:
+    """argparse type of ``--max-new-tokens``: the public boundary's validator (core.inputs)."""
+    try:
+        return non_negative_int(text, what="--max-new-tokens")
+    except InvalidInput as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 def _table(rows: list[dict[str, Any]]) -> str:
     """A per-strategy summary table (medians over rows) as aligned text."""
@@ -170,7 +180,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="calibration profile: 'auto' (calibration/profiles/ by model fingerprint), 'none' (the "
                         "built-in defaults), or a profile JSON path")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=_max_new_tokens, default=16,
+                   help="greedy tokens per resume (a non-negative int; clipped to the model's positions)")
     p.add_argument("--strategies", default="exact,prefix,direct,patchkv")
 
 

@@ -10,6 +10,7 @@ Knows models, diff, plan, strategies and recovery; knows nothing about LangGraph
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
@@ -20,7 +21,8 @@ import torch
 from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
 from .core.diff import Edit, diff_versions
 from .core.fallback import Fallback, FallbackKind
-from .core.models import DEFAULT_MODEL, ModelSpec, load_model, model_spec
+from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
+from .core.models import DEFAULT_MODEL, ModelSpec, fingerprint, load_model, model_spec
 from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from .core.precision import PrecisionPolicy
 from .core.recovery import (
@@ -30,11 +32,11 @@ from .core.recovery import (
     greedy_decode,
     to_dynamic_cache,
 )
-from .core.settings import DEFAULT_CAPTURE_WINDOW, RecoverySettings
+from .core.settings import RecoverySettings
 from .strategies import Strategy, get_strategy
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
-           "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
+           "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
 
 
 @dataclass(kw_only=True)
@@ -119,6 +121,8 @@ class ResumeResult:
         context_ids: ``C_new`` token ids.
         keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).
         edit: the diff of the checkpoint's version against ``C_new``.
+        fingerprint: the model fingerprint the K/V were computed under (None: unknown, taken as the
+            engine's current one).
     """
 
     logits: torch.Tensor
@@ -129,6 +133,7 @@ class ResumeResult:
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
     edit: Edit | None = None
+    fingerprint: str | None = None
 
 
 class PatchKVEngine:
@@ -154,6 +159,12 @@ class PatchKVEngine:
         settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen; replace it
             whole, or assign ``engine.block_size`` etc., which replace it). Built once from the
             profile and the explicit arguments.
+        forward_lock: a re-entrant lock held around every forward pass through the model
+            (``checkpoint``, ``checkpoint_from``, ``resume``; runtime decode steps take it too): one
+            forward at a time per model, whatever number of registries and direct callers share it,
+            so the attention capture of a checkpoint pass never sees another caller's forward.
+        spec: the :class:`ModelSpec`; ``spec.fingerprint`` follows in-place weight changes (see
+            :meth:`refresh_fingerprint`).
 
     Raises:
         ValueError: the model's attention implementation cannot take per-token masks, or a setting is
@@ -190,6 +201,10 @@ class PatchKVEngine:
         # explicit arguments win over the profile (and over `settings`)
         self.settings: RecoverySettings = base.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.device = next(model.parameters()).device
+        self.forward_lock = threading.RLock()
+        self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
+        self._weights_seen = self._weights_state()
+        self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
@@ -290,84 +305,158 @@ class PatchKVEngine:
     def encode(self, context: str | Sequence[dict] | Sequence[int]) -> list[int]:
         """Token ids of a context: chat messages (chat template, generation prompt added), raw text, or ids.
 
+        Args:
+            context: a string, a list of ``{"role", "content"}`` message dicts, or token ids (validated
+                like :meth:`validate_ids`).
+
+        Returns:
+            The token ids.
+
         Raises:
+            InvalidInput: (a ``ValueError`` and ``TypeError``) a single message dict, a list mixing
+                messages and other things, or bad ids.
             ValueError: text or messages without a tokenizer.
         """
-        if isinstance(context, str) or (len(context) and isinstance(context[0], dict)):
+        if isinstance(context, dict):
+            raise InvalidInput("encode takes chat messages as a list of {'role', 'content'} dicts, text, or token "
+                               "ids; got one dict: wrap the message in a list")
+        is_messages = isinstance(context, (list, tuple)) and len(context) and isinstance(context[0], dict)
+        if isinstance(context, str) or is_messages:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, or build it with a tokenizer")
             if isinstance(context, str):
                 return list(self.tokenizer(context, add_special_tokens=False)["input_ids"])
+            bad = [i for i, m in enumerate(context) if not isinstance(m, dict)]
+            if bad:
+                raise InvalidInput(f"encode got a message list whose element {bad[0]} is "
+                                   f"{type(context[bad[0]]).__name__}, not a {{'role', 'content'}} dict")
             text = self.tokenizer.apply_chat_template(list(context), tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in context]
+        return self.validate_ids(context, "context").tolist()
 
-    def _validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.dim() != 1:
-                raise ValueError(f"{what} must be a 1-D tensor or a list of ints, got shape {tuple(token_ids.shape)}")
-            ids = token_ids.detach().cpu().numpy().astype(np.int64)
-        else:
-            ids = np.asarray(list(token_ids), dtype=np.int64)
-            if ids.ndim != 1:
-                raise ValueError(f"{what} must be a flat list of ints")
-        if ids.size == 0:
-            raise ValueError(f"{what} is empty: a context needs at least one token")
-        bad = ids[(ids < 0) | (ids >= self.spec.vocab_size)]
-        if bad.size:
-            raise ValueError(f"{what} holds ids outside the vocabulary [0, {self.spec.vocab_size}): "
-                             f"{bad[:5].tolist()}; tokenize with this model's tokenizer")
-        if ids.size > self.spec.max_positions:
-            raise ValueError(f"{what} has {ids.size} tokens, more than the model's maximum of "
-                             f"{self.spec.max_positions} positions; trim or compact the context")
-        return ids
+    def validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
+        """The public boundary's check of token ids (see :func:`patchkv_agent.core.inputs.as_token_ids`).
 
-    def _validate_checkpoint(self, ckpt: Checkpoint) -> None:
+        Args:
+            token_ids: a list of ints, a 1-D integer array or tensor.
+            what: the argument's name in messages.
+
+        Returns:
+            A fresh int64 ``[n]`` array.
+
+        Raises:
+            InvalidInput: floats, bools, strings, NaN, values beyond int64, nested or ragged lists, not
+                1-D, empty, outside ``[0, vocab_size)``, or longer than the model's maximum positions.
+        """
+        return as_token_ids(token_ids, vocab_size=self.spec.vocab_size, max_positions=self.spec.max_positions,
+                            what=what)
+
+    _validate_ids = validate_ids
+
+    def validate_max_new_tokens(self, max_new_tokens, context_len: int) -> int:
+        """``max_new_tokens`` checked and clipped to the positions the model has left after the context.
+
+        Raises:
+            InvalidInput: not a non-negative int (``-1``, ``2.5``, ``"3"``, ``None``), or ``> 0`` when the
+                context already fills the model's positions.
+        """
+        return check_max_new_tokens(max_new_tokens, context_len=context_len, max_positions=self.spec.max_positions)
+
+    # ------------------------------------------------------- weights identity
+
+    def _weights_state(self) -> tuple:
+        # in-place writes (load_state_dict, optimizer steps, adapter merges) bump a tensor's version
+        # counter; replaced tensors change identity or storage
+        return tuple((id(p), p._version, p.data_ptr()) for p in self.model.parameters())
+
+    def refresh_fingerprint(self) -> str:
+        """The model's current weights+tokenizer fingerprint.
+
+        Cheap when nothing changed (the parameters' version counters and storages are compared with the
+        last look); after an in-place change the fingerprint is recomputed (one pass over the weights)
+        and ``spec.fingerprint`` updated. Checkpoints carrying an earlier fingerprint of this engine's
+        model then resume exactly, with a ``WEIGHTS_CHANGED`` fallback.
+
+        Returns:
+            ``spec.fingerprint`` after the check.
+        """
+        with self.forward_lock:
+            state = self._weights_state()
+            if state != self._weights_seen:
+                fp = fingerprint(self.model, self.tokenizer)
+                if fp != self.spec.fingerprint:
+                    self._past_fingerprints.add(self.spec.fingerprint)
+                    self.spec = replace(self.spec, fingerprint=fp)
+                self._weights_seen = state
+            return self.spec.fingerprint
+
+    def weights_changed_since(self, fingerprint_: str) -> bool:
+        """True when ``fingerprint_`` was this engine's model's fingerprint before its weights changed."""
+        return fingerprint_ != self.refresh_fingerprint() and fingerprint_ in self._past_fingerprints
+
+    def _validate_checkpoint(self, ckpt: Checkpoint) -> Fallback | None:
+        """None for a checkpoint of the current weights; a ``WEIGHTS_CHANGED`` fallback for one of this
+        model before an in-place change; raises for anything else."""
         if not isinstance(ckpt, Checkpoint):
             raise TypeError(f"expected a Checkpoint from PatchKVEngine.checkpoint, got {type(ckpt).__name__}")
-        if ckpt.fingerprint != self.spec.fingerprint:
-            raise ValueError(
-                f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
-                f"engine's ({self.spec.fingerprint[:24]}...); re-create it with this engine's checkpoint()")
+        current = self.refresh_fingerprint()
+        if ckpt.fingerprint == current:
+            return None
+        if ckpt.fingerprint in self._past_fingerprints:
+            return Fallback(FallbackKind.WEIGHTS_CHANGED,
+                            f"the model's weights changed since this checkpoint was written "
+                            f"({ckpt.fingerprint[:24]}... -> {current[:24]}...); its KV is stale")
+        raise ValueError(
+            f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
+            f"engine's ({current[:24]}...); re-create it with this engine's checkpoint()")
 
     # ----------------------------------------------------------- checkpoint
 
     def _capture(self):
+        """The engine's attention capture, reset (call under ``forward_lock``); None without capture support."""
         try:
             from .core.capture import AttentionCapture
         except ImportError:  # statistics are optional for exact strategies
             return None
-        return AttentionCapture(self.model, window=self.settings.capture_window)
+        window = self.settings.capture_window
+        if self._attn_capture is None or self._attn_capture.window != window:
+            self._attn_capture = AttentionCapture(self.model, window=window)
+        self._attn_capture.reset()
+        return self._attn_capture
 
     def checkpoint(self, token_ids) -> Checkpoint:
         """Checkpoint-creation pass: prefill with attention statistics, offload every layer's KV to CPU.
 
+        Holds :attr:`forward_lock` for the pass.
+
         Args:
-            token_ids: list of ints or 1-D tensor.
+            token_ids: list of ints or 1-D integer tensor.
 
         Returns:
-            A :class:`Checkpoint` carrying this model's fingerprint.
+            A :class:`Checkpoint` carrying this model's (current) fingerprint.
 
         Raises:
-            ValueError: empty ids, ids outside the vocabulary, or longer than the model's maximum.
+            InvalidInput: (a ``ValueError``) bad ids: see :meth:`validate_ids`.
         """
-        ids = self._validate_ids(token_ids)
-        t0 = time.perf_counter()
-        cap = self._capture()
-        ids_t = torch.from_numpy(ids)
-        if cap is None:
-            out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
-            scores = None
-        else:
-            with cap:
+        ids = self.validate_ids(token_ids)
+        with self.forward_lock:
+            fp = self.refresh_fingerprint()
+            t0 = time.perf_counter()
+            cap = self._capture()
+            ids_t = torch.from_numpy(ids)
+            if cap is None:
                 out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
-            scores = cap.scores()
-        ckpt = self._offload(ids, out.keys, out.values, scores)
+                scores = None
+            else:
+                with cap:
+                    out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                scores = cap.scores()
+            ckpt = self._offload(ids, out.keys, out.values, scores, fp)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats["recompute_s"],
                           stats_s=getattr(cap, "elapsed_s", None), source="prefill")
         return ckpt
 
-    def _offload(self, ids, keys, values, scores) -> Checkpoint:
+    def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
         t0 = time.perf_counter()
         mixed = None
         settings = self.settings
@@ -380,7 +469,7 @@ class PatchKVEngine:
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
             keys=[_host(k[0].detach()) for k in keys],
             values=[_host(v[0].detach()) for v in values],
-            fingerprint=self.spec.fingerprint,
+            fingerprint=fp,
             scores=scores,
             mixed=mixed,
             stats={"quantize_s": quantize_s},
@@ -391,7 +480,9 @@ class PatchKVEngine:
         """Offload a resumed state as the base version for the next edit of its thread.
 
         Attention statistics are re-taken by rerunning the last ``capture_window`` positions over the
-        resumed KV (the resumed K/V themselves are kept as they were).
+        resumed KV (the resumed K/V themselves are kept as they were). Holds :attr:`forward_lock`. The
+        checkpoint carries the fingerprint ``result`` was computed under, so a checkpoint of a result
+        from before a weight change resumes exactly.
 
         Args:
             result: a :class:`ResumeResult` of this engine.
@@ -399,19 +490,21 @@ class PatchKVEngine:
         Returns:
             A :class:`Checkpoint` of ``result.context_ids``.
         """
-        t0 = time.perf_counter()
         ids = result.context_ids
         n = len(ids)
-        scores = None
-        cap = self._capture()
-        if cap is not None:
-            w = min(self.settings.capture_window, n)
-            plan = _TailPlan(new_len=n, tail=w)
-            with cap:  # execute writes into fresh tensors: result's K/V stay as they were
-                execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                        [v[0] for v in result.values])
-            scores = cap.scores()
-        ckpt = self._offload(ids, result.keys, result.values, scores)
+        with self.forward_lock:
+            fp = result.fingerprint or self.refresh_fingerprint()
+            t0 = time.perf_counter()
+            scores = None
+            cap = self._capture()
+            if cap is not None:
+                w = min(self.settings.capture_window, n)
+                plan = _TailPlan(new_len=n, tail=w)
+                with cap:  # execute writes into fresh tensors: result's K/V stay as they were
+                    execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
+                            [v[0] for v in result.values])
+                scores = cap.scores()
+            ckpt = self._offload(ids, result.keys, result.values, scores, fp)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=getattr(cap, "elapsed_s", None),
                           source="resume")
         return ckpt
@@ -430,7 +523,7 @@ class PatchKVEngine:
         """
         return Checkpoint(token_ids=np.asarray(result.context_ids, dtype=np.int64),
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
-                          fingerprint=self.spec.fingerprint, scores=None, mixed=None,
+                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=None, mixed=None,
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
 
     # ---------------------------------------------------------------- resume
@@ -439,34 +532,47 @@ class PatchKVEngine:
                max_new_tokens: int = 16, **options) -> ResumeResult:
         """Recover the KV of an edited context from a checkpoint and decode greedily.
 
+        Holds :attr:`forward_lock` from the checkpoint check to the last decoded token.
+
         Args:
             ckpt: the checkpoint of the previous version (may be None for ``exact``), or a resident
                 :class:`ResumeResult` of this engine (resumed from without an offload pass).
-            new_token_ids: ids of ``C_new`` (list of ints or 1-D tensor).
+            new_token_ids: ids of ``C_new`` (list of ints or 1-D integer tensor).
             strategy: ``exact``, ``prefix``, ``direct``, ``patchkv`` (or a :class:`Strategy`).
-            max_new_tokens: greedy tokens to decode (0: only the first-token logits).
+            max_new_tokens: greedy tokens to decode (0: only the first-token logits); clipped to the
+                positions the model has left after ``C_new``.
             **options: strategy options, e.g. ``dirty_window=`` or ``kappa=`` for ``patchkv``.
 
         Returns:
-            A :class:`ResumeResult`.
+            A :class:`ResumeResult`. A checkpoint written before this model's weights changed in place
+            gives the exact result with a ``WEIGHTS_CHANGED`` fallback.
 
         Raises:
-            ValueError: bad ids, a checkpoint of another model, or an unknown strategy.
+            InvalidInput: (a ``ValueError``) bad ids or ``max_new_tokens``.
+            ValueError: a checkpoint of another model, or an unknown strategy.
         """
-        new = self._validate_ids(new_token_ids, "new_token_ids")
+        new = self.validate_ids(new_token_ids, "new_token_ids")
+        max_new_tokens = self.validate_max_new_tokens(max_new_tokens, len(new))
         strat = get_strategy(strategy, **options)
         if isinstance(ckpt, ResumeResult):
             ckpt = self.as_checkpoint(ckpt)
         if ckpt is None and strat.uses_checkpoint:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
+        with self.forward_lock:
+            return self._resume(ckpt, new, strat, max_new_tokens)
+
+    def _resume(self, ckpt: Checkpoint | None, new: np.ndarray, strat: Strategy, max_new_tokens: int) -> ResumeResult:
+        fallback: Fallback | None = None
         if ckpt is not None:
-            self._validate_checkpoint(ckpt)
+            fallback = self._validate_checkpoint(ckpt)
+            if fallback is not None:  # stale weights: nothing of the checkpoint is used
+                ckpt, strat = None, get_strategy("exact")
+        fp = self.spec.fingerprint
         settings = self.settings  # one snapshot for the whole resume
         t0 = time.perf_counter()
         old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
         edit = diff_versions(old, new)
         plan = strat.plan(settings, ckpt, edit)
-        fallback: Fallback | None = None
         restore_new = np.asarray(plan.restore_new_positions)
         if len(restore_new) and not self.spec.rope_supported:
             shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
@@ -477,7 +583,7 @@ class PatchKVEngine:
 
         t1 = time.perf_counter()
         out = None
-        if fallback is None:
+        if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
             try:
                 out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
             except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
@@ -514,7 +620,7 @@ class PatchKVEngine:
             extras=dict(out.stats),  # strategy-specific extras (named fields win)
         )
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
-                            context_ids=new, keys=out.keys, values=out.values, edit=edit)
+                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp)
 
 
 def _host(x):

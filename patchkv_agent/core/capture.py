@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from .models import text_config
 from .settings import DEFAULT_CAPTURE_WINDOW
 
 __all__ = ["AttentionCapture", "capture_attention_forward", "default_layers"]
@@ -107,7 +108,7 @@ class AttentionCapture:
         self.model = model
         self.window = int(window)
         self.name = name
-        n_layers = int(model.config.get_text_config().num_hidden_layers)
+        n_layers = int(text_config(model).num_hidden_layers)
         self.layers = default_layers(n_layers) if layers is None else tuple(sorted({int(i) for i in layers}))
         bad = [i for i in self.layers if not 0 <= i < n_layers]
         if bad:

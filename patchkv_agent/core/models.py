@@ -187,9 +187,13 @@ class ModelSpec:
         return "; ".join(f"{t}: {r.reason}" for t, r in self.rope.items() if not r.supported)
 
 
-def _text_config(model) -> Any:
+def text_config(model) -> Any:
+    """The text part of a model's config (``config.get_text_config()`` where there is one, else ``config``)."""
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+_text_config = text_config
 
 
 def _layer_types(cfg) -> tuple[str, ...]:

@@ -21,8 +21,9 @@ two places:
 KV beyond ``resident_budget_bytes`` is evicted least-recently-used first: offloaded, or dropped with the
 reason recorded for the next resume.
 
-Locking: one lock per thread (state transitions of that thread), one lock for the model forward (one
-forward at a time per model), one short registry lock for the tables. A thread lock may be held while
+Locking: one lock per thread (state transitions of that thread), the engine's ``forward_lock`` for the
+model forward (one forward at a time per model, shared with every other registry and direct caller of
+that engine), one short registry lock for the tables. A thread lock may be held while
 taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
 checkpoint.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NewType
 
 import numpy as np
-import torch
 
 from ..core.fallback import Fallback, FallbackKind
+from ..core.recovery import decode_step
 from ..engine import PatchKVEngine, ResumeResult
-from .kvstore import CheckpointKey, KVStore, StoreUnavailable, load_for_resume, resume_from_store
+from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +67,6 @@ def thread_key(thread_id: str, checkpoint_ns: str = "") -> ThreadKey:
         A ``(thread_id, checkpoint_ns)`` tuple.
     """
     return ThreadKey((str(thread_id), str(checkpoint_ns)))
-
-
-def ids_hash(token_ids) -> str:
-    """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits)."""
-    return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
-
-
-def _as_ids(token_ids) -> np.ndarray:
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.detach().cpu().reshape(-1).numpy().astype(np.int64)
-    return np.asarray(list(token_ids), dtype=np.int64)
 
 
 def _kv_bytes(res: ResumeResult) -> int:
@@ -144,11 +133,8 @@ class TokenStream:
         if not out:
             tok = int(self.result.logits.argmax())
         else:
-            eng = self._registry.engine
-            with self._registry.forward_lock, torch.no_grad():
-                logits = eng.model(input_ids=torch.tensor([[out[-1]]], device=eng.device),
-                                   position_ids=torch.tensor([[self._pos]], device=eng.device),
-                                   cache=self._cache, use_cache=True).logits[0, -1]
+            with self._registry.forward_lock:
+                logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
             self._pos += 1
             tok = int(logits.argmax())
         self._decode_s += time.perf_counter() - t0
@@ -201,7 +187,7 @@ class ThreadRegistry:
         self.resident_budget_bytes = resident_budget_bytes
         self.offload_budget_bytes = offload_budget_bytes
         self.on_evict = on_evict
-        self.forward_lock = threading.RLock()
+        self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
         self._threads: OrderedDict[ThreadKey, _Thread] = OrderedDict()  # least recently used first
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="patchkv-offload")
@@ -364,9 +350,11 @@ class ThreadRegistry:
             resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
 
         Raises:
-            ValueError: bad ids or strategy (from the engine).
+            ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
+                :class:`~patchkv_agent.core.inputs.InvalidInput`).
         """
-        ids = _as_ids(token_ids)
+        ids = self.engine.validate_ids(token_ids)  # the public boundary's one validator
+        max_new_tokens = self.engine.validate_max_new_tokens(max_new_tokens, len(ids))
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)

@@ -35,10 +35,14 @@ def load_for_resume(engine, store: KVStore, key: CheckpointKey):
         TypeError, ValueError: ``key`` is not a key of ``store``'s deployment.
     """
     store.check_key(key)
-    if key.fingerprint != engine.spec.fingerprint:
+    current = engine.refresh_fingerprint()  # notices in-place weight changes
+    if key.fingerprint != current and engine.weights_changed_since(key.fingerprint):
+        return None, Fallback(FallbackKind.WEIGHTS_CHANGED, f"the model's weights changed since the checkpoint of "
+                                                            f"{key.describe()} was written; not loaded")
+    if key.fingerprint != current:
         return None, Fallback(FallbackKind.FOREIGN_MODEL,
                               f"the checkpoint of {key.describe()} was written by another model "
-                              f"({key.fingerprint[:24]}...) than this engine's ({engine.spec.fingerprint[:24]}...); "
+                              f"({key.fingerprint[:24]}...) than this engine's ({current[:24]}...); "
                               "not loaded")
     try:
         return store.get(key), None
@@ -72,10 +76,12 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ``store_get_s`` and ``store_key``, and ``fallback`` is None or why the exact path was taken.
 
     Raises:
-        ValueError: a key of another deployment, an unknown strategy, or bad token ids.
+        ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
     get_strategy(strategy, **options)  # misuse raises before any I/O
+    new_token_ids = engine.validate_ids(new_token_ids, "new_token_ids")
+    engine.validate_max_new_tokens(max_new_tokens, len(new_token_ids))
     t0 = time.perf_counter()
     if strategy == "exact":
         store.check_key(key)
