@@ -202,7 +202,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
         SystemExit: no episodes could be built, or too few tasks to split.
     """
     from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.eval.replay import plain_messages
+    from patchkv_agent.eval.traces import plain_messages
     from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
 
     if args.threads:

@@ -308,6 +308,18 @@ class PatchKVEngine:
 
     # ---------------------------------------------------------------- resume
 
+    @staticmethod
+    def strategy(strategy: str | Strategy = "patchkv", **options) -> Strategy:
+        """The :class:`Strategy` that :meth:`resume` would use for ``strategy`` and ``options``.
+
+        Lets callers above the engine (the checkpoint tiers) reject misuse before any I/O without
+        importing the strategies themselves.
+
+        Raises:
+            ValueError: an unknown strategy name or option.
+        """
+        return get_strategy(strategy, **options)
+
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
                max_new_tokens: int = 16, **options) -> ResumeResult:
         """Recover the KV of an edited context from a checkpoint and decode greedily.

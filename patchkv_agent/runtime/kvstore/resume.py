@@ -16,7 +16,6 @@ import contextlib
 import time
 
 from ...core.checkpoint import CorruptCheckpoint
-from ...strategies import get_strategy
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
@@ -72,7 +71,7 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ValueError: a key of another deployment, an unknown strategy, or bad token ids.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
-    get_strategy(strategy, **options)  # misuse raises before any I/O
+    engine.strategy(strategy, **options)  # misuse raises before any I/O (the engine resolves strategies)
     t0 = time.perf_counter()
     if strategy == "exact":
         store.check_key(key)
