@@ -43,7 +43,7 @@ class ResumeResult:
         output_ids: greedy continuation (ends with EOS if one was produced).
         cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
             the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
-        stats: the per-resume fields of TRACES.md (``ttft_s``, ``recompute_tokens``, ...), plus
+        stats: the per-resume fields of the result format, docs/TRACES.md (``ttft_s``, ``recompute_tokens``, ...), plus
             ``fallback`` (None, or why the exact path was taken).
         context_ids: ``C_new`` token ids.
         keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).

@@ -225,3 +225,34 @@ def test_light_modules_import_without_torch(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"importing {module} pulled in torch"
+
+
+# --------------------------------------------------------------------------------------------- docs
+
+_TEXT = (".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".c")
+_SCANNED = ("patchkv_agent", "kernels", "calibration", "tests", "scripts", "examples", "notebooks", "docs")
+
+
+def _text_files():
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for d in _SCANNED:
+        files += [f for f in (ROOT / d).rglob("*") if f.suffix in _TEXT and "__pycache__" not in f.parts]
+    return [f for f in files if f.is_file()]
+
+
+def test_every_spec_a_file_cites_is_in_the_repository():
+    """Docstrings and docs point at docs/*.md files that a clone has, never at a folder outside it."""
+    import re
+
+    outside = re.compile("shared" + "/")  # split so this file does not match itself
+    cited = re.compile(r"\b(?:docs/)?((?:DESIGN|TRACES|RESULTS|calibration)\.md)\b")
+    bad, missing = [], []
+    for f in _text_files():
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if outside.search(text):
+            bad.append(str(f.relative_to(ROOT)))
+        for name in cited.findall(text):
+            if not (ROOT / "docs" / name).is_file():
+                missing.append(f"{f.relative_to(ROOT)} -> docs/{name}")
+    assert not bad, f"files pointing outside the repository: {bad}"
+    assert not missing, f"cited docs that do not exist: {missing}"

@@ -1,6 +1,6 @@
 """Token-level diff of two context versions of one agent thread.
 
-``C_old = P + M_old + S`` and ``C_new = P + M_new + S`` (DESIGN.md section 2), generalized to several
+``C_old = P + M_old + S`` and ``C_new = P + M_new + S`` (docs/DESIGN.md section 2), generalized to several
 edited spans: after the exact-hit prefix ``P`` the two versions alternate between *edited spans*
 (``M_old``/``M_new`` pairs, either side may be empty) and *aligned segments* (runs of identical tokens,
 shifted by their own ``delta``), so ``S`` is the union of the segments.
