@@ -423,7 +423,7 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
 
     old, new = pair
     edit = diff_versions(old, new)
-    plan = get_strategy("patchkv").plan(eng, eng.checkpoint(old), edit)
+    plan = get_strategy("patchkv").plan(eng.settings, eng.checkpoint(old), edit)
     check_plan(edit, plan)
     assert plan.n_restore > 0
     dropped = dataclasses.replace(plan, restore_new_positions=plan.restore_new_positions[1:],

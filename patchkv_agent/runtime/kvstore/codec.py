@@ -53,7 +53,8 @@ class ForeignCheckpoint(CorruptCheckpoint):
 def ids_hash(token_ids) -> str:
     """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits).
 
-    The same function as :func:`patchkv_agent.runtime.threads.ids_hash`, so registry handles and store keys agree.
+    The one definition: :mod:`patchkv_agent.runtime.threads` re-exports it, so registry handles and store keys
+    agree.
     """
     return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
