@@ -488,3 +488,70 @@ def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
     args = ap.parse_args(["stress", "--threads", "2", "--versions", "2"])
     with pytest.raises(SystemExit, match=r"patchkv-agent\[test\].*--property-examples 0"):
         args.func(args)
+
+
+# ----------------------------------------------------------------------------- fault mode (issue 13)
+
+
+def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(eng):
+    """``stress --faults`` in small: bit flips in metadata and payloads, a SIGKILLed writer process, Redis
+    pauses and restarts (when redis-server is installed), budget pressure. Every result equals the thread
+    run alone, 0 exceptions escape, 0 acknowledged entries are lost."""
+    import shutil
+
+    from patchkv_agent.eval.faults import format_fault_summary, run_fault_stress
+
+    s = run_fault_stress(threads=6, versions=3, engine=eng, writer_kills=1, inject_rate=0.6, budget_entries=4,
+                         progress=False)
+    print(format_fault_summary(s))
+    assert s["ok"], json.dumps({k: v for k, v in s.items() if k != "per_tier"})
+    assert s["escaped_exceptions"] == 0 and s["lost_acknowledged"] == 0 and s["mismatches"] == 0
+    assert s["equal_to_solo"] == s["resumes"] == len(s["tiers"]) * 6 * 2
+    f = s["faults_injected"]
+    assert f["meta_corrupt"] + f["payload_corrupt"] > 0 and f["writer_kill"] == 1 and f["disk_reopen"] == 1
+    assert s["exact_fallbacks"].get("corrupt_checkpoint", 0) > 0
+    w = s["per_tier"]["disk"]["writer"]
+    assert w["checked"] > 0 and w["lost"] == []
+    if shutil.which("redis-server"):
+        assert f["redis_restart"] == 1 and f["redis_pause"] == 2
+
+
+def test_fault_stress_counts_lost_entries_and_escaped_exceptions(eng, monkeypatch):
+    """The checks can fail: a store that acknowledges puts it does not keep, and a checkpoint pass that
+    raises, are both counted and fail the run."""
+    from patchkv_agent.eval import faults as F
+
+    real = eng.checkpoint_from
+    calls = []
+
+    def flaky(res):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected engine failure")
+        return real(res)
+
+    class Forgetful(MemoryStore):
+        def _index_put(self, key, nbytes):  # acknowledges, keeps nothing findable
+            pass
+
+    monkeypatch.setattr(F, "MemoryStore", lambda deployment, budget_bytes=None: (
+        Forgetful if budget_bytes is not None else MemoryStore)(deployment=deployment, budget_bytes=budget_bytes))
+    monkeypatch.setattr(eng, "checkpoint_from", flaky)
+    s = F.run_fault_stress(threads=2, versions=3, engine=eng, tiers=("memory",), writer_kills=0, inject_rate=0.0,
+                           progress=False)
+    assert not s["ok"] and s["escaped_exceptions"] == 1 and s["lost_acknowledged"] >= 2
+    assert "injected engine failure" in s["per_tier"]["memory"]["escaped"][0]
+
+
+def test_stress_cli_faults_checks_its_output_path_first(tmp_path):
+    import argparse
+
+    from patchkv_agent.eval.stress import add_stress_cli
+
+    ap = argparse.ArgumentParser(prog="patchkv-agent")
+    add_stress_cli(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(["stress", "--faults", "--threads", "2", "--versions", "2",
+                          "--json", str(tmp_path / "no" / "such" / "dir.json")])
+    assert args.faults and args.budget_entries is None
+    with pytest.raises(SystemExit, match="cannot write the summary"):
+        args.func(args)

@@ -285,15 +285,17 @@ class KVStore(ABC):
                 break
             if k == keep:
                 continue
-            self._on_evict(k)
-            self._drop(k)
+            # the reason first, then the removal, then the count: a tier that fails half-way (Redis gone
+            # mid-eviction) never leaves an entry removed without a record of why
             self._tomb_put(k, f"checkpoint of {k.describe()} was evicted from the {self.tier} store "
                               f"(least recently used, budget {self.budget_bytes} B)")
+            self._on_evict(k)
+            self._drop(k)
             total -= n
             evicted.append(k)
-        self.stats.evictions += len(evicted)
-        self.stats.evicted_keys.extend(evicted)
-        del self.stats.evicted_keys[:-MAX_TOMBSTONES]
+            self.stats.evictions += 1
+            self.stats.evicted_keys.append(k)
+            del self.stats.evicted_keys[:-MAX_TOMBSTONES]
         return evicted
 
     def _drop(self, key: CheckpointKey) -> None:
