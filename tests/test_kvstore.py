@@ -359,6 +359,32 @@ def test_damaged_metadata_is_refused_quarantined_and_never_breaks_the_next_call(
         assert tier.open().keys() == [okey, k2]  # nothing of it survives a reopen either
 
 
+def test_quarantine_spares_an_entry_another_writer_replaced_meanwhile(tier, monkeypatch):
+    """Neighbour of the quarantine: when another process re-puts the key between the damaged read and the
+    quarantine, the fresh entry stays (and reads back); only the damaged bytes are taken out."""
+    if not tier.persistent:
+        pytest.skip("only persistent tiers are shared with other writers")
+    s, other = tier.open(), tier.open()
+    c = make_ckpt(85)
+    key, _ = _put(s, c)
+    tier.rewrite_meta(s, key, fn=_set(["n_layers"], "2"), fix_checksum=True)
+    real = type(s)._read
+
+    def read_then_replaced(self, k):
+        try:
+            return real(self, k)
+        finally:
+            other.put(k, c)  # the other writer's fresh copy lands before the quarantine
+
+    monkeypatch.setattr(type(s), "_read", read_then_replaced)
+    with pytest.raises(CorruptCheckpoint):
+        s.get(key)
+    monkeypatch.undo()
+    assert s.stats.quarantined == 0
+    assert_same_checkpoint(s.get(key), c)
+    assert_same_checkpoint(tier.open().get(key), c)
+
+
 def test_damaged_size_records_cannot_evict_valid_entries_or_disable_the_budget(tier):
     """Finding: one damaged size field (disk ``nbytes``, Redis ``:size``) made the next put evict every valid
     entry, and a negative one switched the budget off. Sizes now come from verified records only."""

@@ -618,7 +618,8 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
             "fallbacks_without_reason": no_reason, "faults_injected": dict(sorted(faults.items())),
             "escaped_exceptions": len(ledger.escaped), "escaped": ledger.escaped[:10],
             "acknowledged": len(ledger.acked), "lost_acknowledged": len(lost), "lost": lost[:10],
-            "final_sweep_checked": out["swept"], "injector_errors": out["injector_errors"][:5], "mismatches": mismatches[:20], "n_mismatches": len(mismatches),
+            "final_sweep_checked": out["swept"], "injector_errors": out["injector_errors"][:5],
+            "evictions": out["store"]["evictions"], "quarantined": out["store"]["quarantined"], "mismatches": mismatches[:20], "n_mismatches": len(mismatches),
             "wall_s": round(out["wall_s"], 2), "store": out["store"], **({"writer": writer} if writer else {}),
         }
         total_faults.update(faults)
@@ -636,7 +637,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
         "equal_to_solo": tot("equal_to_solo"), "selective": tot("selective"),
         "exact_fallbacks": dict(sorted(reasons_all.items())), "fallbacks_without_reason": tot("fallbacks_without_reason"),
         "escaped_exceptions": tot("escaped_exceptions"), "lost_acknowledged": tot("lost_acknowledged"),
-        "mismatches": tot("n_mismatches"),
+        "mismatches": tot("n_mismatches"), "evictions": tot("evictions"), "quarantined": tot("quarantined"),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "peak_rss_children_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "wall_s": round(time.perf_counter() - t_all, 1), "per_tier": per_tier,
@@ -650,7 +651,8 @@ def format_fault_summary(s: dict[str, Any]) -> str:
     """A short human-readable summary of :func:`run_fault_stress`'s result."""
     lines = [f"stress --faults: {s['threads']} threads x {s['versions']} versions over {', '.join(s['tiers'])} "
              f"(budget ~{s['budget_entries']:g} checkpoints of {s['entry_bytes']} B)",
-             f"  faults injected: {s['faults_injected']}",
+             f"  faults injected: {s['faults_injected']}; budget evictions {s['evictions']}; entries quarantined "
+             f"{s['quarantined']}",
              f"  resumes {s['resumes']}: equal to the thread run alone {s['equal_to_solo']} "
              f"(selective {s['selective']}, exact fallbacks {sum(s['exact_fallbacks'].values())})",
              f"  exact fallbacks by reason: {s['exact_fallbacks']}",

@@ -1,9 +1,11 @@
 """KV checkpoint stores: one abstract interface, three tiers, and a resume that falls back safely.
 
-- :class:`KVStore`: put / get / contains / delete / nbytes / keys, a byte budget with LRU eviction,
-  checksums verified on every read, one lock per instance (``base``).
+- :class:`KVStore`: put / get / contains / delete / nbytes / keys, a byte budget with LRU eviction
+  over verified sizes, every byte read back verified (metadata included) and broken entries
+  quarantined, one lock per instance (``base``).
 - :class:`MemoryStore` (in-process, the default; can spill evictions to another tier),
-  :class:`DiskStore` (write-then-rename, survives restarts, shared by processes on one host),
+  :class:`DiskStore` (one file per entry swapped in by one rename, crash recovery on open, survives
+  restarts, shared by processes on one host),
   :class:`RedisStore` (shared by worker processes; needs ``pip install 'patchkv-agent[redis]'``).
 - :class:`CheckpointKey`: (deployment, thread, namespace, version, model fingerprint, token-ids hash);
   an entry is only ever returned for the exact key it was stored under (``codec``).

@@ -230,9 +230,10 @@ class KVStore(ABC):
         """Take a damaged or foreign entry out of service: remove it (the disk tier moves it aside), count it,
         and record ``reason`` for the next lookup. Never raises for an unreachable tier (logged, one line)."""
         with self._lock:
-            self.stats.quarantined += 1
             try:
-                self._quarantine(key, reason)
+                if self._quarantine(key, reason) is False:
+                    return  # another writer replaced the entry since it was read: the new one stays
+                self.stats.quarantined += 1
                 self._index_pop(key)
                 self._tomb_put(key, f"checkpoint of {key.describe()} was {QUARANTINED} as "
                                     f"{'foreign' if foreign else 'corrupt'} ({reason[:300]})")
@@ -320,9 +321,11 @@ class KVStore(ABC):
     def _remove(self, key: CheckpointKey) -> None:
         """Remove the entry's data (idempotent)."""
 
-    def _quarantine(self, key: CheckpointKey, reason: str) -> None:
-        """Take a damaged entry's data out of service (default: remove it)."""
+    def _quarantine(self, key: CheckpointKey, reason: str) -> bool:
+        """Take a damaged entry's data out of service (default: remove it); False when the tier found it
+        replaced by another writer since it was read (nothing removed)."""
         self._remove(key)
+        return True
 
     # bookkeeping: in-process by default; a shared tier overrides all of these.
 

@@ -98,6 +98,12 @@ def _open_regular(path: Path) -> Iterator[tuple[int, os.stat_result]]:
         os.close(fd)
 
 
+def _ident(path: Path) -> tuple[int, int]:
+    """(device, inode) of ``path`` itself (not following a link)."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
 def _read_fd(fd: int, n: int, offset: int = 0) -> bytes:
     chunks, got = [], 0
     while got < n:
@@ -358,8 +364,14 @@ class DiskStore(KVStore):
 
     def _read(self, key) -> Checkpoint:
         p = self.path_of(key)
+        self._suspect = None
+        try:
+            self._suspect = (key.digest, *_ident(p))
+        except OSError:
+            pass
         try:
             with _open_regular(p) as (fd, st):
+                self._suspect = (key.digest, st.st_dev, st.st_ino)  # the file whose bytes are judged
                 meta, data_off = _read_meta(fd, st.st_size)
                 check_meta(meta, key)  # before the blob table is trusted
                 n = entry_nbytes(meta)
@@ -386,8 +398,17 @@ class DiskStore(KVStore):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(key))  # atomic unpublish; a reader holding the file keeps its copy
 
-    def _quarantine(self, key, reason: str) -> None:
-        self._quarantine_file(self.path_of(key), key.digest, reason)
+    def _quarantine(self, key, reason: str) -> bool:
+        p = self.path_of(key)
+        suspect, self._suspect = getattr(self, "_suspect", None), None
+        try:
+            now = _ident(p)
+        except OSError:
+            return True  # already gone
+        if suspect is not None and suspect[0] == key.digest and suspect[1:] != now:
+            return False  # replaced by another writer since it was read: the new entry is not the damaged one
+        self._quarantine_file(p, key.digest, reason)
+        return True
 
     def _quarantine_file(self, p: Path, digest: str, reason: str, found_by_scan: bool = False) -> None:
         """Move a damaged entry aside (the newest ``KEEP_QUARANTINED`` are kept for inspection).

@@ -270,7 +270,7 @@ class RedisStore(KVStore):
         mk = self.meta_key(key)
         for _ in range(3):  # again if the entry was replaced between the two reads
             with self._io(f"reading {key.describe()}"):
-                raw = self._hget_meta(mk)
+                raw = self._suspect = self._hget_meta(mk)  # the metadata whose entry is judged
                 if raw is None:
                     self._index_pop(key)
                     raise CheckpointMissing(key, self._tomb_get(key) or f"checkpoint of {key.describe()} left "
@@ -294,6 +294,32 @@ class RedisStore(KVStore):
     def _remove(self, key) -> None:
         with self._io(f"removing {key.describe()}"):
             self._delete_entry(key.digest, key)
+
+    def _quarantine(self, key, reason: str) -> bool:
+        """Delete the damaged entry, unless another writer replaced it since it was read (checked and
+        deleted in one transaction)."""
+        suspect, self._suspect = getattr(self, "_suspect", None), None
+        mk = self.meta_key(key)
+        with self._io(f"quarantining {key.describe()}"):
+            names = [mk, *self._entry_blob_names(key.digest, key)]
+
+            def drop(pipe) -> bool:
+                if suspect is not None and self._hget_meta_on(pipe, mk) != suspect:
+                    return False  # replaced meanwhile: the new entry is not the damaged one
+                pipe.multi()
+                pipe.delete(*names)
+                pipe.srem(self._k("names"), *names)
+                return True
+
+            return self.client.transaction(drop, mk, value_from_callable=True)
+
+    def _hget_meta_on(self, pipe, mk: str) -> bytes | None:
+        try:
+            return pipe.hget(mk, "meta")
+        except self._response_error as e:
+            if "WRONGTYPE" in str(e):
+                return b"\xff wrong type"
+            raise
 
     def _delete_entry(self, digest: str, key: CheckpointKey | None) -> None:
         names = [f"{self.ns}:meta:{digest}", *self._entry_blob_names(digest, key)]
