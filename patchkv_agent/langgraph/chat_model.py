@@ -205,7 +205,8 @@ class PatchKVChatModel(BaseChatModel):
                 "constrained": self.constrained, "fingerprint": self.engine.spec.fingerprint[:16]}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="patchkv", ls_model_name=self.model_name, ls_model_type="chat",
+        name = kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name  # (a call with model= raises)
+        params = LangSmithParams(ls_provider="patchkv", ls_model_name=name, ls_model_type="chat",
                                  ls_temperature=kwargs.get("temperature", self.temperature),
                                  ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)))
         stops = stop or self.stop
@@ -267,8 +268,7 @@ class PatchKVChatModel(BaseChatModel):
         Raises:
             ValueError: an unknown method or keyword argument, or a method that needs a schema without one.
         """
-        from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser, \
-            PydanticToolsParser
+        from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
         from langchain_core.runnables import RunnableMap, RunnablePassthrough
         from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
         from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -292,10 +292,11 @@ class PatchKVChatModel(BaseChatModel):
                 rf: dict[str, Any] = {"type": "json_object"}
                 llm = self.bind(response_format=rf, ls_structured_output_format={"kwargs": {"method": method}})
             else:
-                js = schema.model_json_schema() if is_pydantic else convert_to_json_schema(schema)
+                js = (schema.model_json_schema() if is_pydantic and hasattr(schema, "model_json_schema")
+                      else convert_to_json_schema(schema))
                 rf = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
                 llm = self.bind(response_format=rf, ls_structured_output_format=ls_format)
-            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
+            parser = _CompletePydantic(pydantic_object=schema) if is_pydantic else _CompleteJson()
         if include_raw:
             assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
             none = RunnablePassthrough.assign(parsed=lambda _: None)
@@ -526,6 +527,40 @@ class PatchKVChatModel(BaseChatModel):
         done = object()
         while (item := await run_in_executor(None, next, iterator, done)) is not done:
             yield item
+
+
+def _check_complete(result) -> None:
+    from langchain_core.exceptions import OutputParserException
+
+    msg = getattr(result[0], "message", None) if result else None
+    if msg is not None and (msg.response_metadata or {}).get("finish_reason") == "length":
+        raise OutputParserException("structured output cut off by the token limit (raise max_tokens): "
+                                    + str(msg.content)[:200])
+
+
+def _parsers():
+    from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+
+    class CompleteJson(JsonOutputParser):
+        """JSON output; the final (non-partial) parse of an output cut off by max_tokens raises."""
+
+        def parse_result(self, result, *, partial: bool = False):
+            if not partial:
+                _check_complete(result)
+            return super().parse_result(result, partial=partial)
+
+    class CompletePydantic(PydanticOutputParser):
+        """Pydantic output; the final parse of an output cut off by max_tokens raises."""
+
+        def parse_result(self, result, *, partial: bool = False):
+            if not partial:
+                _check_complete(result)
+            return super().parse_result(result, partial=partial)
+
+    return CompleteJson, CompletePydantic
+
+
+_CompleteJson, _CompletePydantic = _parsers()
 
 
 def _dispatch(run_manager, name: str, data: dict) -> None:
