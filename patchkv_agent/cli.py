@@ -89,8 +89,20 @@ def _token_counter_for(model: str):
 def cmd_replay(args) -> int:
     from .eval.replay import read_jsonl, replay_episode, write_jsonl
 
+    if (args.traces is None) == (args.from_checkpointer is None):
+        raise SystemExit("replay: pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH, not both")
+    if args.from_checkpointer is not None:
+        from .eval.replay import traces_from_checkpointer
+
+        traces = traces_from_checkpointer(args.from_checkpointer, args.thread or None)
+        if not traces:
+            raise SystemExit(f"replay: no thread in {args.from_checkpointer} has two or more model contexts")
+        print(f"{len(traces)} threads from {args.from_checkpointer}: "
+              + ", ".join(f"{t['id']} ({len(t['versions'])} versions)" for t in traces))
+    else:
+        traces = read_jsonl(args.traces)
+    traces = traces[: args.limit or None]
     eng = _engine(args)
-    traces = read_jsonl(args.traces)[: args.limit or None]
     strategies = args.strategies.split(",")
     rows: list[dict] = []
     for tr in tqdm(traces, desc="replay", unit="episode"):
@@ -187,8 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the result rows (JSON Lines)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("replay", help="replay traces (TRACES.md) and write results.jsonl")
-    p.add_argument("traces")
+    p = sub.add_parser("replay", help="replay traces (TRACES.md) or a LangGraph SQLite checkpointer's threads; "
+                                      "write results.jsonl")
+    p.add_argument("traces", nargs="?", default=None, help="traces (JSON Lines)")
+    p.add_argument("--from-checkpointer", default=None, metavar="sqlite:PATH",
+                   help="read the message history at each checkpoint of the threads a LangGraph SqliteSaver stored")
+    p.add_argument("--thread", action="append", default=[], metavar="ID",
+                   help="with --from-checkpointer: only this thread (repeatable; default: all)")
     _common(p)
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--out", default="results.jsonl")
