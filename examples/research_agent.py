@@ -100,7 +100,7 @@ def build_graph(model: PatchKVChatModel, ex: dict, search: PassageSearch, args, 
     supporting = [p for p in ex["passages"] if p.get("is_supporting")]
     shown: set[str] = set()
 
-    @tool
+    @tool("search")
     def search_tool(query: str) -> str:
         """Search the encyclopedia; returns one passage."""
         p = search.find(query, exclude=shown)
