@@ -220,12 +220,9 @@ def test_registry_resident_and_stored_kv_from_before_a_weight_change_are_exact()
     for res in (reg_mem.generate(a, vs[1], max_new_tokens=3), reg_store.generate(b, vs[1], max_new_tokens=3),
                 resume_from_store(e, store, key, vs[1], max_new_tokens=3)):
         fb = res.stats["fallback"]
-        assert fb is not None and fb.kind in (FallbackKind.WEIGHTS_CHANGED, FallbackKind.NOT_HELD), fb
+        assert fb is not None and fb.kind is FallbackKind.WEIGHTS_CHANGED, fb
         assert res.stats["strategy"] == "exact"
         assert (res.logits - ref.logits).abs().max().item() <= TOL and res.output_ids == ref.output_ids
-    # the direct store resume says exactly why
-    res = resume_from_store(e, store, key, vs[1], max_new_tokens=1)
-    assert res.stats["fallback"].kind is FallbackKind.WEIGHTS_CHANGED
 
 
 # ----------------------------------------------------------------------------- (c) one input validator
