@@ -186,6 +186,24 @@ def test_a_training_step_makes_old_checkpoints_exact():
     assert (res.logits - ref).abs().max().item() <= TOL
 
 
+def test_replaced_parameters_are_noticed_too():
+    """load_state_dict(assign=True) and setattr of a new Parameter replace tensors instead of writing them."""
+    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    old = ctx(13)
+    ckpt = e.checkpoint(old)
+    e.model.load_state_dict(_other_weights(3), assign=True)
+    assert e.resume(ckpt, old, strategy="prefix", max_new_tokens=1).stats["fallback"].kind is \
+        FallbackKind.WEIGHTS_CHANGED
+    ckpt = e.checkpoint(old)
+    w = e.model.model.layers[0].mlp.up_proj.weight
+    e.model.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(w.detach() * 1.5)
+    res = e.resume(ckpt, old, strategy="prefix", max_new_tokens=1)
+    assert res.stats["fallback"].kind is FallbackKind.WEIGHTS_CHANGED
+    with torch.no_grad():
+        ref = e.model(torch.tensor([old])).logits[0, -1]
+    assert (res.logits - ref).abs().max().item() <= TOL
+
+
 def test_fingerprint_is_recomputed_only_when_parameters_moved(monkeypatch):
     e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
     calls = []
