@@ -2,10 +2,15 @@
 
 ``checkpoint(ids)`` runs the checkpoint-creation pass (prefill + attention statistics) and offloads
 the KV to CPU; ``resume(ckpt, new_ids, strategy=...)`` diffs the versions, plans, restores,
-recomputes, and decodes greedily. Validates input before any compute; an unsupported case (RoPE
-kind, ...) takes the exact path and says so in ``stats["fallback"]``.
+recomputes, and decodes greedily. Validates input before any compute (one validator,
+:mod:`patchkv_agent.core.inputs`); an unsupported case (RoPE kind, a corrupt run, weights changed in
+place since the checkpoint) takes the exact path and says so in ``stats["fallback"]`` (a
+:class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
+:class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; stats are
+:class:`ResumeStats`. The engine owns the model's forward lock and its attention capture: any number
+of registries and direct callers may share one engine.
 
-Knows models, diff, plan, strategies and recovery; knows nothing about LangGraph.
+Knows models, diff, plan, strategies and recovery; knows nothing about the runtime or LangGraph.
 """
 
 from __future__ import annotations
