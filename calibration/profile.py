@@ -41,7 +41,8 @@ from patchkv_agent.kernels import value_residual_4bit
 from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags
 from patchkv_agent.core.checkpoint import quantize_mixed
 from patchkv_agent.profiles import PROFILE_SCHEMA
-from patchkv_agent.eval.replay import first_token_kl, teacher_forced_agreement, version_ids
+from patchkv_agent.eval.metrics import first_token_kl, teacher_forced_agreement, top1_agree
+from patchkv_agent.eval.traces import version_ids
 
 from .drift import SpanDrift, block_deviation, default_profile_layers, oracle_boundary, span_drift
 from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_group
@@ -157,7 +158,7 @@ class PairProfile:
 
 
 def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
-    """Episodes from TRACES.md traces (versions tokenized with the engine's chat template).
+    """Episodes from traces (``docs/TRACES.md``) (versions tokenized with the engine's chat template).
 
     Args:
         engine: the engine (its tokenizer renders ``messages``/``text`` versions).
@@ -277,7 +278,7 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
                 r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=1, **c.options)
                 rows.append({**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
                              "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
-                             "top1_agree": bool(int(r.logits.argmax()) == int(p.ref_logits.argmax())),
+                             "top1_agree": top1_agree(p.ref_logits, r.logits),
                              "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
                              "recompute_tokens": int(r.stats["recompute_tokens"]),
                              "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])})

@@ -119,7 +119,7 @@ class ResumeResult:
         output_ids: greedy continuation (ends with EOS if one was produced).
         cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
             the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
-        stats: the per-resume fields of TRACES.md (``ttft_s``, ``recompute_tokens``, ...), plus
+        stats: the per-resume fields of the result format (docs/TRACES.md) (``ttft_s``, ``recompute_tokens``, ...), plus
             ``fallback`` (None, or a :class:`Fallback`: why the exact path was taken): the dict of
             :meth:`ResumeStats.to_dict` (a plain dict; the runtime adds thread and store fields to it;
             ``ResumeStats.from_dict(res.stats)`` reads it back typed).
@@ -540,6 +540,18 @@ class PatchKVEngine:
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
 
     # ---------------------------------------------------------------- resume
+
+    @staticmethod
+    def strategy(strategy: str | Strategy = "patchkv", **options) -> Strategy:
+        """The :class:`Strategy` that :meth:`resume` would use for ``strategy`` and ``options``.
+
+        Lets callers above the engine (the checkpoint tiers) reject misuse before any I/O without
+        importing the strategies themselves.
+
+        Raises:
+            ValueError: an unknown strategy name or option.
+        """
+        return get_strategy(strategy, **options)
 
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
                max_new_tokens: int = 16, **options) -> ResumeResult:

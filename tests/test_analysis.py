@@ -1,4 +1,4 @@
-"""Analysis figures (calibration/analysis.py) on a tiny random llama: values against oracles."""
+"""Analysis figures (calibration/analysis/, one module per figure) on a tiny random llama: values against oracles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention statistics in the checkpoint-creation pass (DESIGN.md section 4, offload step 2).
+"""Attention statistics in the checkpoint-creation pass (docs/DESIGN.md section 4, checkpoint creation, step 2).
 
 Boundary: this module knows a Hugging Face model only through transformers' attention dispatch
 (``AttentionInterface`` / ``AttentionMaskInterface``) and the ``layer_idx`` / ``num_key_value_groups``

@@ -4,7 +4,7 @@ Boundary: numpy in, frozen dataclasses out. This module knows nothing about torc
 checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix,
 restored from the checkpoint (``F``) or recomputed (``X`` and ``R``); the recovery executes that.
 
-Vocabulary (DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
+Vocabulary (docs/DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
 aligned segment from that segment's start in new coordinates, so a block never straddles an edited
 span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix_distance < d_hat``),
 ``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored attention,

@@ -17,7 +17,6 @@ import time
 
 from ...core.checkpoint import CorruptCheckpoint
 from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
-from ...strategies import get_strategy
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
@@ -79,7 +78,7 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
-    get_strategy(strategy, **options)  # misuse raises before any I/O
+    engine.strategy(strategy, **options)  # misuse raises before any I/O (the engine resolves strategies)
     new_token_ids = engine.validate_ids(new_token_ids, "new_token_ids")
     engine.validate_max_new_tokens(max_new_tokens, len(new_token_ids))
     t0 = time.perf_counter()
