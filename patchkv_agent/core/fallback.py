@@ -32,6 +32,7 @@ class FallbackKind(str, enum.Enum):
     FOREIGN = "foreign"                        # the stored entry belongs to another key
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the stored entry failed verification on read
     STORE_UNAVAILABLE = "store_unavailable"    # the tier could not be reached
+    STORE_ERROR = "store_error"                # the tier failed in an unforeseen way (logged; never raised)
     EVICTED = "evicted"                        # resident KV evicted without an offload
     BUDGET_DROPPED = "budget_dropped"          # an offloaded checkpoint dropped by the offload budget
     STORE_REFUSED = "store_refused"            # the store did not keep the offloaded checkpoint
@@ -48,6 +49,7 @@ _LABELS: dict[FallbackKind, str] = {
     FallbackKind.FOREIGN: "foreign checkpoint: ",
     FallbackKind.CORRUPT_CHECKPOINT: "corrupt checkpoint: ",
     FallbackKind.STORE_UNAVAILABLE: "store unavailable: ",
+    FallbackKind.STORE_ERROR: "store error: ",
     FallbackKind.EVICTED: "",
     FallbackKind.BUDGET_DROPPED: "",
     FallbackKind.STORE_REFUSED: "",

@@ -272,8 +272,9 @@ class ThreadRegistry:
         """The store's most recently used entry of ``version`` of thread ``key`` written by this model."""
         try:
             keys = self.store.keys()
-        except StoreUnavailable:
-            log.warning("store unavailable while looking up thread %s version %d", key, version, exc_info=True)
+        except StoreUnavailable as e:  # one line, no traceback: the resume says so anyway
+            log.warning("store unavailable while looking up thread %s version %d: %s", key, version,
+                        str(e).splitlines()[0][:300])
             return None
         fp = self.engine.spec.fingerprint
         hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
@@ -469,8 +470,9 @@ class ThreadRegistry:
     def _delete_quietly(self, key: CheckpointKey) -> None:
         try:
             self.store.delete(key)
-        except StoreUnavailable:  # the tier's budget or expiry removes it eventually
-            log.warning("could not delete %s from the %s store", key.describe(), self.store.tier, exc_info=True)
+        except StoreUnavailable as e:  # the tier's budget or expiry removes it eventually; one line, no traceback
+            log.warning("could not delete %s from the %s store: %s", key.describe(), self.store.tier,
+                        str(e).splitlines()[0][:300])
 
     def _submit_delete(self, key: CheckpointKey) -> None:
         try:

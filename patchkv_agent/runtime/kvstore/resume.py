@@ -13,6 +13,7 @@ Knows the engine's public ``resume`` and the store interface; nothing about tier
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 from ...core.checkpoint import CorruptCheckpoint
@@ -21,6 +22,8 @@ from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
 __all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
+
+log = logging.getLogger(__name__)
 
 
 def load_for_resume(engine, store: KVStore, key: CheckpointKey):
@@ -53,6 +56,10 @@ def load_for_resume(engine, store: KVStore, key: CheckpointKey):
         return None, Fallback(FallbackKind.CORRUPT_CHECKPOINT, e)
     except StoreUnavailable as e:
         return None, Fallback(FallbackKind.STORE_UNAVAILABLE, e)
+    except Exception as e:  # noqa: BLE001 - last line of defence: a store fault never escapes a resume
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log.warning("%s store failed reading %s: %s", store.tier, key.describe(), detail)
+        return None, Fallback(FallbackKind.STORE_ERROR, detail)
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
