@@ -4,10 +4,10 @@ Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_ag
 (``split="calib"``), the work from :func:`.profile.run_calibration`. The lead CLI adds the command with
 ``add_calibrate_cli(subparsers)``; ``calibrate_main(args)`` runs it.
 
-Default size (3 workloads x 6 episodes x 3 versions at ~1.5k tokens (2WikiMQA at 1.8k), the 4 tau_V
-candidates and the full 4 x 4 (kappa, block) grid on the validation pairs) takes about 15 minutes for
-SmolLM2-135M on 2 free CPU cores. On a shared machine pass ``--threads 1``: two torch threads competing
-with other processes for two cores ran 5x slower than one thread here.
+Default size: 3 workloads x 6 episodes x 3 versions at ~1.5k tokens (2WikiMQA at 1.8k), the 4 tau_V
+candidates and the full 4 x 4 (kappa, block) grid on the validation pairs; its run time is in
+docs/RESULTS.md (section "Calibration run time"). On a shared machine pass ``--threads 1`` (torch
+threads competing with other processes for few cores are slower than one).
 
 Writes three files: the profile (``--out``), the drift curves (``.drift.npz``, for figures) and the raw
 resume rows (``.rows.jsonl``, to redo the selection offline).
@@ -202,7 +202,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
         SystemExit: no episodes could be built, or too few tasks to split.
     """
     from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.eval.replay import plain_messages
+    from patchkv_agent.eval.traces import plain_messages
     from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
 
     if args.threads:

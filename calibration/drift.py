@@ -5,7 +5,7 @@ version, plus their :class:`~patchkv_agent.core.diff.Edit`), numpy arrays and sm
 module runs no model, knows nothing about engines, checkpoints' storage or plans beyond
 :func:`patchkv_agent.core.plan.span_features`.
 
-Definitions (DESIGN.md section 2 vocabulary):
+Definitions (the vocabulary of docs/DESIGN.md section 2):
 
 - token deviation of suffix token ``i``: the value of token ``i`` restored as-is from the old version
   (values never rotate, so "RoPE-corrected old V" is the old V row) against the exact new V row,

@@ -35,14 +35,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from patchkv_agent.engine import DEFAULT_DIRTY_WINDOW
 from patchkv_agent.core.diff import diff_versions
-from patchkv_agent.core.plan import LengthModel, plan_full
+from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from patchkv_agent.kernels import value_residual_4bit
 from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags
 from patchkv_agent.core.checkpoint import quantize_mixed
 from patchkv_agent.profiles import PROFILE_SCHEMA
-from patchkv_agent.eval.replay import first_token_kl, teacher_forced_agreement, version_ids
+from patchkv_agent.eval.metrics import first_token_kl, teacher_forced_agreement, top1_agree
+from patchkv_agent.eval.traces import version_ids
 
 from .drift import SpanDrift, block_deviation, default_profile_layers, oracle_boundary, span_drift
 from .fit import coverage, fit_length_model, log_target, pinball_loss, split_by_group
@@ -158,7 +158,7 @@ class PairProfile:
 
 
 def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
-    """Episodes from TRACES.md traces (versions tokenized with the engine's chat template).
+    """Episodes from traces (``docs/TRACES.md``) (versions tokenized with the engine's chat template).
 
     Args:
         engine: the engine (its tokenizer renders ``messages``/``text`` versions).
@@ -272,13 +272,13 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
         for p in pairs:
             if p.ckpt is None:
                 continue
-            full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=32).n_recompute
+            full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=DEFAULT_BLOCK_SIZE).n_recompute
             for c in configs:
                 engine.length_model = c.length_model if c.length_model is not None else saved
                 r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=1, **c.options)
                 rows.append({**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
                              "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
-                             "top1_agree": bool(int(r.logits.argmax()) == int(p.ref_logits.argmax())),
+                             "top1_agree": top1_agree(p.ref_logits, r.logits),
                              "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
                              "recompute_tokens": int(r.stats["recompute_tokens"]),
                              "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])})
@@ -301,7 +301,7 @@ def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None) -> list[
         Rows as :func:`evaluate_configs` with ``strategy`` set to the reference's name.
     """
     refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
-            ResumeConfig(options={"dirty_window": DEFAULT_DIRTY_WINDOW, "kappa": 0.0, "block_size": 32},
+            ResumeConfig(options={"dirty_window": DEFAULT_DIRTY_WINDOW, "kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE},
                          tags={"reference": "patchkv-default"})]
     rows = evaluate_configs(engine, pairs, refs, bar)
     return [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]} for r in rows]
@@ -418,7 +418,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         rule = {"quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel, "z": cfg.z}
         if len(taus) > 1:
             bar.set_postfix_str("tau_V")
-            configs = [ResumeConfig(options={"kappa": 0.0, "block_size": 32}, length_model=fits[t][1],
+            configs = [ResumeConfig(options={"kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE}, length_model=fits[t][1],
                                     tags={"tau_v": t}) for t in taus]
             rows_window = evaluate_configs(engine, kept, configs, bar)
             window = select_config(rows_window, **rule, target=target, keys=("tau_v",), prefer=(1,))
@@ -471,7 +471,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
                 "calib": _fit_summary(lm, cal, cfg.quantile), "validation": _fit_summary(lm, val, cfg.quantile)},
         "d_hat_examples": _d_hat_examples(lm),
         "window_selection": None if window is None else {
-            "tau_grid": list(taus), "at": {"kappa": 0.0, "block_size": 32},
+            "tau_grid": list(taus), "at": {"kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE},
             "chosen": {k: window[k] for k in ("tau_v", "worst_gap", "best_worst_gap", "tolerance", "target_met")},
             "minimax_without_target": select_config(rows_window, **rule, keys=("tau_v",), prefer=(1,))["tau_v"],
             "summary": window["summary"]},

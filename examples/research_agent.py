@@ -45,7 +45,7 @@ from langgraph.graph.message import add_messages
 
 from patchkv_agent.langgraph import PatchKVChatModel, PatchKVCheckpointSaver, TraceRecorder, patchkv_node
 from patchkv_agent.langgraph.keys import current_thread_key
-from patchkv_agent.eval.replay import token_f1
+from patchkv_agent.eval.metrics import token_f1
 from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 from patchkv_agent.eval.workloads import load_qa
 

@@ -4,11 +4,20 @@ The torch references of ``dequantize_scatter`` and ``quantize_gather`` make seve
 passes over each piece of a run; ``native.c`` decodes, rotates and stores each row in one pass
 (``pkv_restore``) and computes scales and codes block by block (``pkv_quantize``), bit-identical
 to the references (``tests/test_native.py`` checks this over the odd shapes). It needs a C compiler
-(``cc``, or ``$CC``) at first use; the shared library is cached under
-``native/`` of ``$PATCHKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/patchkv-agent``, the model cache), keyed by the source, flags, compiler
-and CPU, and published atomically so concurrent processes can build it at once. Without a
-compiler, or with ``PATCHKV_NATIVE=0``, :func:`available` is False and the dispatcher uses the
-torch reference; :func:`status` says why.
+(``cc``, or ``$CC``) at first use.
+
+Trust: the library is built into, and loaded only from, a *private* directory (``native-private/`` under
+``$PATCHKV_CACHE_DIR``, default ``$XDG_CACHE_HOME/patchkv-agent``): created with mode 0700, and refused
+unless it is a real directory (not a symlink) owned by this user with no access for group or others.
+Each build is published as ``patchkv_restore_<key>-<sha>.so`` (the key hashes the source, flags,
+compiler and CPU) with a record ``patchkv_restore_<key>.json`` naming the file and the SHA-256 of the
+bytes the compiler produced (both published atomically, so concurrent processes can build at once).
+:func:`load` opens the file without following links, checks it is a regular file owned by this user and
+not writable by others, hashes the open file and loads exactly that file (through ``/proc/self/fd``)
+only when the hash equals the record's. A planted or modified file, a file without a record, or a
+directory with the wrong owner or permissions is refused (:class:`UntrustedLibrary`): the dispatcher
+then uses the torch reference and :func:`status` says why. Without a compiler, or with
+``PATCHKV_NATIVE=0``, :func:`available` is False likewise.
 
 Knows tensors and payloads, nothing about models or checkpoints. CPU only: CUDA runs Triton.
 """
@@ -17,9 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -91,29 +103,86 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+class UntrustedLibrary(RuntimeError):
+    """The native library or its directory failed a trust check (owner, permissions, link, hash)."""
+
+
+def default_dir() -> Path:
+    """``native-private/`` under ``$PATCHKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/patchkv-agent``)."""
+    base = os.environ.get("PATCHKV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "patchkv-agent"
+    return Path(base) / "native-private"
+
+
+def private_dir(path: Path, *, create: bool = True) -> Path:
+    """Create ``path`` with mode 0700 (parents as needed) or check an existing one.
+
+    Returns:
+        The path.
+
+    Raises:
+        UntrustedLibrary: it is a symlink or not a directory, owned by another user, or open to group or
+            others (the message names the fix).
+    """
+    path = Path(path)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UntrustedLibrary(f"{path} is not a directory (a link or a file): native library refused; remove it")
+    if st.st_uid != os.getuid():
+        raise UntrustedLibrary(f"{path} is owned by uid {st.st_uid}, not by this user ({os.getuid()}): native "
+                               "library refused; remove it or set PATCHKV_CACHE_DIR to a directory of your own")
+    if st.st_mode & 0o077:
+        raise UntrustedLibrary(f"{path} has mode {stat.S_IMODE(st.st_mode):o} (group or others have access): "
+                               f"native library refused; chmod 700 {path} and delete the files in it")
+    return path
+
+
+def _record_path(lib: Path) -> Path:
+    return lib.with_name(lib.name.rsplit("-", 1)[0] + ".json")
+
+
+def _read_record(path: Path) -> dict | None:
+    """The build record at ``path`` (a regular file of this user), or None when absent or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 4096:
+            return None
+        rec = json.loads(os.read(fd, 4096))
+        return rec if isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("sha256"), str) else None
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, native_arch: bool = True) -> Path:
-    """Compile ``native.c`` into a shared library (or reuse the cached one) and return its path.
+    """Compile ``native.c`` into a shared library (or reuse the recorded build) and return its path.
 
     Args:
-        out_dir: cache folder (default ``native/`` under ``$PATCHKV_CACHE_DIR`` or
-            ``$XDG_CACHE_HOME/patchkv-agent``).
+        out_dir: the private build folder (default :func:`default_dir`; created 0700, or checked).
         extra_flags: more compiler flags (the tests build a variant with ``-DPKV_NO_FLOAT16``).
         native_arch: add ``-march=native`` (retried without it if the compiler refuses).
 
     Returns:
-        The path of the ``.so``.
+        The path of the ``.so`` (pass it to :func:`load`, which verifies it against its build record).
 
     Raises:
         RuntimeError: no compiler, or compilation failed (the message carries the compiler's output).
+        UntrustedLibrary: ``out_dir`` is not a private directory of this user.
     """
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler {cc!r} on PATH (install gcc, or set CC); the torch reference is used")
-    if out_dir is None:
-        base = os.environ.get("PATCHKV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "patchkv-agent"
-        out_dir = Path(base) / "native"
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = private_dir(Path(out_dir) if out_dir is not None else default_dir())
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     errors = []
@@ -121,14 +190,23 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
         flags = [*FLAGS, *arch, *extra_flags]
         key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                          platform.machine().encode(), _cpu_id().encode()])).hexdigest()[:16]
-        target = out_dir / f"patchkv_restore_{key}.so"
-        if target.exists():
-            return target
+        record = out_dir / f"patchkv_restore_{key}.json"
+        rec = _read_record(record)
+        if rec is not None and (out_dir / rec["file"]).name == rec["file"] and (out_dir / rec["file"]).exists():
+            return out_dir / rec["file"]  # load() checks the bytes against the record
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode == 0:
-            os.replace(tmp, target)  # atomic: a concurrent builder publishes the same bytes
+            os.chmod(tmp, 0o700)
+            with open(tmp, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            target = out_dir / f"patchkv_restore_{key}-{digest[:16]}.so"
+            os.replace(tmp, target)  # atomic; a concurrent builder publishes its own file
+            fd, rtmp = tempfile.mkstemp(suffix=".json", dir=out_dir)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"file": target.name, "sha256": digest, "flags": flags}, f)
+            os.replace(rtmp, record)  # the record last: it only ever names a complete file
             return target
         os.unlink(tmp)
         errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-2000:]}")
@@ -136,8 +214,39 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """Open a library built by :func:`build` and declare its two entry points."""
-    lib = ctypes.CDLL(str(path))
+    """Open a library built by :func:`build`, after checking it, and declare its two entry points.
+
+    The file must sit in a private directory (:func:`private_dir`), be a regular file (not a link) owned by
+    this user and writable by nobody else, and hash to the SHA-256 its build record holds; the open file
+    itself is what gets loaded, so it cannot be swapped between the check and the load.
+
+    Raises:
+        UntrustedLibrary: any check failed (the message names which and the fix).
+        OSError: the library cannot be loaded.
+    """
+    path = Path(path)
+    private_dir(path.parent, create=False)
+    rec = _read_record(_record_path(path))
+    if rec is None or rec["file"] != path.name:
+        raise UntrustedLibrary(f"{path} has no build record of patchkv-agent (a planted or foreign file?): "
+                               "native library refused; delete it to rebuild")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise UntrustedLibrary(f"{path} is not a regular file of this user writable only by it: native "
+                                   "library refused; delete it to rebuild")
+        h, off = hashlib.sha256(), 0
+        while chunk := os.pread(fd, 1 << 20, off):
+            h.update(chunk)
+            off += len(chunk)
+        if h.hexdigest() != rec["sha256"]:
+            raise UntrustedLibrary(f"{path} does not match the SHA-256 recorded when it was built (modified or "
+                                   "planted): native library refused; delete it to rebuild")
+        via = f"/proc/self/fd/{fd}"
+        lib = ctypes.CDLL(via if os.path.exists(via) else str(path))
+    finally:
+        os.close(fd)
     for name, job in (("pkv_restore", _Job), ("pkv_quantize", _QJob)):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.POINTER(job), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
@@ -158,6 +267,8 @@ def _library() -> ctypes.CDLL | None:
                     _lib = load(build())
                 except (RuntimeError, OSError) as exc:
                     _why = str(exc)
+                    if isinstance(exc, UntrustedLibrary):
+                        logging.getLogger(__name__).warning("native kernels: %s; using the torch reference", exc)
             _tried = True
     return _lib
 
@@ -168,7 +279,7 @@ def available() -> bool:
 
 
 def status() -> str:
-    """``"native"`` when available, else why not (no compiler, disabled, build error)."""
+    """``"native"`` when available, else why not (no compiler, disabled, build error, refused by a trust check)."""
     return "native" if available() else f"unavailable: {_why}"
 
 

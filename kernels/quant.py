@@ -1,5 +1,6 @@
-"""KV transport formats, the run payload, and the pure-torch references (the oracle of the Triton and
-native kernels, and the CPU path when no C compiler is present).
+"""KV transport formats, the run payload, the naive pure-torch references (the oracles of every other
+path: ``reference_*``) and the optimised torch restore (``torch_dequantize_scatter``, the CPU path when
+no C compiler is present).
 
 Knows nothing about models, checkpoints or precision policy: one layer's ``k, v`` of shape
 ``[num_kv_heads, N, head_dim]`` (batch squeezed, any float dtype) in, a :class:`RunPayload` out,
@@ -32,22 +33,11 @@ Groups:
 - values: **per token**, groups of ``v_group`` (default 32, a power of two) consecutive channels;
   the last group is shorter when ``head_dim`` is not a multiple (head_dim 80: 32 + 32 + 16).
 
-Key-scaling choice, measured (relative Frobenius error ``||K - K_hat|| / ||K||`` at 8 bit, block 32,
-same quantizer, per-token = one group over all head_dim channels of a token):
-
-- SmolLM2-135M-Instruct (the embedded default, real weights, fp32), post-RoPE cached keys of all
-  30 layers on a 211-token chat prompt: per-channel 0.0022 vs per-token 0.0080 (3.6x worse);
-  worst layer 0.0029 vs 0.0088.
-- synthetic keys with outlier channels (log-normal channel scales, 4 channels at 20x, channel
-  offsets, then RoPE): per-channel 0.0051 vs per-token 0.0136 (2.7x); ``test_kernels`` re-checks
-  this ordering.
-Per-channel wins because key outliers live in fixed channels: a per-token range is set by the
-outlier channel and crushes every other channel of the token.
-
-Measured round trips (Gaussian rows, head_dim 64/80/128; max ``|x - x_hat| / s`` is 0.500 in all):
-keys 8 bit 0.0039 relative; values 8 bit 0.0047; values 4 bit 0.076-0.079. Per-token 4-bit value
-residual ``e_i`` on SmolLM2's real values: median 0.084, p99 0.113, max 0.130 (single layers);
-aggregated over the 30 layers of a 999-token prompt: median 0.083, max 0.095.
+Keys are scaled per channel, not per token, because key outliers live in fixed channels: a per-token
+range is set by the outlier channel and crushes every other channel of the token. The errors measured
+when the formats were chosen (per-channel vs per-token keys, round trips, the 4-bit value residual on
+SmolLM2) are in docs/RESULTS.md (section "Transport formats"); ``test_kernels`` re-checks the
+per-channel/per-token ordering on synthetic keys with outlier channels.
 
 Bytes per (K, V) element pair, metadata included: FP16 4 (fp16/bf16 source; 8 for fp32),
 K8V8 2.25, K8V4 1.75 (head_dim 80: 2.275 / 1.775); i.e. 1.78x and 2.29x smaller than fp16.
@@ -500,11 +490,42 @@ def reference_dequantize_scatter(
     *,
     interleaved: bool = False,
 ) -> None:
+    """The oracle of every restore path: decode the whole run, rotate every key row, ``index_copy_`` all.
+
+    Written for clarity, not speed (a full fp32 copy of the run and one rotation pass);
+    :func:`torch_dequantize_scatter`, the native kernel and the Triton kernel must equal it (the first
+    two bit for bit).
+
+    Args, Raises: as :func:`torch_dequantize_scatter`.
+    """
+    check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq)
+    if payload.n_rows == 0:
+        return
+    p = payload if payload.k_data.device == dst_k.device else payload.to(dst_k.device)
+    k, v = reference_dequantize(p)
+    if inv_freq is not None and bool((delta != 0).any()):
+        k = rope_delta_reference(k, delta.to(k.device), inv_freq.to(k.device), interleaved=interleaved)
+    rows = dst_rows.to(dst_k.device)
+    dst_k.index_copy_(1, rows, k.to(dst_k.dtype))
+    dst_v.index_copy_(1, rows, v.to(dst_v.dtype))
+
+
+def torch_dequantize_scatter(
+    payload: RunPayload,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    dst_rows: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor | None,
+    *,
+    interleaved: bool = False,
+) -> None:
     """Decode a run, rotate its keys by ``delta`` and write it into ``dst[:, dst_rows, :]`` in place.
 
-    Same result as decoding with :func:`reference_dequantize`, rotating with
-    ``rope.rope_delta_reference`` and ``index_copy_``-ing into the destinations, bit for bit; done
-    in cache-sized pieces with few fused passes (see ``_plan``).
+    The optimised torch path (the CPU path when no C compiler is present): the same result as
+    :func:`reference_dequantize_scatter` (decode with :func:`reference_dequantize`, rotate with
+    ``rope.rope_delta_reference``, ``index_copy_`` into the destinations), bit for bit; done in
+    cache-sized pieces with few fused passes (see ``_plan``).
 
     Args:
         payload: the run (moved to ``dst_k``'s device if needed).

@@ -6,15 +6,24 @@ Public entry point: :class:`PatchKVEngine` (checkpoint a context version, resume
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["PatchKVEngine", "ResumeResult", "Checkpoint", "__version__"]
+__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
+           "Checkpoint", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. for `diff` or `plan`, which are numpy-only) must not pull in torch.
-    if name in ("PatchKVEngine", "ResumeResult"):
+    if name in ("PatchKVEngine", "ResumeResult", "ResumeStats"):
         from . import engine
 
         return getattr(engine, name)
+    if name == "RecoverySettings":
+        from .core.settings import RecoverySettings
+
+        return RecoverySettings
+    if name in ("Fallback", "FallbackKind"):
+        from .core import fallback
+
+        return getattr(fallback, name)
     if name == "Checkpoint":
         from .core.checkpoint import Checkpoint
 

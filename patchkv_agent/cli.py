@@ -14,6 +14,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from .core.inputs import InvalidInput, non_negative_int
+
+
+def _max_new_tokens(text: str) -> int:
+    """argparse type of ``--max-new-tokens``: the public boundary's validator (core.inputs)."""
+    try:
+        return non_negative_int(text, what="--max-new-tokens")
+    except InvalidInput as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 def _table(rows: list[dict[str, Any]]) -> str:
     """A per-strategy summary table (medians over rows) as aligned text."""
@@ -61,7 +71,7 @@ def _engine(args):
 
 
 def _count_tokens(eng):
-    from .eval.replay import plain_messages
+    from .eval.traces import plain_messages
 
     return lambda msgs: len(eng.encode(plain_messages(msgs)))
 
@@ -71,7 +81,7 @@ def _token_counter_for(model: str):
     from transformers import AutoTokenizer
 
     from .core.models import EMBEDDED_MODELS, ensure_embedded
-    from .eval.replay import plain_messages
+    from .eval.traces import plain_messages
 
     if model in EMBEDDED_MODELS or model.endswith(".gguf"):
         path = ensure_embedded(model) if model in EMBEDDED_MODELS else __import__("pathlib").Path(model).resolve()
@@ -86,36 +96,110 @@ def _token_counter_for(model: str):
     return count
 
 
-def cmd_replay(args) -> int:
-    from .eval.replay import read_jsonl, replay_episode, write_jsonl
+def _replay_traces(args) -> list[dict]:
+    """The episodes ``replay`` runs: the whole file validated (before any model loads), then ``--limit``."""
+    from .eval.traces import read_traces
 
     if (args.traces is None) == (args.from_checkpointer is None):
-        raise SystemExit("replay: pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH, not both")
+        raise SystemExit("replay: pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH (one of them)")
     if args.from_checkpointer is not None:
         from .eval.replay import traces_from_checkpointer
 
-        traces = traces_from_checkpointer(args.from_checkpointer, args.thread or None)
+        try:
+            traces = traces_from_checkpointer(args.from_checkpointer, args.thread or None)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"replay: --from-checkpointer: {e}") from None
         if not traces:
             raise SystemExit(f"replay: no thread in {args.from_checkpointer} has two or more model contexts")
         print(f"{len(traces)} threads from {args.from_checkpointer}: "
-              + ", ".join(f"{t['id']} ({len(t['versions'])} versions)" for t in traces))
-    else:
-        traces = read_jsonl(args.traces)
-    traces = traces[: args.limit or None]
+              + ", ".join(f"{t['id']} ({len(t['versions'])} versions)" for t in traces), file=sys.stderr)
+        return traces[: args.limit] if args.limit else traces
+    try:
+        traces = read_traces(args.traces)
+    except (ValueError, OSError) as e:  # names file:line and the field; no model was loaded
+        raise SystemExit(f"replay: invalid trace file: {e}") from None
+    return traces[: args.limit] if args.limit else traces
+
+
+def _reason(e: Exception) -> str:
+    """An error's message without the ``[Errno N]`` prefix of an OSError."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
+def _check_strategies(names: str) -> list[str]:
+    from .strategies import STRATEGIES
+
+    strategies = [s.strip() for s in names.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if not strategies or unknown:
+        raise SystemExit(f"--strategies: unknown {unknown or names!r}; choose from {sorted(STRATEGIES)}")
+    return strategies
+
+
+def cmd_replay(args) -> int:
+    """``patchkv-agent replay``: every check that needs no model runs before the model loads.
+
+    The trace file is validated whole (the reader of ``traces validate``), the strategies are checked and
+    ``--out`` is opened for writing; then each result row is appended and flushed as it finishes, so a
+    crash keeps what was done and ``--resume`` skips the ``(id, version, strategy)`` rows already there.
+    An episode that fails (e.g. longer than the model's context) is reported and skipped; the exit status
+    is then 1.
+    """
+    from .eval.traces import ResultsFile
+
+    traces = _replay_traces(args)
+    strategies = _check_strategies(args.strategies)
+    try:
+        results = ResultsFile(args.out, resume=args.resume)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"replay: --out: {_reason(e)}") from None
+    with results:
+        todo = []
+        for tr in traces:  # per episode, the strategies with a row still missing (exact always runs)
+            n = len(tr["versions"])
+            missing = [s for s in strategies if any((tr["id"], k, s) not in results.done for k in range(1, n))]
+            if missing:
+                todo.append((tr, missing))
+        skipped = len(traces) - len(todo)
+        if args.resume:
+            print(f"resume: {len(results.rows)} rows in {args.out}; {skipped} of {len(traces)} episodes complete",
+                  file=sys.stderr)
+        rows, errors = _run_replay(args, todo, results) if todo else ([], [])
+    all_rows = results.rows + rows
+    if all_rows:
+        print(_table(all_rows))
+    print(f"wrote {results.written} rows to {args.out}" + (f" ({len(results.rows)} kept)" if args.resume else ""))
+    for tid, err in errors:
+        print(f"replay: episode {tid} failed and was skipped: {err}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _run_replay(args, todo, results) -> tuple[list[dict], list[tuple[str, str]]]:
+    from .eval.replay import replay_episode
+
     eng = _engine(args)
-    strategies = args.strategies.split(",")
-    rows: list[dict] = []
-    for tr in tqdm(traces, desc="replay", unit="episode"):
-        rows.extend(replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model))
-    write_jsonl(rows, args.out)
-    print(_table(rows))
-    print(f"wrote {len(rows)} rows to {args.out}")
-    return 0
+    rows, errors = [], []
+    for tr, strategies in tqdm(todo, desc="replay", unit="episode"):
+        try:
+            for row in replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model):
+                if (row["id"], row["version"], row["strategy"]) in results.done:
+                    continue  # a strategy rerun for its missing versions: keep the row already written
+                try:
+                    results.write(row)
+                except OSError as e:
+                    raise SystemExit(f"replay: {_reason(e)}; rerun with --resume to continue") from None
+                rows.append(row)
+        except ValueError as e:  # this episode only: its finished rows are already written
+            errors.append((tr["id"], str(e)))
+    return rows, errors
 
 
 def cmd_demo(args) -> int:
-    from .eval.replay import replay_episode, write_jsonl
+    from .eval.replay import replay_episode
+    from .eval.traces import ResultsFile
     from .eval.workloads import build_traces
+
+    results = ResultsFile(args.out) if args.out else None  # fail on an unwritable --out before the model loads
 
     eng = _engine(args)
     traces = build_traces(args.workload, args.edit, n=1, split="eval", target_tokens=args.target_tokens,
@@ -132,8 +216,9 @@ def cmd_demo(args) -> int:
     print(_table(rows))
     for r in rows:
         print(f"  {r['strategy']:>8}: {r['output_text']!r}")
-    if args.out:
-        write_jsonl(rows, args.out)
+    if results is not None:
+        with results:
+            results.write_many(rows)
     return 0
 
 
@@ -173,6 +258,17 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _non_negative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: all), got {n}")
+    return n
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
     p.add_argument("--block-size", type=int, default=None, help="default: the model's calibration profile, else 32")
@@ -182,7 +278,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="calibration profile: 'auto' (calibration/profiles/ by model fingerprint), 'none' (the "
                         "built-in defaults), or a profile JSON path")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=_max_new_tokens, default=16,
+                   help="greedy tokens per resume (a non-negative int; clipped to the model's positions)")
     p.add_argument("--strategies", default="exact,prefix,direct,patchkv")
 
 
@@ -199,16 +296,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the result rows (JSON Lines)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("replay", help="replay traces (TRACES.md) or a LangGraph SQLite checkpointer's threads; "
+    p = sub.add_parser("replay", help="replay traces (docs/TRACES.md) or a LangGraph SQLite checkpointer's threads; "
                                       "write results.jsonl")
-    p.add_argument("traces", nargs="?", default=None, help="traces (JSON Lines)")
+    p.add_argument("traces", nargs="?", default=None, help="a trace file (JSON Lines); validated whole before the model loads")
     p.add_argument("--from-checkpointer", default=None, metavar="sqlite:PATH",
                    help="read the message history at each checkpoint of the threads a LangGraph SqliteSaver stored")
     p.add_argument("--thread", action="append", default=[], metavar="ID",
                    help="with --from-checkpointer: only this thread (repeatable; default: all)")
     _common(p)
-    p.add_argument("--limit", type=int, default=0)
-    p.add_argument("--out", default="results.jsonl")
+    p.add_argument("--limit", type=_non_negative, default=0, help="replay only the first N episodes (0: all)")
+    p.add_argument("--out", default="results.jsonl", help="result rows, appended and flushed as they finish")
+    p.add_argument("--resume", action="store_true",
+                   help="keep --out and skip the (episode, version, strategy) rows already in it")
     p.set_defaults(func=cmd_replay)
 
     from .eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS

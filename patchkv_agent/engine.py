@@ -2,24 +2,34 @@
 
 ``checkpoint(ids)`` runs the checkpoint-creation pass (prefill + attention statistics) and offloads
 the KV to CPU; ``resume(ckpt, new_ids, strategy=...)`` diffs the versions, plans, restores,
-recomputes, and decodes greedily. Validates input before any compute; an unsupported case (RoPE
-kind, ...) takes the exact path and says so in ``stats["fallback"]``.
+recomputes, and decodes greedily. Validates input before any compute (one validator,
+:mod:`patchkv_agent.core.inputs`); an unsupported case (RoPE kind, a corrupt run, weights changed in
+place since the checkpoint) takes the exact path and says so in ``stats["fallback"]`` (a
+:class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
+:class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; stats are
+:class:`ResumeStats`. The engine owns the model's forward lock and its attention capture: any number
+of registries and direct callers may share one engine.
 
-Knows models, diff, plan, strategies and recovery; knows nothing about LangGraph.
+Knows models, diff, plan, strategies and recovery; knows nothing about the runtime or LangGraph.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
 from .core.diff import Edit, diff_versions
-from .core.models import DEFAULT_MODEL, ModelSpec, load_model, model_spec
-from .core.plan import LengthModel, plan_full
+from .core.fallback import Fallback, FallbackKind
+from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
+from .core.models import DEFAULT_MODEL, ModelSpec, fingerprint, load_model, model_spec
+from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
+from .core.precision import PrecisionPolicy
 from .core.recovery import (
     FullRecompute,
     check_attn_implementation,
@@ -27,11 +37,77 @@ from .core.recovery import (
     greedy_decode,
     to_dynamic_cache,
 )
-from .core.precision import PrecisionPolicy
-from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
+from .core.settings import RecoverySettings
 from .strategies import Strategy, get_strategy
 
-DEFAULT_DIRTY_WINDOW = 32
+__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
+           "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
+
+
+@dataclass(kw_only=True)
+class ResumeStats:
+    """The per-resume fields of the trace-result format (docs/TRACES.md), as the engine fills them.
+
+    ``ResumeResult.stats`` is the plain dict :meth:`to_dict` gives (JSON-serialisable, extended in place
+    by the runtime with thread and store fields); :meth:`from_dict` reads one back.
+
+    Attributes:
+        strategy: the strategy that ran (``exact`` after a fallback).
+        prompt_tokens: tokens in ``C_new``.
+        prefix_tokens: common-prefix tokens of the checkpoint's version and ``C_new``.
+        new_tokens: tokens of ``C_new`` in edited spans.
+        suffix_tokens: aligned suffix tokens.
+        recompute_tokens: rows recomputed.
+        recompute_ratio: ``recompute_tokens`` over the rows after the reused prefix.
+        restore_tokens: suffix rows restored from the checkpoint.
+        payload_bytes: checkpoint bytes read by the restore.
+        ttft_s: restore + recompute until the first token's logits.
+        plan_s: diff + plan.
+        restore_s, recompute_s: the two parts of the recovery.
+        offload_s, stats_s, quantize_s: the checkpoint's own costs (None without a checkpoint).
+        fallback: None, or why the exact path was taken (a :class:`Fallback`, serialised as its text).
+        extras: strategy-specific fields (``restore_kernel``, ``cacheblend_*``), appended in order.
+    """
+
+    strategy: str
+    prompt_tokens: int
+    prefix_tokens: int
+    new_tokens: int
+    suffix_tokens: int
+    recompute_tokens: int
+    recompute_ratio: float
+    restore_tokens: int
+    payload_bytes: int
+    ttft_s: float
+    plan_s: float
+    restore_s: float
+    recompute_s: float
+    offload_s: float | None
+    stats_s: float | None
+    quantize_s: float | None
+    fallback: Fallback | None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The named fields, in the order :meth:`to_dict` writes them (``extras`` excluded)."""
+        return tuple(f.name for f in fields(cls) if f.name != "extras")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stats dict of a resume: the named fields in order, then the extras not named."""
+        out = {k: getattr(self, k) for k in self.keys()}
+        out.update({k: v for k, v in self.extras.items() if k not in out})
+        return out
+
+    @classmethod
+    def from_dict(cls, stats: dict[str, Any]) -> "ResumeStats":
+        """Read a stats dict back; keys beyond the named fields go to ``extras``.
+
+        Raises:
+            KeyError: a named field is missing.
+        """
+        names = cls.keys()
+        return cls(**{k: stats[k] for k in names}, extras={k: v for k, v in stats.items() if k not in names})
 
 
 @dataclass(eq=False)
@@ -43,11 +119,15 @@ class ResumeResult:
         output_ids: greedy continuation (ends with EOS if one was produced).
         cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
             the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
-        stats: the per-resume fields of TRACES.md (``ttft_s``, ``recompute_tokens``, ...), plus
-            ``fallback`` (None, or why the exact path was taken).
+        stats: the per-resume fields of the result format (docs/TRACES.md) (``ttft_s``, ``recompute_tokens``, ...), plus
+            ``fallback`` (None, or a :class:`Fallback`: why the exact path was taken): the dict of
+            :meth:`ResumeStats.to_dict` (a plain dict; the runtime adds thread and store fields to it;
+            ``ResumeStats.from_dict(res.stats)`` reads it back typed).
         context_ids: ``C_new`` token ids.
         keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).
         edit: the diff of the checkpoint's version against ``C_new``.
+        fingerprint: the model fingerprint the K/V were computed under (None: unknown, taken as the
+            engine's current one).
     """
 
     logits: torch.Tensor
@@ -58,6 +138,7 @@ class ResumeResult:
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
     edit: Edit | None = None
+    fingerprint: str | None = None
 
 
 class PatchKVEngine:
@@ -73,12 +154,26 @@ class PatchKVEngine:
         capture_window: how many final query positions the attention statistics look from.
         mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
+        settings: a whole :class:`RecoverySettings` to start from instead of the profile's (the
+            arguments above still override its fields).
         profile: ``"auto"`` (default) loads this model's calibration profile from
             ``calibration/profiles/`` by fingerprint (or by the name it was loaded by); a dict applies
             that profile; None uses the built-in defaults. Explicit arguments above override it.
 
+    Attributes:
+        settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen; replace it
+            whole, or assign ``engine.block_size`` etc., which replace it). Built once from the
+            profile and the explicit arguments.
+        forward_lock: a re-entrant lock held around every forward pass through the model
+            (``checkpoint``, ``checkpoint_from``, ``resume``; runtime decode steps take it too): one
+            forward at a time per model, whatever number of registries and direct callers share it,
+            so the attention capture of a checkpoint pass never sees another caller's forward.
+        spec: the :class:`ModelSpec`; ``spec.fingerprint`` follows in-place weight changes (see
+            :meth:`refresh_fingerprint`).
+
     Raises:
-        ValueError: the model's attention implementation cannot take per-token masks.
+        ValueError: the model's attention implementation cannot take per-token masks, or a setting is
+            outside its range.
     """
 
     def __init__(
@@ -90,57 +185,110 @@ class PatchKVEngine:
         dirty_window: int | None = None,
         kappa: float | None = None,
         length_model: LengthModel | None = None,
-        capture_window: int = 32,
-        mixed_precision: bool = True,
+        capture_window: int | None = None,
+        mixed_precision: bool | None = None,
         precision_policy: PrecisionPolicy | None = None,
+        settings: RecoverySettings | None = None,
         profile: dict | str | None = "auto",
     ):
         check_attn_implementation(model)
-        if block_size is not None and block_size < 1:
-            raise ValueError("block_size must be >= 1")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.spec: ModelSpec = model_spec(model, tokenizer)
-        self.block_size, self.kappa = 32, 0.0
-        self.length_model = LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
-        self.precision_policy = PrecisionPolicy()
         self.profile_path: str | None = None
-        self._apply_profile(profile)
-        # explicit arguments win over the profile
-        if block_size is not None:
-            self.block_size = block_size
-        if kappa is not None:
-            self.kappa = kappa
-        if dirty_window is not None:
-            self.length_model = LengthModel.fixed(dirty_window)
-        if length_model is not None:
-            self.length_model = length_model
-        if precision_policy is not None:
-            self.precision_policy = precision_policy
-        self.capture_window = capture_window
-        self.mixed_precision = mixed_precision
+        base = settings if settings is not None else self._profile_settings(profile, RecoverySettings())
+        if not isinstance(base, RecoverySettings):
+            raise ValueError(f"settings must be a RecoverySettings, got {type(base).__name__}")
+        explicit = {"block_size": block_size, "kappa": kappa, "precision_policy": precision_policy,
+                    "capture_window": capture_window, "mixed_precision": mixed_precision,
+                    "length_model": length_model if length_model is not None else (
+                        None if dirty_window is None else LengthModel.fixed(dirty_window))}
+        # explicit arguments win over the profile (and over `settings`)
+        self.settings: RecoverySettings = base.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.device = next(model.parameters()).device
+        self.forward_lock = threading.RLock()
+        self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
+        self._params: list | None = None
+        self._registrations_seen = -1
+        self._weights_seen = self._weights_state()
+        self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
 
-    def _apply_profile(self, profile) -> None:
+    def _profile_settings(self, profile, base: RecoverySettings) -> RecoverySettings:
         if profile is None:
-            return
-        from .profiles import apply_profile, load_profile
+            return base
+        from .profiles import load_profile, profile_settings
 
         if profile == "auto":
             profile = load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None))
             if profile is None:
-                return
+                return base
         elif not isinstance(profile, dict):
             raise ValueError("profile must be 'auto', a profile dict (patchkv_agent.profiles.load_profile) or None")
-        apply_profile(self, profile)
-        pol = profile.get("precision_policy")
-        if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
-            self.precision_policy = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
-                                                       if k in pol})
+        self.profile_path = (profile.get("_source") or {}).get("path")
+        return profile_settings(profile, base)
+
+    # ------------------------------------------------- settings, as attributes (read and replace)
+
+    def _set(self, **change) -> None:
+        self.settings = self.settings.replace(**change)
+
+    @property
+    def block_size(self) -> int:
+        """``settings.block_size``; assigning replaces the settings (validated)."""
+        return self.settings.block_size
+
+    @block_size.setter
+    def block_size(self, value: int) -> None:
+        self._set(block_size=value)
+
+    @property
+    def kappa(self) -> float:
+        """``settings.kappa``; assigning replaces the settings (validated)."""
+        return self.settings.kappa
+
+    @kappa.setter
+    def kappa(self, value: float) -> None:
+        self._set(kappa=value)
+
+    @property
+    def length_model(self) -> LengthModel:
+        """``settings.length_model``; assigning replaces the settings (validated)."""
+        return self.settings.length_model
+
+    @length_model.setter
+    def length_model(self, value: LengthModel) -> None:
+        self._set(length_model=value)
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """``settings.precision_policy``; assigning replaces the settings (validated)."""
+        return self.settings.precision_policy
+
+    @precision_policy.setter
+    def precision_policy(self, value: PrecisionPolicy) -> None:
+        self._set(precision_policy=value)
+
+    @property
+    def capture_window(self) -> int:
+        """``settings.capture_window``; assigning replaces the settings (validated)."""
+        return self.settings.capture_window
+
+    @capture_window.setter
+    def capture_window(self, value: int) -> None:
+        self._set(capture_window=value)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """``settings.mixed_precision``; assigning replaces the settings (validated)."""
+        return self.settings.mixed_precision
+
+    @mixed_precision.setter
+    def mixed_precision(self, value: bool) -> None:
+        self._set(mixed_precision=value)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
@@ -164,96 +312,177 @@ class PatchKVEngine:
     def encode(self, context: str | Sequence[dict] | Sequence[int]) -> list[int]:
         """Token ids of a context: chat messages (chat template, generation prompt added), raw text, or ids.
 
+        Args:
+            context: a string, a list of ``{"role", "content"}`` message dicts, or token ids (validated
+                like :meth:`validate_ids`).
+
+        Returns:
+            The token ids.
+
         Raises:
+            InvalidInput: (a ``ValueError`` and ``TypeError``) a single message dict, a list mixing
+                messages and other things, or bad ids.
             ValueError: text or messages without a tokenizer.
         """
-        if isinstance(context, str) or (len(context) and isinstance(context[0], dict)):
+        if isinstance(context, dict):
+            raise InvalidInput("encode takes chat messages as a list of {'role', 'content'} dicts, text, or token "
+                               "ids; got one dict: wrap the message in a list")
+        is_messages = isinstance(context, (list, tuple)) and len(context) and isinstance(context[0], dict)
+        if isinstance(context, str) or is_messages:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, or build it with a tokenizer")
             if isinstance(context, str):
                 return list(self.tokenizer(context, add_special_tokens=False)["input_ids"])
+            bad = [i for i, m in enumerate(context) if not isinstance(m, dict)]
+            if bad:
+                raise InvalidInput(f"encode got a message list whose element {bad[0]} is "
+                                   f"{type(context[bad[0]]).__name__}, not a {{'role', 'content'}} dict")
             text = self.tokenizer.apply_chat_template(list(context), tokenize=False, add_generation_prompt=True)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in context]
+        return self.validate_ids(context, "context").tolist()
 
-    def _validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
-        if isinstance(token_ids, torch.Tensor):
-            if token_ids.dim() != 1:
-                raise ValueError(f"{what} must be a 1-D tensor or a list of ints, got shape {tuple(token_ids.shape)}")
-            ids = token_ids.detach().cpu().numpy().astype(np.int64)
-        else:
-            ids = np.asarray(list(token_ids), dtype=np.int64)
-            if ids.ndim != 1:
-                raise ValueError(f"{what} must be a flat list of ints")
-        if ids.size == 0:
-            raise ValueError(f"{what} is empty: a context needs at least one token")
-        bad = ids[(ids < 0) | (ids >= self.spec.vocab_size)]
-        if bad.size:
-            raise ValueError(f"{what} holds ids outside the vocabulary [0, {self.spec.vocab_size}): "
-                             f"{bad[:5].tolist()}; tokenize with this model's tokenizer")
-        if ids.size > self.spec.max_positions:
-            raise ValueError(f"{what} has {ids.size} tokens, more than the model's maximum of "
-                             f"{self.spec.max_positions} positions; trim or compact the context")
-        return ids
+    def validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
+        """The public boundary's check of token ids (see :func:`patchkv_agent.core.inputs.as_token_ids`).
 
-    def _validate_checkpoint(self, ckpt: Checkpoint) -> None:
+        Args:
+            token_ids: a list of ints, a 1-D integer array or tensor.
+            what: the argument's name in messages.
+
+        Returns:
+            A fresh int64 ``[n]`` array.
+
+        Raises:
+            InvalidInput: floats, bools, strings, NaN, values beyond int64, nested or ragged lists, not
+                1-D, empty, outside ``[0, vocab_size)``, or longer than the model's maximum positions.
+        """
+        return as_token_ids(token_ids, vocab_size=self.spec.vocab_size, max_positions=self.spec.max_positions,
+                            what=what)
+
+    _validate_ids = validate_ids
+
+    def validate_max_new_tokens(self, max_new_tokens, context_len: int) -> int:
+        """``max_new_tokens`` checked and clipped to the positions the model has left after the context.
+
+        Raises:
+            InvalidInput: not a non-negative int (``-1``, ``2.5``, ``"3"``, ``None``), or ``> 0`` when the
+                context already fills the model's positions.
+        """
+        return check_max_new_tokens(max_new_tokens, context_len=context_len, max_positions=self.spec.max_positions)
+
+    # ------------------------------------------------------- weights identity
+
+    def _weights_state(self) -> tuple:
+        # In-place writes (load_state_dict, optimizer steps, adapter merges) bump a tensor's version
+        # counter; `p.data = ...` changes its storage. Parameters registered anew (setattr of a
+        # Parameter, load_state_dict(assign=True)) bump the process-wide registration count, and only
+        # then is the module tree walked again (the walk costs ~1.5 ms on a 30-layer model; the
+        # version check ~0.2 ms).
+        if self._params is None or _PARAM_REGISTRATIONS[0] != self._registrations_seen:
+            self._registrations_seen = _PARAM_REGISTRATIONS[0]
+            self._params = list(self.model.parameters())
+        return tuple((id(p), p._version, p.data_ptr()) for p in self._params)
+
+    def refresh_fingerprint(self) -> str:
+        """The model's current weights+tokenizer fingerprint.
+
+        Cheap when nothing changed (the parameters' version counters and storages are compared with the
+        last look); after an in-place change the fingerprint is recomputed (one pass over the weights)
+        and ``spec.fingerprint`` updated. Checkpoints carrying an earlier fingerprint of this engine's
+        model then resume exactly, with a ``WEIGHTS_CHANGED`` fallback.
+
+        Returns:
+            ``spec.fingerprint`` after the check.
+        """
+        with self.forward_lock:
+            state = self._weights_state()
+            if state != self._weights_seen:
+                fp = fingerprint(self.model, self.tokenizer)
+                if fp != self.spec.fingerprint:
+                    self._past_fingerprints.add(self.spec.fingerprint)
+                    self.spec = replace(self.spec, fingerprint=fp)
+                self._weights_seen = state
+            return self.spec.fingerprint
+
+    def weights_changed_since(self, fingerprint_: str) -> bool:
+        """True when ``fingerprint_`` was this engine's model's fingerprint before its weights changed."""
+        return fingerprint_ != self.refresh_fingerprint() and fingerprint_ in self._past_fingerprints
+
+    def _validate_checkpoint(self, ckpt: Checkpoint) -> Fallback | None:
+        """None for a checkpoint of the current weights; a ``WEIGHTS_CHANGED`` fallback for one of this
+        model before an in-place change; raises for anything else."""
         if not isinstance(ckpt, Checkpoint):
             raise TypeError(f"expected a Checkpoint from PatchKVEngine.checkpoint, got {type(ckpt).__name__}")
-        if ckpt.fingerprint != self.spec.fingerprint:
-            raise ValueError(
-                f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
-                f"engine's ({self.spec.fingerprint[:24]}...); re-create it with this engine's checkpoint()")
+        current = self.refresh_fingerprint()
+        if ckpt.fingerprint == current:
+            return None
+        if ckpt.fingerprint in self._past_fingerprints:
+            return Fallback(FallbackKind.WEIGHTS_CHANGED,
+                            f"the model's weights changed since this checkpoint was written "
+                            f"({ckpt.fingerprint[:24]}... -> {current[:24]}...); its KV is stale")
+        raise ValueError(
+            f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
+            f"engine's ({current[:24]}...); re-create it with this engine's checkpoint()")
 
     # ----------------------------------------------------------- checkpoint
 
     def _capture(self):
+        """The engine's attention capture, reset (call under ``forward_lock``); None without capture support."""
         try:
             from .core.capture import AttentionCapture
         except ImportError:  # statistics are optional for exact strategies
             return None
-        return AttentionCapture(self.model, window=self.capture_window)
+        window = self.settings.capture_window
+        if self._attn_capture is None or self._attn_capture.window != window:
+            self._attn_capture = AttentionCapture(self.model, window=window)
+        self._attn_capture.reset()
+        return self._attn_capture
 
     def checkpoint(self, token_ids) -> Checkpoint:
         """Checkpoint-creation pass: prefill with attention statistics, offload every layer's KV to CPU.
 
+        Holds :attr:`forward_lock` for the pass.
+
         Args:
-            token_ids: list of ints or 1-D tensor.
+            token_ids: list of ints or 1-D integer tensor.
 
         Returns:
-            A :class:`Checkpoint` carrying this model's fingerprint.
+            A :class:`Checkpoint` carrying this model's (current) fingerprint.
 
         Raises:
-            ValueError: empty ids, ids outside the vocabulary, or longer than the model's maximum.
+            InvalidInput: (a ``ValueError``) bad ids: see :meth:`validate_ids`.
         """
-        ids = self._validate_ids(token_ids)
-        t0 = time.perf_counter()
-        cap = self._capture()
-        ids_t = torch.from_numpy(ids)
-        if cap is None:
-            out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
-            scores = None
-        else:
-            with cap:
+        ids = self.validate_ids(token_ids)
+        with self.forward_lock:
+            fp = self.refresh_fingerprint()
+            t0 = time.perf_counter()
+            cap = self._capture()
+            ids_t = torch.from_numpy(ids)
+            if cap is None:
                 out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
-            scores = cap.scores()
-        ckpt = self._offload(ids, out.keys, out.values, scores)
+                scores = None
+            else:
+                with cap:
+                    out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                scores = cap.scores()
+            ckpt = self._offload(ids, out.keys, out.values, scores, fp)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats["recompute_s"],
                           stats_s=getattr(cap, "elapsed_s", None), source="prefill")
         return ckpt
 
-    def _offload(self, ids, keys, values, scores) -> Checkpoint:
+    def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
         t0 = time.perf_counter()
         mixed = None
-        if self.mixed_precision:
+        settings = self.settings
+        if settings.mixed_precision:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
-                                block_size=self.block_size, policy=self.precision_policy)
+                                block_size=settings.block_size, policy=settings.precision_policy)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         quantize_s = time.perf_counter() - t0
         return Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
             keys=[_host(k[0].detach()) for k in keys],
             values=[_host(v[0].detach()) for v in values],
-            fingerprint=self.spec.fingerprint,
+            fingerprint=fp,
             scores=scores,
             mixed=mixed,
             stats={"quantize_s": quantize_s},
@@ -264,7 +493,9 @@ class PatchKVEngine:
         """Offload a resumed state as the base version for the next edit of its thread.
 
         Attention statistics are re-taken by rerunning the last ``capture_window`` positions over the
-        resumed KV (the resumed K/V themselves are kept as they were).
+        resumed KV (the resumed K/V themselves are kept as they were). Holds :attr:`forward_lock`. The
+        checkpoint carries the fingerprint ``result`` was computed under, so a checkpoint of a result
+        from before a weight change resumes exactly.
 
         Args:
             result: a :class:`ResumeResult` of this engine.
@@ -272,19 +503,21 @@ class PatchKVEngine:
         Returns:
             A :class:`Checkpoint` of ``result.context_ids``.
         """
-        t0 = time.perf_counter()
         ids = result.context_ids
         n = len(ids)
-        scores = None
-        cap = self._capture()
-        if cap is not None:
-            w = min(self.capture_window, n)
-            plan = _TailPlan(new_len=n, tail=w)
-            with cap:  # execute writes into fresh tensors: result's K/V stay as they were
-                execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                        [v[0] for v in result.values])
-            scores = cap.scores()
-        ckpt = self._offload(ids, result.keys, result.values, scores)
+        with self.forward_lock:
+            fp = result.fingerprint or self.refresh_fingerprint()
+            t0 = time.perf_counter()
+            scores = None
+            cap = self._capture()
+            if cap is not None:
+                w = min(self.settings.capture_window, n)
+                plan = _TailPlan(new_len=n, tail=w)
+                with cap:  # execute writes into fresh tensors: result's K/V stay as they were
+                    execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
+                            [v[0] for v in result.values])
+                scores = cap.scores()
+            ckpt = self._offload(ids, result.keys, result.values, scores, fp)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=getattr(cap, "elapsed_s", None),
                           source="resume")
         return ckpt
@@ -303,58 +536,84 @@ class PatchKVEngine:
         """
         return Checkpoint(token_ids=np.asarray(result.context_ids, dtype=np.int64),
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
-                          fingerprint=self.spec.fingerprint, scores=None, mixed=None,
+                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=None, mixed=None,
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
 
     # ---------------------------------------------------------------- resume
+
+    @staticmethod
+    def strategy(strategy: str | Strategy = "patchkv", **options) -> Strategy:
+        """The :class:`Strategy` that :meth:`resume` would use for ``strategy`` and ``options``.
+
+        Lets callers above the engine (the checkpoint tiers) reject misuse before any I/O without
+        importing the strategies themselves.
+
+        Raises:
+            ValueError: an unknown strategy name or option.
+        """
+        return get_strategy(strategy, **options)
 
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
                max_new_tokens: int = 16, **options) -> ResumeResult:
         """Recover the KV of an edited context from a checkpoint and decode greedily.
 
+        Holds :attr:`forward_lock` from the checkpoint check to the last decoded token.
+
         Args:
             ckpt: the checkpoint of the previous version (may be None for ``exact``), or a resident
                 :class:`ResumeResult` of this engine (resumed from without an offload pass).
-            new_token_ids: ids of ``C_new`` (list of ints or 1-D tensor).
+            new_token_ids: ids of ``C_new`` (list of ints or 1-D integer tensor).
             strategy: ``exact``, ``prefix``, ``direct``, ``patchkv`` (or a :class:`Strategy`).
-            max_new_tokens: greedy tokens to decode (0: only the first-token logits).
+            max_new_tokens: greedy tokens to decode (0: only the first-token logits); clipped to the
+                positions the model has left after ``C_new``.
             **options: strategy options, e.g. ``dirty_window=`` or ``kappa=`` for ``patchkv``.
 
         Returns:
-            A :class:`ResumeResult`.
+            A :class:`ResumeResult`. A checkpoint written before this model's weights changed in place
+            gives the exact result with a ``WEIGHTS_CHANGED`` fallback.
 
         Raises:
-            ValueError: bad ids, a checkpoint of another model, or an unknown strategy.
+            InvalidInput: (a ``ValueError``) bad ids or ``max_new_tokens``.
+            ValueError: a checkpoint of another model, or an unknown strategy.
         """
-        new = self._validate_ids(new_token_ids, "new_token_ids")
+        new = self.validate_ids(new_token_ids, "new_token_ids")
+        max_new_tokens = self.validate_max_new_tokens(max_new_tokens, len(new))
         strat = get_strategy(strategy, **options)
         if isinstance(ckpt, ResumeResult):
             ckpt = self.as_checkpoint(ckpt)
         if ckpt is None and strat.uses_checkpoint:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
+        with self.forward_lock:
+            return self._resume(ckpt, new, strat, max_new_tokens)
+
+    def _resume(self, ckpt: Checkpoint | None, new: np.ndarray, strat: Strategy, max_new_tokens: int) -> ResumeResult:
+        fallback: Fallback | None = None
         if ckpt is not None:
-            self._validate_checkpoint(ckpt)
+            fallback = self._validate_checkpoint(ckpt)
+            if fallback is not None:  # stale weights: nothing of the checkpoint is used
+                ckpt, strat = None, get_strategy("exact")
+        fp = self.spec.fingerprint
+        settings = self.settings  # one snapshot for the whole resume
         t0 = time.perf_counter()
         old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
         edit = diff_versions(old, new)
-        plan = strat.plan(self, ckpt, edit)
-        fallback = None
+        plan = strat.plan(settings, ckpt, edit)
         restore_new = np.asarray(plan.restore_new_positions)
         if len(restore_new) and not self.spec.rope_supported:
             shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
             if shifted:
-                fallback = f"exact recompute: {self.spec.rope_unsupported_reason}"
-                plan = plan_full(edit, block_size=self.block_size)
+                fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, self.spec.rope_unsupported_reason)
+                plan = plan_full(edit, block_size=settings.block_size)
         plan_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
         out = None
-        if fallback is None:
+        if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
             try:
-                out = strat.execute(self, ckpt, edit, plan, torch.from_numpy(new))
+                out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
             except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
-                fallback = f"exact recompute: {e}"
-                plan = plan_full(edit, block_size=self.block_size)
+                fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
+                plan = plan_full(edit, block_size=settings.block_size)
         if out is None:
             out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
@@ -365,28 +624,38 @@ class PatchKVEngine:
         n_restore = len(plan.restore_new_positions)
         prefix_tokens = min(edit.prefix_len, len(new))
         denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-        stats: dict[str, Any] = {
-            "strategy": strat.name,
-            "prompt_tokens": len(new),
-            "prefix_tokens": prefix_tokens,
-            "new_tokens": int(edit.new_token_count),
-            "suffix_tokens": int(edit.suffix_len),
-            "recompute_tokens": int(out.stats["recompute_tokens"]),
-            "recompute_ratio": out.stats["recompute_tokens"] / denom,
-            "restore_tokens": int(n_restore),
-            "payload_bytes": int(out.stats.get("payload_bytes", 0)),
-            "ttft_s": ttft,
-            "plan_s": plan_s,
-            "restore_s": out.stats["restore_s"],
-            "recompute_s": out.stats["recompute_s"],
-            "offload_s": ckpt.stats.get("offload_s") if ckpt is not None else None,
-            "stats_s": ckpt.stats.get("stats_s") if ckpt is not None else None,
-            "quantize_s": ckpt.stats.get("quantize_s") if ckpt is not None else None,
-            "fallback": fallback,
-        }
-        stats.update({k: v for k, v in out.stats.items() if k not in stats})  # strategy-specific extras
-        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
-                            context_ids=new, keys=out.keys, values=out.values, edit=edit)
+        stats = ResumeStats(
+            strategy=strat.name,
+            prompt_tokens=len(new),
+            prefix_tokens=prefix_tokens,
+            new_tokens=int(edit.new_token_count),
+            suffix_tokens=int(edit.suffix_len),
+            recompute_tokens=int(out.stats["recompute_tokens"]),
+            recompute_ratio=out.stats["recompute_tokens"] / denom,
+            restore_tokens=int(n_restore),
+            payload_bytes=int(out.stats.get("payload_bytes", 0)),
+            ttft_s=ttft,
+            plan_s=plan_s,
+            restore_s=out.stats["restore_s"],
+            recompute_s=out.stats["recompute_s"],
+            offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
+            stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
+            quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
+            fallback=fallback,
+            extras=dict(out.stats),  # strategy-specific extras (named fields win)
+        )
+        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
+                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp)
+
+
+_PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)
+
+
+def _count_registration(module, name, param) -> None:
+    _PARAM_REGISTRATIONS[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 
 
 def _host(x):

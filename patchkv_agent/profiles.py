@@ -11,7 +11,8 @@ model name (the name the model was loaded by, e.g. ``"smollm2-135m"``); a name-o
 fingerprint differs is returned with a warning (e.g. the same weights under another transformers
 version change the config part of the fingerprint).
 
-Boundary: reads JSON files and sets three documented engine attributes; knows nothing about models
+Boundary: reads JSON files and turns them into :class:`~patchkv_agent.core.settings.RecoverySettings`
+(or sets three documented engine attributes); knows nothing about models
 beyond ``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about how profiles are made.
 """
 
@@ -22,12 +23,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from .core.plan import LengthModel
 
+if TYPE_CHECKING:
+    from .core.settings import RecoverySettings
+
 __all__ = ["PROFILE_SCHEMA", "profile_dirs", "iter_profiles", "load_profile", "profile_length_model",
-           "apply_profile", "is_profile", "read_profile",
+           "profile_settings", "apply_profile", "is_profile", "read_profile",
            "resolve_profile_arg"]
 
 log = logging.getLogger(__name__)
@@ -189,6 +193,39 @@ def profile_length_model(profile: dict) -> LengthModel:
     return LengthModel.from_dict(lm)
 
 
+def _planner_fields(profile: dict) -> tuple[LengthModel, float, int]:
+    lm = profile_length_model(profile)
+    kappa = float(profile["kappa"])
+    block = int(profile["block_size"])
+    if not 0.0 <= kappa <= 1.0 or block < 1:
+        raise ValueError(f"profile has kappa={kappa} (need [0, 1]) and block_size={block} (need >= 1)")
+    return lm, kappa, block
+
+
+def profile_settings(profile: dict, base: "RecoverySettings | None" = None) -> "RecoverySettings":
+    """The recovery settings a profile describes: ``base`` with its length model, ``kappa``, block size
+    and (when calibrated) precision policy.
+
+    Args:
+        profile: a profile dict (e.g. from :func:`load_profile`).
+        base: the settings the profile's fields replace (default: the built-in defaults).
+    Returns:
+        A :class:`~patchkv_agent.core.settings.RecoverySettings`.
+    Raises:
+        ValueError: the profile is malformed (bad length model, kappa outside ``[0, 1]``, block < 1).
+    """
+    from .core.precision import PrecisionPolicy
+    from .core.settings import RecoverySettings
+
+    lm, kappa, block = _planner_fields(profile)
+    change: dict[str, Any] = {"length_model": lm, "kappa": kappa, "block_size": block}
+    pol = profile.get("precision_policy")
+    if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
+        change["precision_policy"] = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
+                                                        if k in pol})
+    return (base if base is not None else RecoverySettings()).replace(**change)
+
+
 def apply_profile(engine: Any, profile: dict) -> None:
     """Set an engine's planner settings from a profile: ``length_model``, ``kappa``, ``block_size``.
 
@@ -201,10 +238,6 @@ def apply_profile(engine: Any, profile: dict) -> None:
     Raises:
         ValueError: the profile is malformed (bad length model, kappa outside ``[0, 1]``, block < 1).
     """
-    lm = profile_length_model(profile)
-    kappa = float(profile["kappa"])
-    block = int(profile["block_size"])
-    if not 0.0 <= kappa <= 1.0 or block < 1:
-        raise ValueError(f"profile has kappa={kappa} (need [0, 1]) and block_size={block} (need >= 1)")
+    lm, kappa, block = _planner_fields(profile)
     engine.length_model, engine.kappa, engine.block_size = lm, kappa, block
     engine.profile_path = (profile.get("_source") or {}).get("path")

@@ -1,4 +1,4 @@
-"""Analysis figures (calibration/analysis.py) on a tiny random llama: values against oracles."""
+"""Analysis figures (calibration/analysis/, one module per figure) on a tiny random llama: values against oracles."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_d_only_matches_plan_repair_and_a_full_budget_is_exact(engine, shifted):
     d_only = rows[0]
     assert d_only["recompute_tokens"] == base.n_recompute
     assert all(r["recompute_tokens"] > base.n_recompute for r in rows[1:])
-    plan = BlockSetStrategy(base.repair_blocks, block_size=16).plan(engine, shifted.ckpt, e)
+    plan = BlockSetStrategy(base.repair_blocks, block_size=16).plan(engine.settings, shifted.ckpt, e)
     assert np.array_equal(plan.recompute_positions, base.recompute_positions)
     assert np.array_equal(plan.restore_old_positions, base.restore_old_positions)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from patchkv_agent.eval.bench import markdown_table, plot_frontier, read_results, run_bench, summarize, write_summary
-from patchkv_agent.eval.replay import RESULT_FIELDS
+from patchkv_agent.eval.traces import RESULT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "tests" / "data" / "results_small.jsonl"

@@ -11,7 +11,7 @@ from patchkv_agent import PatchKVEngine
 from patchkv_agent.strategies.cacheblend import CacheBlendStrategy, select_top_deviation
 from patchkv_agent.core.diff import diff_versions
 from test_recovery import assert_cache_equal, edited_pair, multi_edit_pair, oracle
-from tiny_models import _config
+from tiny_models import tiny_model
 
 TOL = 1e-4
 DEEP = 4  # layers: the tiny_models default of 2 leaves no layer after the default check layer 1
@@ -19,19 +19,7 @@ DEEP = 4  # layers: the tiny_models default of 2 leaves no layer after the defau
 
 def deep_model(family: str, layers: int = DEEP, seed: int = 0):
     """``tiny_models.tiny_model`` with more layers (same config, init and weight scaling)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = _config(family)
-    cfg.num_hidden_layers = layers
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = [cfg.layer_types[i % len(cfg.layer_types)] for i in range(layers)]
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(3.0)
-    return model.eval()
+    return tiny_model(family, seed, num_hidden_layers=layers)
 
 
 _ENGINES: dict[str, PatchKVEngine] = {}
@@ -49,8 +37,8 @@ def run(eng, old, new, **options):
     ckpt = eng.checkpoint(old)
     strat = CacheBlendStrategy(**options)
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
-    plan = strat.plan(eng, ckpt, edit)
-    return ckpt, edit, plan, strat.execute(eng, ckpt, edit, plan, torch.tensor(new))
+    plan = strat.plan(eng.settings, ckpt, edit)
+    return ckpt, edit, plan, strat.execute(eng.model, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "glm", "gemma3"])

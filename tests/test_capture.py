@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from patchkv_agent.core.capture import AttentionCapture, default_layers
 
@@ -14,12 +13,11 @@ N_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation="sdpa")
-    m = LlamaForCausalLM(cfg).eval().float()
-    return m
+    from tiny_models import tiny_model
+
+    # five layers (the default layer sample differs from "all"), the plain random init
+    return tiny_model("llama", 0, vocab_size=128, intermediate_size=128, num_hidden_layers=5,
+                      max_position_embeddings=256, scale=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, RedisServer
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, resume_from_store
+from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
 from tiny_models import tiny_model
@@ -117,10 +117,11 @@ def test_flipped_payload_byte_on_disk(eng, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    meta = json.loads((store.path_of(key) / "meta.json").read_text())
+    meta, _ = encode_checkpoint(ckpt, key)
     tag = next(iter(ckpt.mixed.tag_rows))
     off, n = _blob_span(meta, f"p.1.{tag}.v_data")
-    with open(store.path_of(key) / "data.bin", "r+b") as f:
+    off += store.data_offset(key)
+    with open(store.path_of(key), "r+b") as f:
         f.seek(off + n // 2)
         b = f.read(1)
         f.seek(off + n // 2)
@@ -156,8 +157,8 @@ def test_truncated_disk_file(eng, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    p = store.path_of(key) / "data.bin"
-    os.truncate(p, p.stat().st_size // 3)
+    p = store.path_of(key)
+    os.truncate(p, p.stat().st_size - (p.stat().st_size - store.data_offset(key)) // 3)
     res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "truncated or wrong length")
 
@@ -224,6 +225,85 @@ def test_redis_down_in_the_middle_of_a_read(eng, pair, ckpt, exact, redis_server
     monkeypatch.setattr(store.client, "mget", mget)
     res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "Redis unavailable while reading")
+
+
+# ----------------------------------------------------------------------------- damaged metadata (issue 13)
+
+
+def _flip_meta_bit(store, key):
+    """One flipped high bit in the stored metadata (disk: inside the JSON; Redis: the hash's meta field)."""
+    if isinstance(store, DiskStore):
+        from patchkv_agent.runtime.kvstore import disk as D
+
+        p = store.path_of(key)
+        raw = bytearray(p.read_bytes())
+        raw[D.HEADER.size + 20] ^= 0x80
+        p.write_bytes(bytes(raw))
+    else:
+        raw = bytearray(store.client.hget(store.meta_key(key), "meta"))
+        raw[20] ^= 0x80
+        store.client.hset(store.meta_key(key), "meta", bytes(raw))
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_non_utf8_metadata_is_an_exact_resume_every_time(tier, eng, pair, ckpt, exact, tmp_path, request):
+    """Finding: one flipped bit in an entry's metadata (non-UTF-8) raised UnicodeDecodeError out of
+    resume_from_store, and every later call on that thread failed the same way."""
+    if tier == "disk":
+        store = DiskStore(tmp_path, fsync=False)
+    else:
+        from patchkv_agent.runtime.kvstore import RedisStore
+
+        store = RedisStore(request.getfixturevalue("redis_server").url)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    _flip_meta_bit(store, key)
+    first = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(first, exact, "corrupt checkpoint")
+    again = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    assert_exact(again, exact, "quarantined as corrupt")
+    assert store.stats.quarantined == 1 and store.keys() == []
+
+
+def test_registry_generate_survives_damaged_metadata(eng, pair, exact, tmp_path):
+    """The same fault through ThreadRegistry.generate: exact with the reason, then the thread goes on."""
+    from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
+
+    store = DiskStore(tmp_path, fsync=False)
+    reg = ThreadRegistry(eng, store=store)
+    k = thread_key("t")
+    reg.generate(k, pair[0], strategy="exact", max_new_tokens=0)
+    reg.offload(k)
+    (skey,) = store.keys()
+    _flip_meta_bit(store, skey)
+    res = reg.generate(k, pair[1], max_new_tokens=4)
+    assert res.stats["strategy"] == "exact" and "corrupt checkpoint" in res.stats["fallback"]
+    assert res.output_ids == exact.output_ids
+    reg.offload(k)
+    res2 = reg.generate(k, pair[0], max_new_tokens=2)  # the next version resumes from a fresh entry
+    assert res2.stats["fallback"] is None and res2.stats["strategy"] == "patchkv"
+    reg.close()
+
+
+def test_background_delete_on_a_dead_redis_logs_one_line(eng, pair, ckpt, redis_server, caplog):
+    """Finding: background delete failures on a dead Redis logged a ~40-line traceback each."""
+    import logging
+
+    from patchkv_agent.runtime.kvstore import RedisStore
+    from patchkv_agent.runtime.threads import ThreadRegistry
+
+    store = RedisStore(redis_server.url, timeout_s=0.5)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+    reg = ThreadRegistry(eng, store=store)
+    redis_server.stop()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        reg._submit_delete(key)
+        reg.close()
+    recs = [r for r in caplog.records if "could not delete" in r.getMessage()]
+    assert len(recs) == 1 and recs[0].exc_info is None and "\n" not in recs[0].getMessage()
+    assert "Redis unavailable" in recs[0].getMessage()
 
 
 def test_misuse_raises_and_names_the_fix(eng, pair, ckpt):
@@ -343,7 +423,7 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
 
     old, new = pair
     edit = diff_versions(old, new)
-    plan = get_strategy("patchkv").plan(eng, eng.checkpoint(old), edit)
+    plan = get_strategy("patchkv").plan(eng.settings, eng.checkpoint(old), edit)
     check_plan(edit, plan)
     assert plan.n_restore > 0
     dropped = dataclasses.replace(plan, restore_new_positions=plan.restore_new_positions[1:],

@@ -2,13 +2,22 @@
 
 The Redis tier runs against a real redis-server on loopback (started here) and skips with a clear
 message only when redis-server or the client is not installed.
+
+Issue 13 (hardening): every byte read back is verified (metadata included) and a broken entry is
+quarantined; sizes come from verified data only; the disk replace never loses both copies; Redis
+namespaces are unambiguous and ``clear`` deletes exactly its own keys. Each of those findings has a test
+here (tier-generic ones in the conformance part) that fails on the code before the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
+import stat
+import struct
 import threading
 import time
 import uuid
@@ -27,6 +36,7 @@ from patchkv_agent.runtime.kvstore import (
     decode_checkpoint,
     encode_checkpoint,
 )
+from patchkv_agent.runtime.kvstore.codec import meta_checksum
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +68,9 @@ class Tier:
         if self.name == "memory":  # the held checkpoint's bytes change after publication
             ckpt.values[1].view(-1).view(torch.uint8)[7] ^= 0x10
         elif self.name == "disk":
-            p = store.path_of(key) / "data.bin"
+            p, off = store.path_of(key), store.data_offset(key)
             data = bytearray(p.read_bytes())
-            data[len(data) // 2] ^= 0x01
+            data[off + (len(data) - off) // 2] ^= 0x01
             p.write_bytes(bytes(data))
         else:
             name = store.blob_keys(key)[-1]
@@ -68,9 +78,49 @@ class Tier:
             raw[0] ^= 0x01
             store.client.set(name, bytes(raw))
 
+    def rewrite_meta(self, store, key, fn=None, raw_fn=None, fix_checksum=True):
+        """Replace ``key``'s stored metadata: ``fn`` edits the dict (its checksum recomputed when
+        ``fix_checksum``: a hostile writer, not a bit flip), or ``raw_fn`` edits the stored bytes. Every
+        other layer (the disk header's length and checksum) is kept consistent, so only the metadata's own
+        checks can catch it."""
+        if self.name == "memory":
+            meta = store._entries[key][1]
+            new = fn(json.loads(json.dumps(meta)))
+            if fix_checksum:
+                new["meta_xxh3"] = meta_checksum(new)
+            meta.clear()
+            meta.update(new)
+            return
+        raw = self.meta_bytes(store, key)
+        if raw_fn is not None:
+            new_raw = raw_fn(raw)
+        else:
+            new = fn(json.loads(raw))
+            if fix_checksum:
+                new["meta_xxh3"] = meta_checksum(new)
+            new_raw = json.dumps(new).encode()
+        if self.name == "disk":
+            import xxhash
+
+            from patchkv_agent.runtime.kvstore import disk as D
+
+            p = store.path_of(key)
+            data = p.read_bytes()[store.data_offset(key):]
+            p.write_bytes(D.HEADER.pack(D.MAGIC, len(new_raw), xxhash.xxh3_64_intdigest(new_raw)) + new_raw + data)
+        else:
+            store.client.hset(store.meta_key(key), "meta", new_raw)
+
+    def meta_bytes(self, store, key) -> bytes:
+        if self.name == "disk":
+            from patchkv_agent.runtime.kvstore import disk as D
+
+            off = store.data_offset(key)
+            return store.path_of(key).read_bytes()[D.HEADER.size:off]
+        return store.client.hget(store.meta_key(key), "meta")
+
     def truncate(self, store, key):
         if self.name == "disk":
-            p = store.path_of(key) / "data.bin"
+            p = store.path_of(key)
             p.write_bytes(p.read_bytes()[:-5])
         else:
             name = store.blob_keys(key)[2]
@@ -80,16 +130,12 @@ class Tier:
         """Put ``src``'s stored entry where ``dst``'s would be (a mis-copied file, a tampered key)."""
         if self.name == "disk":
             store.path_of(src).rename(store.path_of(dst))
-        else:
+        else:  # the metadata hash lands under dst's name, indexed as dst's
             store.client.rename(store.meta_key(src), store.meta_key(dst))
-            store.client.hset(f"{store.ns}:size", dst.digest, 1)  # as if indexed under dst
-            store.client.hset(f"{store.ns}:keys", dst.digest, dst.to_json())
+            meta = json.loads(store.client.hget(store.meta_key(dst), "meta"))
+            store.client.hset(f"{store.ns}:idx", dst.digest,
+                              store._record(dst, 1, meta["store"]["gen"], len(meta["blobs"])))
             store.client.zadd(f"{store.ns}:lru", {dst.digest: 10**9})
-            gen = store.client.hget(store.meta_key(dst), "gen").decode()
-            n = int(store.client.hget(store.meta_key(dst), "nblobs"))
-            for i in range(n):
-                blob = f"{store.ns}:blob:{{}}:{gen}:{i}"
-                store.client.rename(blob.format(src.digest), blob.format(dst.digest))
 
 
 @pytest.fixture(params=["memory", "disk", "redis"])
@@ -252,6 +298,136 @@ def test_concurrent_access_from_threads(tier):
     assert s.stats.evictions > 0
 
 
+# ----------------------------------------------------------------------------- integrity (issue 13)
+
+
+def _non_utf8(raw: bytes) -> bytes:
+    b = bytearray(raw)
+    b[len(b) // 2] |= 0x80  # one flipped high bit: not UTF-8 any more
+    return bytes(b)
+
+
+def _set(path, value):
+    def fn(meta):
+        obj = meta
+        for p in path[:-1]:
+            obj = obj[p]
+        obj[path[-1]] = value
+        return meta
+    return fn
+
+
+# (name, raw edit, dict edit, recompute the metadata checksum): bit flips and hostile rewrites
+DAMAGE = {
+    "non_utf8": (_non_utf8, None, False),
+    "bad_json": (lambda raw: raw[: len(raw) // 2], None, False),
+    "not_an_object": (lambda raw: b"[1, 2, 3]", None, False),
+    "size_without_checksum": (None, _set(["blobs", 0, "nbytes"], 10**12), False),
+    "negative_size": (None, _set(["blobs", 0, "nbytes"], -(10**12)), True),
+    "wrong_types": (None, _set(["n_layers"], "2"), True),
+    "shape_of_strings": (None, _set(["blobs", 2, "shape"], ["2", "40", "16"]), True),
+    "huge_blob_table": (None, lambda m: {**m, "blobs": m["blobs"] * 1000}, True),
+    "key_of_wrong_type": (None, _set(["key", "version"], "1"), True),
+    "unknown_dtype": (None, _set(["blobs", 2, "dtype"], "object"), True),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_metadata_is_refused_quarantined_and_never_breaks_the_next_call(tier, damage):
+    """Finding: one flipped bit in a disk entry's metadata raised UnicodeDecodeError out of get (and every
+    later call); unchecked metadata fields drove sizes and reads. Now: CorruptCheckpoint, the entry is
+    quarantined and counted, the next call is a plain miss that says why, the store keeps working."""
+    raw_fn, fn, fix = DAMAGE[damage]
+    if tier.name == "memory" and raw_fn is not None:
+        pytest.skip("the memory tier holds its metadata as a dict, not as bytes")
+    s = tier.open()
+    c, other = make_ckpt(80), make_ckpt(81)
+    key, _ = _put(s, c, "victim")
+    okey, r = _put(s, other, "bystander")
+    tier.rewrite_meta(s, key, fn=fn, raw_fn=raw_fn, fix_checksum=fix)
+    with pytest.raises(CorruptCheckpoint):
+        s.get(key)
+    assert s.stats.quarantined == 1 and s.stats.corrupt == 1
+    with pytest.raises(CheckpointMissing, match="quarantined as corrupt") as e:
+        s.get(key)  # the broken entry is out of service, not left to fail the next call the same way
+    assert not s.contains(key) and s.keys() == [okey] and s.nbytes() == r.nbytes
+    assert_same_checkpoint(s.get(okey), other)
+    k2, r2 = _put(s, c, "victim", version=2)  # the thread carries on
+    assert r2.stored
+    assert_same_checkpoint(s.get(k2), c)
+    if tier.persistent:
+        assert tier.open().keys() == [okey, k2]  # nothing of it survives a reopen either
+
+
+def test_damaged_size_records_cannot_evict_valid_entries_or_disable_the_budget(tier):
+    """Finding: one damaged size field (disk ``nbytes``, Redis ``:size``) made the next put evict every valid
+    entry, and a negative one switched the budget off. Sizes now come from verified records only."""
+    if tier.name == "memory":
+        pytest.skip("the memory tier's sizes never leave the process (nothing stored to damage)")
+    cks = [make_ckpt(90 + i) for i in range(10)]
+    n = _probe_bytes(cks[0])
+    s = tier.open(budget_bytes=6 * n + n // 2)  # room for everything below but the last puts
+    keys = [_put(s, c, f"t{i}")[0] for i, c in enumerate(cks[:3])]
+    for bad, victim in ((10**15, keys[0]), (-(10**15), keys[1])):
+        _damage_size(tier, s, victim, bad)
+        s2 = tier.open(budget_bytes=s.budget_bytes)  # a fresh process reads the damaged record
+        k, r = _put(s2, cks[3 + (bad < 0)], f"new{bad < 0}")
+        assert r.stored and set(r.evicted) <= {victim}, r.evicted  # no valid entry pays for the damage
+        for other in keys[2:]:
+            assert_same_checkpoint(s2.get(other), cks[keys.index(other)])
+    for i, c in enumerate(cks[5:]):  # the budget still holds
+        _put(s2, c, f"more{i}")
+        assert s2.nbytes() <= s2.budget_bytes and len(s2.keys()) <= 6
+    assert s2.stats.evictions > 0
+
+
+def _damage_size(tier, store, key, value):
+    """Set every size field the tier keeps for ``key`` to ``value`` (as a flipped bit would: no checksum fixed)."""
+    if tier.name == "disk":
+        tier.rewrite_meta(store, key, fn=_set(["blobs", 0, "nbytes"], value), fix_checksum=False)
+        return
+    c = store.client
+    for h in (f"{store.ns}:size", f"{store.ns}:idx"):  # the old size hash and the index record
+        rec = c.hget(h, key.digest)
+        if rec is None or h.endswith(":size"):
+            c.hset(h, key.digest, value)
+        else:
+            check, body = rec.split(b" ", 1)
+            body = json.loads(body)
+            body["nbytes"] = value
+            c.hset(h, key.digest, check + b" " + json.dumps(body, sort_keys=True).encode())
+
+
+def test_a_fifo_in_place_of_an_entry_never_blocks(tier, tmp_path):
+    """Finding: a FIFO in place of a metadata file hung DiskStore() while it scanned."""
+    if tier.name != "disk":
+        pytest.skip("only the disk tier reads files")
+    s = tier.open()
+    c = make_ckpt(100)
+    key, _ = _put(s, c, "fifo")
+    for p in (s.path_of(key), s.dir / "0123456789abcdef0123456789abcdef" / "meta.json"):
+        p.parent.mkdir(exist_ok=True)
+        if p.exists():
+            p.unlink()
+        os.mkfifo(p)
+    box = {}
+    t = threading.Thread(target=lambda: box.update(s2=tier.open()), daemon=True)
+    t.start()
+    t.join(20)
+    hung = t.is_alive()
+    if hung:  # unblock the old code's reader so the test process can go on
+        for p in (s.path_of(key), s.dir / "0123456789abcdef0123456789abcdef" / "meta.json"):
+            with contextlib.suppress(OSError):
+                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert not hung, "DiskStore() blocked on a FIFO"
+    s2 = box["s2"]
+    assert s2.keys() == []
+    with pytest.raises(CorruptCheckpoint, match="not a regular file"):
+        s.get(key)  # the instance that indexed it reads it: refused without blocking, then quarantined
+    assert not os.path.lexists(s.path_of(key)) and s.stats.quarantined == 1
+
+
 # ----------------------------------------------------------------------------- codec
 
 
@@ -310,19 +486,18 @@ def _probe_bytes(ckpt):
 def test_disk_publish_is_atomic_and_cleans_interrupted_writes(tmp_path):
     s = DiskStore(tmp_path, deployment="dep", fsync=False)
     key, _ = _put(s, make_ckpt(60))
-    stale = s.dir / f".tmp-{key.digest}-dead"
-    stale.mkdir()
-    (stale / "data.bin").write_bytes(b"half")  # a crashed put: never visible
+    stale = s.dir / f".tmp-{key.digest}-dead.kv"
+    stale.write_bytes(b"half")  # a crashed put: never visible
     os.utime(stale, (0, 0))
     s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
     assert s2.keys() == [key] and not stale.exists()
-    assert sorted(p.name for p in s.path_of(key).iterdir()) == ["data.bin", "meta.json"]
+    assert sorted(p.name for p in s.dir.iterdir() if not p.name.startswith(".")) == [s.path_of(key).name]
 
 
 def test_disk_appended_bytes_are_a_wrong_length(tmp_path):
     s = DiskStore(tmp_path, deployment="dep", fsync=False)
     key, _ = _put(s, make_ckpt(61))
-    with open(s.path_of(key) / "data.bin", "ab") as f:
+    with open(s.path_of(key), "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(CorruptCheckpoint, match="wrong length"):
         s.get(key)
@@ -376,3 +551,193 @@ def test_redis_without_client_names_the_install(monkeypatch):
 
     with pytest.raises(ImportError, match=r"pip install 'patchkv-agent\[redis\]'"):
         RedisStore()
+
+
+# ----------------------------------------------------------------------------- disk: crashes (issue 13)
+
+
+def _crash_in_child(store, key, ckpt, when: str) -> None:
+    """Run ``store.put(key, ckpt)`` in a forked child that dies (SIGKILL, no cleanup) ``when`` = ``before``
+    or ``after`` the atomic swap of a replace."""
+    from patchkv_agent.runtime.kvstore import disk as D
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            real = D.DiskStore._swap
+
+            def swap(tmp, final):
+                if when == "after":
+                    real(tmp, final)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            D.DiskStore._swap = staticmethod(swap)
+            store.put(key, ckpt)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_disk_crash_between_replace_steps_never_loses_both_copies(tmp_path, when):
+    """Finding: a crash between the two renames of a disk replace left the entry reported as never stored,
+    and both valid copies were garbage-collected later. Now the new copy is written and fsynced before one
+    atomic swap; recovery on open rolls back what a crash left before the swap."""
+    s = DiskStore(tmp_path, deployment="dep")
+    old = make_ckpt(110)
+    key, _ = _put(s, old)
+    new = dataclasses.replace(old, stats={"source": "replacement"})  # same key, new content
+    _crash_in_child(s, key, new, when)
+    leftovers = [p.name for p in s.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert len(leftovers) == (1 if when == "before" else 0)
+    s2 = DiskStore(tmp_path, deployment="dep")  # the restarted process
+    assert s2.recovered["tmp_removed"] == len(leftovers)
+    assert not [p for p in s2.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert s2.keys() == [key]
+    got = s2.get(key)
+    assert got.stats["source"] == ("test" if when == "before" else "replacement")
+    assert_same_checkpoint(dataclasses.replace(got, stats=old.stats), old)
+
+
+def test_disk_half_done_replace_of_the_previous_layout_is_restored(tmp_path):
+    """The previous layout's replace renamed the old entry aside, then the new one into place; a crash in
+    between left only ``.tmp-<digest>-<uuid>-old``. Opening the store now restores that copy."""
+    s = DiskStore(tmp_path, deployment="dep", fsync=False)
+    c = make_ckpt(111)
+    key = s.key_for(c, thread_id="legacy", version=4)
+    meta, blobs = encode_checkpoint(c, key)
+    aside = s.dir / f".tmp-{key.digest}-{uuid.uuid4().hex}-old"
+    aside.mkdir()
+    (aside / "meta.json").write_text(json.dumps(meta))
+    with open(aside / "data.bin", "wb") as f:
+        for spec in meta["blobs"]:
+            f.write(memoryview(blobs[spec["name"]]))
+    plain = s.dir / s.key_for(make_ckpt(112), thread_id="legacy2", version=1).digest  # an untouched old entry
+    k2 = s.key_for(make_ckpt(112), thread_id="legacy2", version=1)
+    m2, b2 = encode_checkpoint(make_ckpt(112), k2)
+    plain.mkdir()
+    (plain / "meta.json").write_text(json.dumps(m2))
+    (plain / "data.bin").write_bytes(b"".join(bytes(memoryview(b2[x["name"]])) for x in m2["blobs"]))
+    s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
+    assert s2.recovered["legacy_restored"] == 1 and s2.recovered["legacy_migrated"] == 1
+    assert sorted(s2.keys(), key=lambda k: k.thread_id) == [key, k2]
+    assert_same_checkpoint(s2.get(key), c)
+    assert_same_checkpoint(s2.get(k2), make_ckpt(112))
+    assert not aside.exists() and not plain.exists()
+
+
+def test_disk_bit_flip_in_metadata_is_quarantined_on_open(tmp_path):
+    """A flipped bit in an entry's metadata, found by the next process's scan: quarantined (moved aside,
+    counted), the reason recorded for whoever asks for the key; the other entries are untouched."""
+    s = DiskStore(tmp_path, deployment="dep", fsync=False)
+    bad, _ = _put(s, make_ckpt(113), "bad")
+    good, _ = _put(s, make_ckpt(114), "good")
+    from patchkv_agent.runtime.kvstore import disk as D
+
+    p = s.path_of(bad)
+    raw = bytearray(p.read_bytes())
+    raw[D.HEADER.size + 40] ^= 0x80
+    p.write_bytes(bytes(raw))
+    s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
+    assert s2.keys() == [good] and s2.stats.quarantined == 1
+    assert [q.name[:32] for q in (s2.dir / ".quarantine").iterdir()] == [bad.digest]
+    with pytest.raises(CheckpointMissing, match="quarantined as corrupt .*header checksum"):
+        s2.get(bad)
+
+
+# ----------------------------------------------------------------------------- Redis: isolation and index (issue 13)
+
+
+def _all_keys(store):
+    return {k.decode() for k in store.client.scan_iter(count=1000)}
+
+
+def test_redis_namespaces_are_unambiguous(redis_server):
+    """Finding: the namespace was f"{prefix}:{deployment}", so prefix "p" + deployment "x:y" and prefix
+    "p:x" + deployment "y" shared keys, LRU and budget."""
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    a = RedisStore(redis_server.url, prefix="p", deployment="x:y")
+    b = RedisStore(redis_server.url, prefix="p:x", deployment="y")
+    assert a.ns != b.ns
+    ka, _ = _put(a, make_ckpt(120), "same-thread")
+    kb, _ = _put(b, make_ckpt(121), "same-thread")
+    assert a.keys() == [ka] and b.keys() == [kb] and a.nbytes() == b.nbytes() == _probe_bytes(make_ckpt(120))
+    assert not any(set(n) & set("*?[]") for n in _all_keys(a))  # no key ever holds a glob character
+    a.clear()
+    b.clear()
+
+
+def test_redis_clear_deletes_exactly_its_own_keys(redis_server):
+    """Finding: RedisStore(deployment="*").clear() deleted another deployment's entries (a glob built from
+    the deployment name). clear() now deletes the keys its namespace index lists, nothing else."""
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    prefix = f"clr{uuid.uuid4().hex[:8]}"
+    other = RedisStore(redis_server.url, prefix=prefix, deployment="prod")
+    ko, _ = _put(other, make_ckpt(122), "keep-me")
+    before = _all_keys(other)
+    star = RedisStore(redis_server.url, prefix=prefix, deployment="*")
+    ks, _ = _put(star, make_ckpt(123), "mine")
+    qmark = RedisStore(redis_server.url, prefix=prefix[:-1] + "?", deployment="prod")
+    _put(qmark, make_ckpt(124), "mine-too")
+    star.clear()
+    qmark.clear()
+    assert _all_keys(other) == before  # exactly what was there before the other two namespaces
+    assert_same_checkpoint(other.get(ko), make_ckpt(122))
+    assert star.keys() == [] and not [k for k in _all_keys(other) if k.startswith(star.ns + ":")]
+    other.clear()
+    assert not [k for k in _all_keys(other) if k.startswith(other.ns + ":")]
+
+
+def test_redis_damaged_index_records_are_rebuilt_from_verified_metadata(redis_server):
+    """Finding: a damaged ``:keys`` record made keys(), nbytes(), every budgeted put and
+    ThreadRegistry.expect() raise, orphaning the entry just written."""
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    cks = [make_ckpt(125 + i) for i in range(3)]
+    n = _probe_bytes(cks[0])
+    s = RedisStore(redis_server.url, prefix=f"idx{uuid.uuid4().hex[:8]}", deployment="d", budget_bytes=3 * n)
+    k0, _ = _put(s, cks[0], "a")
+    k1, _ = _put(s, cks[1], "b")
+    for h in ("keys", "idx"):  # the old key hash and the new index record: garbage, then wrong JSON
+        s.client.hset(f"{s.ns}:{h}", k0.digest, b"\xff\xfe not json")
+        s.client.hset(f"{s.ns}:{h}", k1.digest, b"0000000000000000 {\"key\": 5}")
+    assert s.keys() == [k0, k1] and s.nbytes() == 2 * n  # rebuilt from each entry's verified metadata
+    k2, r = _put(s, cks[2], "c")
+    assert r.stored and r.evicted == () and s.keys() == [k0, k1, k2]
+    s.client.hset(f"{s.ns}:idx", k0.digest, b"garbage")
+    s.client.hset(s.meta_key(k0), "meta", b"{broken")  # both damaged: the entry is quarantined
+    assert s.keys() == [k1, k2] and s.stats.quarantined == 1
+    with pytest.raises(CheckpointMissing, match="quarantined"):
+        s.get(k0)
+    s.client.set(f"{s.ns}:clock", b"not a number")  # the use clock too
+    assert_same_checkpoint(s.get(k1), cks[1])
+    assert s.keys() == [k2, k1]
+    s.clear()
+
+
+def test_redis_fields_outside_every_checksum_are_not_trusted(redis_server, monkeypatch):
+    """Finding: the hash fields ``nblobs``, ``gen`` and ``nbytes`` were used unchecked (a damaged nblobs of
+    3e6 cost 11 s of MGET and then an IndexError). Blob names and counts now come from checksummed
+    metadata; a hostile but checksummed blob table is refused before any blob is fetched."""
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    s = RedisStore(redis_server.url, prefix=f"fld{uuid.uuid4().hex[:8]}", deployment="d")
+    c = make_ckpt(130)
+    key, _ = _put(s, c)
+    asked = []
+    real = s.client.mget
+    monkeypatch.setattr(s.client, "mget", lambda names, *a: asked.append(len(names)) or real(names, *a))
+    s.client.hset(s.meta_key(key), mapping={"nblobs": 3_000_000, "gen": "zzz", "nbytes": -5})
+    assert_same_checkpoint(s.get(key), c)
+    assert asked == [len(encode_checkpoint(c, key)[0]["blobs"])]
+    meta = json.loads(s.client.hget(s.meta_key(key), "meta"))
+    meta["blobs"] = meta["blobs"] * 5000
+    meta["meta_xxh3"] = meta_checksum(meta)
+    s.client.hset(s.meta_key(key), "meta", json.dumps(meta))
+    with pytest.raises(CorruptCheckpoint, match="blob table"):
+        s.get(key)
+    assert asked == [len(meta["blobs"]) // 5000]  # no MGET for the hostile table
+    s.clear()

@@ -28,7 +28,7 @@ from patchkv_agent.langgraph import (
     TraceRecorder,
     patchkv_node,
 )
-from patchkv_agent.eval.replay import version_ids
+from patchkv_agent.eval.traces import version_ids
 from patchkv_agent.runtime.threads import ThreadRegistry
 from patchkv_agent.eval.workloads import validate_trace
 from test_langgraph_common import CHATML_TOOLS, one_torch_thread, tiny_engine  # noqa: F401 - fixture

@@ -43,18 +43,9 @@ def tiny_chat_tokenizer(template: str = CHATML):
 @functools.lru_cache(maxsize=None)
 def tiny_llama(seed: int = 0):
     """The tiny llama of ``tiny_models`` with 4096 positions (char-level contexts run ~1k tokens)."""
-    import transformers as tf
-    from tiny_models import _config
+    from tiny_models import tiny_model
 
-    cfg = _config("llama")
-    cfg.max_position_embeddings = 4096
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(3.0)
-    return model.eval()
+    return tiny_model("llama", seed, max_position_embeddings=4096)
 
 
 def tiny_engine(template: str = CHATML, **kwargs):

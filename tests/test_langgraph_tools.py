@@ -17,7 +17,7 @@ from patchkv_agent.langgraph.tools import (
     tool_schemas,
     with_tool_protocol,
 )
-from patchkv_agent.eval.replay import plain_messages
+from patchkv_agent.eval.traces import plain_messages
 
 NAMES = ["search", "lookup"]
 

@@ -1,4 +1,4 @@
-"""Exactness anchors of the recovery engine on tiny fp32 models (DESIGN.md section 4)."""
+"""Exactness anchors of the recovery engine on tiny fp32 models (docs/DESIGN.md section 5)."""
 
 from __future__ import annotations
 

@@ -314,9 +314,9 @@ def test_disk_store_survives_a_restart_and_damage_falls_back(engine, tmp_path):
         handles = {k: reg.handle(k) for k in (A, B)}
         reg.close()
         key_b = next(k for k in before.keys() if k.thread_id == "b")
-        data = before.path_of(key_b) / "data.bin"
+        data, off = before.path_of(key_b), before.data_offset(key_b)
         raw = bytearray(data.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF  # a flipped byte in B's entry
+        raw[off + (len(raw) - off) // 2] ^= 0xFF  # a flipped byte in B's stored K/V
         data.write_bytes(bytes(raw))
     assert handles[A]["kv"] == "offloaded" and json.dumps(list(handles.values()))
     after = DiskStore(tmp_path, deployment="t", fsync=False)  # the restarted process

@@ -1,4 +1,4 @@
-"""Attention statistics in the checkpoint-creation pass (DESIGN.md section 4, offload step 2).
+"""Attention statistics in the checkpoint-creation pass (docs/DESIGN.md section 4, checkpoint creation, step 2).
 
 Boundary: this module knows a Hugging Face model only through transformers' attention dispatch
 (``AttentionInterface`` / ``AttentionMaskInterface``) and the ``layer_idx`` / ``num_key_value_groups``
@@ -13,7 +13,6 @@ device; nothing is synchronised with the host until :meth:`AttentionCapture.scor
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-__all__ = ["AttentionCapture", "capture_attention_forward", "default_layers", "bench_capture"]
+from .models import text_config
+from .settings import DEFAULT_CAPTURE_WINDOW
+
+__all__ = ["AttentionCapture", "capture_attention_forward", "default_layers"]
 
 # id(attention module) -> the capture recording it. The registered function is one module-level
 # dispatcher, so several captures (on different models) can share a registered name.
@@ -89,7 +91,8 @@ class AttentionCapture:
     extends the accumulator.
     """
 
-    def __init__(self, model: torch.nn.Module, *, window: int = 32, layers: tuple[int, ...] | list[int] | None = None,
+    def __init__(self, model: torch.nn.Module, *, window: int = DEFAULT_CAPTURE_WINDOW,
+                 layers: tuple[int, ...] | list[int] | None = None,
                  name: str = "patchkv_capture") -> None:
         """Args:
             model: a transformers ``PreTrainedModel`` whose attention goes through ``AttentionInterface``.
@@ -105,7 +108,7 @@ class AttentionCapture:
         self.model = model
         self.window = int(window)
         self.name = name
-        n_layers = int(model.config.get_text_config().num_hidden_layers)
+        n_layers = int(text_config(model).num_hidden_layers)
         self.layers = default_layers(n_layers) if layers is None else tuple(sorted({int(i) for i in layers}))
         bad = [i for i in self.layers if not 0 <= i < n_layers]
         if bad:
@@ -196,58 +199,3 @@ class AttentionCapture:
         total = row.sum()
         row = row / total if total > 0 else row
         return row.float().cpu().numpy()
-
-
-def bench_capture(model: torch.nn.Module | None = None, *, n_tokens: int = 1024, n_layers: int = 4,
-                  hidden: int = 256, repeats: int = 5, window: int = 32, seed: int = 0) -> dict[str, float]:
-    """Median prefill time with and without capture, interleaved (the capture run includes switching in/out).
-
-    Args:
-        model: the model to time (on its device); default a tiny random llama built from the sizes below.
-        n_tokens: prompt length.
-        n_layers, hidden: size of the default model (heads: hidden // 64, kv heads: half of them).
-        repeats: timed passes per variant (after one warm-up each).
-        window: capture window.
-        seed: torch seed.
-    Returns:
-        ``{"plain_ms", "capture_ms", "overhead_pct", "n_tokens", "n_layers"}``.
-    """
-    torch.manual_seed(seed)
-    if model is None:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        heads = max(2, hidden // 64)
-        cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 4,
-                          num_hidden_layers=n_layers, num_attention_heads=heads,
-                          num_key_value_heads=max(1, heads // 2), max_position_embeddings=max(4096, n_tokens),
-                          attn_implementation="sdpa")
-        model = LlamaForCausalLM(cfg).eval()
-    n_layers = int(model.config.get_text_config().num_hidden_layers)
-    device = next(model.parameters()).device
-    ids = torch.randint(0, int(model.config.get_text_config().vocab_size), (1, n_tokens), device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    cap = AttentionCapture(model, window=window)
-
-    def run_plain() -> None:
-        model(ids, use_cache=False, logits_to_keep=1)
-
-    def run_capture() -> None:  # includes switching the attention implementation in and out
-        with cap:
-            cap.reset()
-            model(ids, use_cache=False, logits_to_keep=1)
-            cap.scores()
-
-    times: dict[Any, list[float]] = {run_plain: [], run_capture: []}
-    with torch.no_grad():
-        run_plain(), run_capture()  # warm-up
-        for _ in range(repeats):  # interleaved, so that load from other processes hits both alike
-            for fn, ts in times.items():
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                ts.append(time.perf_counter() - t0)
-    plain, captured = (float(np.median(ts)) * 1e3 for ts in times.values())
-    return {"plain_ms": plain, "capture_ms": captured, "overhead_pct": 100.0 * (captured - plain) / plain,
-            "n_tokens": float(n_tokens), "n_layers": float(n_layers)}

@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from ..kernels import RunPayload, quantize_gather, value_residual_4bit
+from .plan import DEFAULT_BLOCK_SIZE
 from .precision import PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
 
 
@@ -79,13 +80,9 @@ class MixedKV:
             raise CorruptCheckpoint(f"checksum mismatch in the {tag} payload of layer {layer}")
         return p
 
-    def tag_counts(self) -> dict[str, int]:
-        """Blocks per tag name."""
-        return {t.name: int((self.tags == int(t)).sum()) for t in Tag}
-
 
 def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np.ndarray | None, *,
-                block_size: int = 32, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
+                block_size: int = DEFAULT_BLOCK_SIZE, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
     """Tag blocks by risk (attention x 4-bit value residual) and quantize every layer's rows per tag.
 
     Args:
@@ -104,7 +101,7 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
 
 
 def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: np.ndarray, *,
-                   block_size: int = 32) -> MixedKV:
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> MixedKV:
     """Quantize every layer's rows at given block tags (the second half of :func:`build_mixed`).
 
     Args:

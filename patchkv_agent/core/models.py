@@ -308,15 +308,14 @@ class ModelSpec:
     def rope_unsupported_reason(self) -> str:
         return "; ".join(f"{t}: {r.reason}" for t, r in self.rope.items() if not r.supported)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V per token across layers at fp32."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4
 
-
-def _text_config(model) -> Any:
+def text_config(model) -> Any:
+    """The text part of a model's config (``config.get_text_config()`` where there is one, else ``config``)."""
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+_text_config = text_config
 
 
 def _layer_types(cfg) -> tuple[str, ...]:

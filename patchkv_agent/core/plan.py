@@ -4,7 +4,7 @@ Boundary: numpy in, frozen dataclasses out. This module knows nothing about torc
 checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix,
 restored from the checkpoint (``F``) or recomputed (``X`` and ``R``); the recovery executes that.
 
-Vocabulary (DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
+Vocabulary (docs/DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
 aligned segment from that segment's start in new coordinates, so a block never straddles an edited
 span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix_distance < d_hat``),
 ``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored attention,
@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # the planner reads an Edit; it never builds one
     from .diff import Edit
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_DIRTY_WINDOW",
     "LengthModel",
     "SuffixBlocks",
     "RepairPlan",
@@ -41,6 +43,9 @@ __all__ = [
     "plan_direct",
     "bench_plan",
 ]
+
+DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, transfer and precision tags
+DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
 
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
 
@@ -193,7 +198,7 @@ def _suffix_segments(edit: Edit, keep_from: int) -> list[tuple[int, int, int, in
     return out
 
 
-def suffix_blocks(edit: Edit, *, block_size: int = 32, keep_from: int | None = None) -> SuffixBlocks:
+def suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE, keep_from: int | None = None) -> SuffixBlocks:
     """Cut the suffix of ``edit`` into blocks.
 
     Args:
@@ -309,11 +314,6 @@ class RepairPlan:
     def n_restore(self) -> int:
         return int(self.restore_new_positions.shape[0])
 
-    @property
-    def recompute_fraction(self) -> float:
-        """Recomputed rows as a fraction of the rows after the prefix."""
-        return self.n_recompute / max(1, self.new_len - self.prefix_len)
-
 
 def _x_positions(edit: Edit) -> np.ndarray:
     parts = [np.arange(s.new_start, s.new_end, dtype=np.int64) for s in edit.spans if s.new_end > s.new_start]
@@ -379,7 +379,7 @@ def _prep(edit: Edit, block_size: int) -> tuple[int, SuffixBlocks]:
 
 
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
-                block_size: int = 32) -> RepairPlan:
+                block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan:
     """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H)`` and the last token; restore ``F``.
 
     Args:
@@ -421,7 +421,7 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
                   n_dirty=int(dirty.sum()), n_high=int(high.sum()))
 
 
-def plan_suffix_blocks(edit: Edit, *, block_size: int = 32) -> SuffixBlocks:
+def plan_suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> SuffixBlocks:
     """The suffix blocks every plan of ``edit`` uses (the ids :func:`plan_blocks` takes).
 
     Args:
@@ -435,7 +435,8 @@ def plan_suffix_blocks(edit: Edit, *, block_size: int = 32) -> SuffixBlocks:
     return _prep(edit, block_size)[1]
 
 
-def plan_blocks(edit: Edit, repair_blocks, *, block_size: int = 32, strategy: str = "custom") -> RepairPlan:
+def plan_blocks(edit: Edit, repair_blocks, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                strategy: str = "custom") -> RepairPlan:
     """A plan that recomputes the given suffix blocks, plus (as every plan) the new tokens and the block
     holding the last context token; everything else in the suffix is restored. For experiments that
     choose blocks by other rules than :func:`plan_repair` (e.g. the selection analysis).
@@ -462,7 +463,7 @@ def plan_blocks(edit: Edit, repair_blocks, *, block_size: int = 32, strategy: st
                   d_hat=np.zeros(len(edit.spans), dtype=np.int64))
 
 
-def plan_full(edit: Edit, *, block_size: int = 32) -> RepairPlan:
+def plan_full(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan:
     """The prefix-cache baseline: reuse ``P``, recompute every row after it.
 
     Args:
@@ -479,7 +480,7 @@ def plan_full(edit: Edit, *, block_size: int = 32) -> RepairPlan:
                   d_hat=s, n_dirty=blocks.new_positions.shape[0])
 
 
-def plan_direct(edit: Edit, *, block_size: int = 32) -> RepairPlan:
+def plan_direct(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan:
     """Direct reuse: recompute ``X`` and the last context token, restore all of ``S``.
 
     Args:
@@ -526,7 +527,7 @@ def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, se
     plan = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=32)
+        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=DEFAULT_BLOCK_SIZE)
         times.append((time.perf_counter() - t0) * 1e3)
     return {"n_tokens": float(n_tokens), "n_spans": float(n_spans), "median_ms": float(np.median(times)),
             "min_ms": float(np.min(times)), "n_recompute": float(plan.n_recompute if plan else 0)}

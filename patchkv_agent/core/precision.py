@@ -6,7 +6,7 @@ pass. The tag names and their order match the kernel formats (``kernels.quant.FO
 
 Per token ``i``: ``A_i`` is the stored attention rescaled to mean 1 over the given tokens (so the
 input's own normalization does not matter and thresholds do not depend on context length), ``e_i``
-the normalized 4-bit value residual ``||v_i - Q4(v_i)|| / ||v_i||`` (~0.08 for typical values).
+the normalized 4-bit value residual ``||v_i - Q4(v_i)|| / ||v_i||`` (its range on real values: docs/RESULTS.md).
 Per block ``b`` (``block_size`` consecutive tokens, the last block may be shorter)::
 
     r_b = alpha * max_i(A_i * e_i) + (1 - alpha) * mean_i(A_i * e_i)
@@ -18,13 +18,10 @@ Per block ``b`` (``block_size`` consecutive tokens, the last block may be shorte
     row of the block to within a relative error g4 (fails on rows with heavy outlier channels).
 
 Defaults (alpha 0.7, tau_L 1.0, tau_H 8.0, g4 0.15) come from the policy grid of
-`patchkv-agent bench-transport` on an 8k-token SmolLM2-135M-Instruct checkpoint (2wikimqa
-passages, attention statistics of the checkpoint pass): 237 of 256 blocks K8V4, 18 K8V8, 1 FP16
-(the attention sink), payload 44.8% of FP16, the largest payload cut on the grid's
-tau_H >= 8 row whose first-token KL cost stays small (docs/RESULTS.md). The first choice
-(tau_L 0.25, tau_H 2.0, from a 999-token prompt) gave 48% of FP16. In words: a token with ~140x
-the mean attention makes its block FP16; one with ~17x makes it K8V8. Calibration replaces these
-per model.
+`patchkv-agent bench-transport` on an 8k-token SmolLM2-135M-Instruct checkpoint: the largest payload
+cut whose first-token KL cost stays small. The tags and payload they gave there, the first choice they
+replaced and what the thresholds mean in multiples of the mean attention are in docs/RESULTS.md
+(section "Precision defaults"). Calibration replaces these per model.
 """
 
 from __future__ import annotations

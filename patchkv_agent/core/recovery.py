@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
 from ..kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
-from .models import ModelSpec
+from .models import ModelSpec, text_config
 
 if TYPE_CHECKING:
     from .checkpoint import MixedKV
@@ -113,7 +113,7 @@ def build_masks(spec: ModelSpec, model, q_pos: torch.Tensor, n_keys: int, dtype:
     Returns a ``[1, 1, q, n_keys]`` mask (boolean for sdpa, additive for eager), or a dict keyed by
     layer type when the model has several layer types (sliding layers get their window).
     """
-    impl = _text_config(model)._attn_implementation
+    impl = text_config(model)._attn_implementation
     kv = torch.arange(n_keys, device=q_pos.device)
     base = kv[None, :] <= q_pos[:, None]
 
@@ -136,14 +136,9 @@ def build_masks(spec: ModelSpec, model, q_pos: torch.Tensor, n_keys: int, dtype:
     return out
 
 
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def check_attn_implementation(model) -> None:
     """Raise ValueError unless the model's attention takes explicit 4D masks (sdpa or eager)."""
-    impl = _text_config(model)._attn_implementation
+    impl = text_config(model)._attn_implementation
     if impl not in ("sdpa", "eager") and not str(impl).startswith("patchkv"):
         raise ValueError(
             f"attention implementation {impl!r} does not accept per-token 4D masks; load the model with "
@@ -265,6 +260,90 @@ def restore_rows_mixed(
     return read, dequantize_scatter_many(calls) if calls else "torch"
 
 
+class RecoveryBuffers:
+    """The shared start of every recovery: a validated plan and the full-length K/V of ``C_new``.
+
+    Allocates per layer ``[1, H, N_new, D]`` K/V on the model's device and dtype; :meth:`restore` fills
+    the exact prefix rows and the restored suffix rows (RoPE-corrected), leaving the recompute rows to
+    the caller's forward. Used by :func:`execute` (one forward) and by strategies with their own
+    schedule (CacheBlend's layer-wise recompute).
+
+    Args:
+        model: the HF causal LM.
+        spec: its :class:`ModelSpec`.
+        new_ids: int64 ``[N_new]`` ids of ``C_new``.
+        plan: restore/recompute positions; ``recompute_positions`` must end with ``N_new - 1``.
+
+    Attributes:
+        keys, values: per layer ``[1, H, N_new, D]`` destination tensors.
+        recompute, restore_old, restore_new: the plan's rows as writable int64 arrays.
+        prefix_len, n_new: the plan's prefix length and the context length.
+        device, dtype: the model's.
+        payload_bytes: checkpoint bytes read by :meth:`restore` so far.
+        kernel: the restore's kernel path (``"native"``, ``"torch"``, ``"triton"``; None before a restore).
+
+    Raises:
+        ValueError: the plan does not recompute the last token or does not cover ``C_new`` exactly.
+    """
+
+    def __init__(self, model, spec: ModelSpec, new_ids: torch.Tensor, plan: PlanLike):
+        self.spec = spec
+        self.n_new = n_new = int(new_ids.numel())
+        self.recompute = np.array(plan.recompute_positions, dtype=np.int64)  # writable copies for torch
+        if len(self.recompute) == 0 or self.recompute[-1] != n_new - 1:
+            raise ValueError("plan must recompute the last context token (it produces the first logits)")
+        self.prefix_len = int(plan.prefix_len)
+        self.restore_old = np.array(plan.restore_old_positions, dtype=np.int64)
+        self.restore_new = np.array(plan.restore_new_positions, dtype=np.int64)
+        if self.prefix_len + len(self.restore_new) + len(self.recompute) != n_new:
+            raise ValueError(f"plan covers {self.prefix_len}+{len(self.restore_new)}+{len(self.recompute)} rows, "
+                             f"context has {n_new}")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (1, spec.num_kv_heads, n_new, spec.head_dim)
+        self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.payload_bytes = 0
+        self.kernel: str | None = None
+
+    @property
+    def restores_anything(self) -> bool:
+        """True when the plan copies prefix rows or restores suffix rows."""
+        return bool(self.prefix_len or len(self.restore_new))
+
+    def restore(self, src_k: list[torch.Tensor] | None, src_v: list[torch.Tensor] | None,
+                mixed: "MixedKV | None" = None, layers: Sequence[int] | None = None) -> int:
+        """Copy the prefix rows and restore the suffix rows of ``layers`` (default all).
+
+        Args:
+            src_k, src_v: per layer ``[H, N_old, D]`` checkpoint K/V (needed when the plan restores rows).
+            mixed: restore the suffix rows from these mixed-precision runs instead (prefix rows always
+                come from the full-precision rows).
+            layers: restrict to these layers.
+
+        Returns:
+            Checkpoint bytes read (also added to :attr:`payload_bytes`).
+
+        Raises:
+            CorruptCheckpoint: a mixed run failed its checksum.
+        """
+        layers = range(self.spec.num_layers) if layers is None else layers
+        n_prefix, n_restore = self.prefix_len, len(self.restore_new)
+        for layer in layers if n_prefix else ():
+            self.keys[layer][0, :, :n_prefix].copy_(src_k[layer][:, :n_prefix], non_blocking=True)
+            self.values[layer][0, :, :n_prefix].copy_(src_v[layer][:, :n_prefix], non_blocking=True)
+        read = 0
+        if n_restore and mixed is not None:
+            read, self.kernel = restore_rows_mixed(self.spec, mixed, src_k[0].shape[1], self.keys, self.values,
+                                                   self.restore_old, self.restore_new, layers)
+        elif n_restore:
+            self.kernel = restore_rows(self.spec, src_k, src_v, self.keys, self.values, self.restore_old,
+                                       self.restore_new, layers)
+            read = len(layers) * n_restore * src_k[0].shape[0] * src_k[0].shape[2] * src_k[0].element_size() * 2
+        self.payload_bytes += read
+        return read
+
+
 @torch.no_grad()
 def execute(
     model,
@@ -293,60 +372,30 @@ def execute(
         ValueError: the plan does not recompute the last token or does not cover C_new exactly.
         CorruptCheckpoint: a mixed run failed its checksum.
     """
-    n_new = int(new_ids.numel())
-    rec = np.array(plan.recompute_positions, dtype=np.int64)  # writable copy for torch
-    if len(rec) == 0 or rec[-1] != n_new - 1:
-        raise ValueError("plan must recompute the last context token (it produces the first logits)")
-    n_prefix = int(plan.prefix_len)
-    n_restore = len(plan.restore_new_positions)
-    if n_prefix + n_restore + len(rec) != n_new:
-        raise ValueError(f"plan covers {n_prefix}+{n_restore}+{len(rec)} rows, context has {n_new}")
-
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    shape = (1, spec.num_kv_heads, n_new, spec.head_dim)
     t0 = time.perf_counter()
-    keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-    values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-    old_pos, new_pos = np.asarray(plan.restore_old_positions), np.asarray(plan.restore_new_positions)
-
-    def restore(layers: Sequence[int]) -> int:
-        for layer in layers if n_prefix else ():
-            keys[layer][0, :, :n_prefix].copy_(src_k[layer][:, :n_prefix], non_blocking=True)
-            values[layer][0, :, :n_prefix].copy_(src_v[layer][:, :n_prefix], non_blocking=True)
-        if n_restore and mixed is not None:
-            read, kernel[0] = restore_rows_mixed(spec, mixed, src_k[0].shape[1], keys, values, old_pos, new_pos,
-                                                 layers)
-            return read
-        if n_restore:
-            kernel[0] = restore_rows(spec, src_k, src_v, keys, values, old_pos, new_pos, layers)
-            return len(layers) * n_restore * src_k[0].shape[0] * src_k[0].shape[2] * src_k[0].element_size() * 2
-        return 0
-
-    kernel = [None]  # the restore's kernel path, for the stats
-
+    buf = RecoveryBuffers(model, spec, new_ids, plan)
+    device = buf.device
     events = None
-    if device.type == "cuda" and (n_prefix or n_restore):
+    if device.type == "cuda" and buf.restores_anything:
         # Restore layer by layer on a side stream; layer l's attention waits only for layer l's rows,
         # so the restore of deeper layers overlaps the recompute forward of shallower ones.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         events = [torch.cuda.Event() for _ in range(spec.num_layers)]
-        payload = 0
         with torch.cuda.stream(side):
             for layer in range(spec.num_layers):
-                payload += restore([layer])
+                buf.restore(src_k, src_v, mixed, [layer])
                 events[layer].record(side)
     else:
-        payload = restore(range(spec.num_layers))
+        buf.restore(src_k, src_v, mixed)
     t1 = time.perf_counter()
 
-    q_pos = torch.from_numpy(rec).to(device)
-    cache = ScatterCache(keys, values)
+    q_pos = torch.from_numpy(buf.recompute).to(device)
+    cache = ScatterCache(buf.keys, buf.values)
     cache.set_targets(q_pos)
     for layer, ev in enumerate(events or ()):
         cache.layers[layer].ready = ev
-    mask = build_masks(spec, model, q_pos, n_new, dtype)
+    mask = build_masks(spec, model, q_pos, buf.n_new, buf.dtype)
     out = model(
         input_ids=new_ids.to(device)[q_pos][None],
         position_ids=q_pos[None],
@@ -360,9 +409,9 @@ def execute(
         torch.cuda.current_stream(device).synchronize()  # the decode waits for every restored row
     t2 = time.perf_counter()
     return RecoveryOutput(
-        logits=logits, keys=keys, values=values,
-        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(rec), "payload_bytes": payload,
-               "restore_kernel": kernel[0]},
+        logits=logits, keys=buf.keys, values=buf.values,
+        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(buf.recompute),
+               "payload_bytes": buf.payload_bytes, "restore_kernel": buf.kernel},
     )
 
 
@@ -376,20 +425,39 @@ def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]
 
 
 @torch.no_grad()
+def decode_step(model, cache: Cache, token: int, pos: int) -> torch.Tensor:
+    """One decode step: feed ``token`` at position ``pos`` through ``cache`` (which it extends).
+
+    Args:
+        model: the HF causal LM.
+        cache: the cache holding every earlier position (``to_dynamic_cache`` of a resume).
+        token: the token id at ``pos``.
+        pos: its position (the cache's length).
+
+    Returns:
+        The next token's logits ``[vocab]`` (the model's dtype).
+    """
+    device = next(model.parameters()).device
+    res = model(input_ids=torch.tensor([[int(token)]], device=device),
+                position_ids=torch.tensor([[int(pos)]], device=device), cache=cache, use_cache=True)
+    return res.logits[0, -1]
+
+
+@torch.no_grad()
 def greedy_decode(model, cache: Cache, first_logits: torch.Tensor, start_pos: int, max_new_tokens: int,
                   eos_ids: set[int]) -> list[int]:
-    """Greedy continuation from first-token logits; stops after an EOS token (included)."""
+    """Greedy continuation from first-token logits; stops after an EOS token (included).
+
+    Each step is :func:`decode_step` (the one the runtime's token streams take too).
+    """
     out: list[int] = []
     if max_new_tokens <= 0:
         return out
-    device = first_logits.device
     tok = int(first_logits.argmax())
     out.append(tok)
     pos = start_pos
     while len(out) < max_new_tokens and tok not in eos_ids:
-        res = model(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[pos]], device=device),
-                    cache=cache, use_cache=True)
-        tok = int(res.logits[0, -1].argmax())
+        tok = int(decode_step(model, cache, tok, pos).argmax())
         out.append(tok)
         pos += 1
     return out

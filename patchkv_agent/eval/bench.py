@@ -1,6 +1,6 @@
 """Benchmark: replay the workloads' evaluation episodes under every strategy, then summarize.
 
-:func:`run_bench` replays traces (``shared/TRACES.md``) with :func:`patchkv_agent.eval.replay.replay_episode`
+:func:`run_bench` replays traces (``docs/TRACES.md``) with :func:`patchkv_agent.eval.replay.replay_episode`
 and appends each finished episode's result rows to ``results.jsonl`` as it goes, so an interrupted run
 keeps what it finished and ``resume=True`` runs only the (episode, strategy) pairs still missing.
 :func:`write_summary` turns result rows into ``summary.json``, ``summary.md`` and one
@@ -9,7 +9,7 @@ keeps what it finished and ``resume=True`` runs only the (episode, strategy) pai
 The summary functions (:func:`summarize`, :func:`markdown_table`, :func:`plot_frontier`) are pure: rows
 in, dict / text / figure out; they import neither torch nor the engine, so notebooks and tests reuse
 them on any results file. Knows the result format and the replay function; nothing about models,
-strategies' internals or LangGraph. Times are compared only within one run (TRACES.md).
+strategies' internals or LangGraph. Times are compared only within one run (docs/TRACES.md).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from .traces import ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
 
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
@@ -38,47 +40,6 @@ _COLUMNS = (  # (summary key, Markdown header, format)
 )
 
 
-# --------------------------------------------------------------------------- results file
-
-def read_results(path: str | Path) -> list[dict]:
-    """Read a results file, ignoring a last line cut off by an interrupted write.
-
-    Args:
-        path: a JSON Lines results file.
-
-    Returns:
-        The rows (empty if the file does not exist).
-
-    Raises:
-        ValueError: a malformed line other than an unterminated last one.
-    """
-    p = Path(path)
-    if not p.exists():
-        return []
-    text = p.read_text()
-    lines = text.split("\n")
-    if not text.endswith("\n"):
-        lines = lines[:-1]  # an unterminated tail was never completely written
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}:{i}: not a JSON result row ({e}); remove the line or rerun without --resume") from e
-    return rows
-
-
-def _truncate_partial_tail(p: Path) -> None:
-    if not p.exists():
-        return
-    data = p.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(p, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 # --------------------------------------------------------------------------- running
 
 def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir: str | Path, *,
@@ -91,7 +52,7 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
 
     Args:
         engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
-        traces: TRACES.md episodes (``messages``, ``text`` or ``token_ids`` versions).
+        traces: trace-format episodes (``messages``, ``text`` or ``token_ids`` versions).
         strategies: strategy names; ``exact`` always runs as the reference.
         out_dir: output directory (created).
         max_new_tokens: greedy tokens per resume.
@@ -108,6 +69,7 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
 
     Raises:
         ValueError: unknown strategy or a malformed results file when resuming.
+        OSError: the results file cannot be written.
     """
     from tqdm import tqdm
 
@@ -118,14 +80,9 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    if resume:
-        _truncate_partial_tail(path)
-        done = {(r.get("id"), r.get("strategy")) for r in read_results(path)}
-    else:
-        path.write_text("")
-        done = set()
+    results = ResultsFile(path, resume=resume)  # checks the file can be written before any model work
+    done = {(r.get("id"), r.get("strategy")) for r in results.rows}
     pending = [(tr, [s for s in strategies if (tr.get("id"), s) not in done]) for tr in traces]
     pending = [(tr, todo) for tr, todo in pending if todo]
     errors: list[dict] = []
@@ -135,16 +92,16 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
         except ValueError:
             pass  # reported when the episode itself runs
     bar = tqdm(pending, desc="bench", unit="episode", disable=not progress, file=sys.stderr)
-    for tr, todo in bar:
-        bar.set_postfix_str(str(tr.get("id")))
-        try:
-            rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name))
-        except ValueError as e:
-            errors.append({"id": tr.get("id"), "error": str(e)})
-            bar.write(f"skipped {tr.get('id')}: {e}")
-            continue
-        with open(path, "a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
+    with results:
+        for tr, todo in bar:
+            bar.set_postfix_str(str(tr.get("id")))
+            try:
+                rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name))
+            except ValueError as e:
+                errors.append({"id": tr.get("id"), "error": str(e)})
+                bar.write(f"skipped {tr.get('id')}: {e}")
+                continue
+            results.write_many(rows)  # one write per episode: the file holds whole episodes
     summary = write_summary(read_results(path), out)
     summary["errors"] = errors
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -191,7 +148,7 @@ def _by_strategy(rows: list[dict], strategies: list[str]) -> dict[str, dict]:
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, Any]:
-    """Per workload x strategy aggregates of result rows (TRACES.md fields).
+    """Per workload x strategy aggregates of result rows (``docs/TRACES.md`` fields).
 
     Medians for ``ttft_s``; ``speedup_vs_prefix`` = median TTFT of ``prefix`` over the strategy's
     (a ratio of medians, within the workload); means over non-null values for ``recompute_ratio``,

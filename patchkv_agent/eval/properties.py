@@ -121,9 +121,9 @@ def check_recovery(engine, old_ids, new_ids, *, tol: float = LOGIT_TOL, ckpt=Non
     _require(bool(np.all(np.diff(o2n[kept]) > 0)), "diff alignment is not monotone")
     _require(edit.identical == (old == new), "identical flag wrong")
     ckpt = ckpt if ckpt is not None else engine.checkpoint(old)
-    plan = get_strategy("patchkv").plan(engine, ckpt, edit)
+    plan = get_strategy("patchkv").plan(engine.settings, ckpt, edit)
     check_plan(edit, plan)
-    full_plan = get_strategy("patchkv", dirty_window=10**9).plan(engine, ckpt, edit)
+    full_plan = get_strategy("patchkv", dirty_window=10**9).plan(engine.settings, ckpt, edit)
     check_plan(edit, full_plan)
     _require(full_plan.n_restore == 0, "a dirty window over the whole suffix still restores rows")
 

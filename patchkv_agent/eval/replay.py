@@ -1,134 +1,45 @@
 """Trace replay: run every version of an episode under several strategies and score them against exact.
 
-Follows the replay semantics of TRACES.md: version 0 is prefilled in a checkpoint-creation pass;
-each later version is resumed from the thread's checkpoint with each strategy (every strategy from
+Follows the replay semantics of ``docs/TRACES.md``: version 0 is prefilled in a checkpoint-creation
+pass; each later version is resumed from the thread's checkpoint with each strategy (every strategy from
 its own chain of checkpoints, starting at the same version-0 checkpoint), decodes greedily, and the
 resumed state becomes that strategy's checkpoint for the next version. ``exact`` is a full prefill
-of each version and the reference for the fidelity fields.
+of each version and the reference for the fidelity fields (:mod:`.metrics`).
 
-Knows the engine's public methods and the trace/result formats; nothing about LangGraph.
+Knows the engine's public methods and the trace/result formats (:mod:`.traces`); nothing about LangGraph.
 """
 
 from __future__ import annotations
 
-import collections
-import json
-import re
-import string
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-import torch
-
 from ..engine import PatchKVEngine, ResumeResult
-from ..core.recovery import to_dynamic_cache
+from .metrics import fidelity, token_f1
+from .traces import RESULT_FIELDS, version_ids
 
-RESULT_FIELDS = (
-    "id", "workload", "edit", "version", "strategy", "model", "prompt_tokens", "prefix_tokens", "new_tokens",
-    "suffix_tokens", "recompute_tokens", "recompute_ratio", "payload_bytes", "ttft_s", "plan_s", "restore_s",
-    "recompute_s", "offload_s", "stats_s", "quantize_s", "output_ids", "output_text", "first_token_kl",
-    "top1_agree", "tf_agree", "exact_continuation", "f1",
-)
-
-
-def version_ids(engine: PatchKVEngine, version: dict) -> list[int]:
-    """Token ids of one trace version (``messages``, ``text`` or ``token_ids``).
-
-    Raises:
-        ValueError: the version has none of the three keys.
-    """
-    if "token_ids" in version:
-        return [int(t) for t in version["token_ids"]]
-    if "messages" in version:
-        return engine.encode(plain_messages(version["messages"]))
-    if "text" in version:
-        return engine.encode(version["text"])
-    raise ValueError("a trace version needs one of 'messages', 'text' or 'token_ids'")
-
-
-def plain_messages(messages: list[dict]) -> list[dict]:
-    """Messages a plain chat template can render: tool calls and results written out as text."""
-    out = []
-    for m in messages:
-        role, content = m.get("role", "user"), m.get("content") or ""
-        if m.get("tool_calls"):
-            calls = "\n".join(
-                "<tool_call>" + json.dumps({"name": c.get("name"), "arguments": c.get("args", {})}) + "</tool_call>"
-                for c in m["tool_calls"])
-            content = (content + "\n" + calls).strip()
-        if role == "tool":
-            content = f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": role, "content": content})
-    return out
-
-
-# --------------------------------------------------------------------------- scoring
-
-def normalize_answer(s: str) -> str:
-    """SQuAD answer normalisation: lower case, no punctuation, no articles, single spaces."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def token_f1(prediction: str, answers: Iterable[str]) -> float:
-    """Max SQuAD token F1 of ``prediction`` over ``answers``."""
-    best = 0.0
-    pred = normalize_answer(prediction).split()
-    for ans in answers:
-        gold = normalize_answer(ans).split()
-        common = collections.Counter(pred) & collections.Counter(gold)
-        same = sum(common.values())
-        if not pred or not gold:
-            f1 = float(pred == gold)
-        elif same == 0:
-            f1 = 0.0
-        else:
-            p, r = same / len(pred), same / len(gold)
-            f1 = 2 * p * r / (p + r)
-        best = max(best, f1)
-    return best
-
-
-@torch.no_grad()
-def teacher_forced_agreement(engine: PatchKVEngine, res: ResumeResult, ref_ids: list[int]) -> float:
-    """Fraction of steps whose argmax equals ``ref_ids`` when feeding ``ref_ids`` over ``res``'s KV."""
-    if not ref_ids:
-        return 1.0
-    preds = [int(res.logits.argmax())]
-    if len(ref_ids) > 1:
-        cache = to_dynamic_cache(engine.model, res.keys, res.values)
-        n = len(res.context_ids)
-        feed = torch.tensor([ref_ids[:-1]], device=engine.device)
-        pos = torch.arange(n, n + len(ref_ids) - 1, device=engine.device)[None]
-        logits = engine.model(input_ids=feed, position_ids=pos, cache=cache, use_cache=True).logits[0]
-        preds += logits.argmax(-1).tolist()
-    return sum(int(a == b) for a, b in zip(preds, ref_ids)) / len(ref_ids)
-
-
-def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(ref || other) of the first-token distributions, in nats."""
-    p = torch.log_softmax(ref_logits.double(), -1)
-    q = torch.log_softmax(logits.double(), -1)
-    return float((p.exp() * (p - q)).sum().clamp_min(0.0))
+__all__ = ["RESULT_FIELDS", "replay_episode"]
 
 
 # --------------------------------------------------------------------------- replay
 
 def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *, max_new_tokens: int = 16,
                    model_name: str = "") -> Iterator[dict[str, Any]]:
-    """Replay one episode; yields one result row (TRACES.md fields) per version >= 1 and strategy.
+    """Replay one episode; yields one result row (``docs/TRACES.md`` fields) per version >= 1 and strategy.
+
+    Rows come out as they finish (version by version, strategies in the given order), so a caller can
+    write each one before the next resume starts.
 
     Args:
         engine: the engine.
-        trace: a TRACES.md episode.
+        trace: a trace-format episode (validate it with :func:`.traces.validate_trace` first).
         strategies: names; ``exact`` is always run (it is the reference) and reported if listed.
         max_new_tokens: greedy tokens per resume.
         model_name: value of the ``model`` field.
 
     Raises:
-        ValueError: malformed trace (fewer than two versions).
+        ValueError: malformed trace (fewer than two versions), or as ``engine.checkpoint`` / ``resume``
+            (e.g. a version longer than the model's context).
     """
     versions = trace.get("versions") or []
     if len(versions) < 2:
@@ -165,32 +76,13 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
     if strategy == "exact":
         row.update(first_token_kl=None, top1_agree=None, tf_agree=None, exact_continuation=None)
     else:
-        row.update(
-            first_token_kl=first_token_kl(ref.logits, res.logits),
-            top1_agree=bool(int(ref.logits.argmax()) == int(res.logits.argmax())),
-            tf_agree=teacher_forced_agreement(engine, res, ref.output_ids),
-            exact_continuation=bool(res.output_ids == ref.output_ids),
-        )
+        row.update(fidelity(engine, res, ref))
     row["f1"] = token_f1(text, answers) if answers else None
     row["fallback"] = st.get("fallback")
-    for key, val in st.items():  # optional extras (TRACES.md allows new fields): restore_tokens, cacheblend_*
+    for key, val in st.items():  # optional extras (docs/TRACES.md allows new fields): restore_tokens, cacheblend_*
         if key not in row and key != "strategy" and isinstance(val, (int, float, str, bool, list, type(None))):
             row[key] = val
     return row
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read a JSON Lines file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(rows: Iterable[dict], path: str | Path) -> None:
-    """Write rows as JSON Lines (parent directories created)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
 
 
 # ------------------------------------------------------------------ traces from a LangGraph checkpointer

@@ -173,7 +173,8 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) ->
     Returns:
         per-context KLs and their means, and the relative increase of the mean.
     """
-    from .replay import first_token_kl, plain_messages, version_ids
+    from .metrics import first_token_kl
+    from .traces import plain_messages, version_ids
     from .workloads import build_traces
 
     count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
@@ -205,7 +206,7 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
         ``{"contexts", "tokens", "restore_ms": {strategy: {path: ms}}, "kernel": {strategy: path},
         "identical_logits"}``; the last says whether both paths gave bit-identical first-token logits.
     """
-    from .replay import plain_messages, version_ids
+    from .traces import plain_messages, version_ids
     from .workloads import build_traces
 
     count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731

@@ -1,4 +1,4 @@
-"""Edited-context (-E) agent workloads: build, write and read trace files (``shared/TRACES.md``).
+"""Edited-context (-E) agent workloads: build trace files (``docs/TRACES.md``; written and read by :mod:`.traces`).
 
 Boundary: pure Python over the packaged QA data (``patchkv_agent/eval/data``). No model, no torch, no
 tokenizer: token counts come through a ``count_tokens(messages) -> int`` callable that the caller
@@ -49,6 +49,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
+
+from .traces import read_traces, validate_trace, write_traces  # noqa: F401  (re-exported: the trace file io)
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +420,7 @@ def _build(workload, edit, n, split, target_tokens, n_versions, seed, count_toke
 def build_traces(workload: str, edit: str, *, n: int | None = None, split: str = "eval",
                  target_tokens: int = 3000, n_versions: int = 2, seed: int = 0,
                  count_tokens: CountTokens | None = None) -> list[dict]:
-    """Build edited-context agent episodes in the ``shared/TRACES.md`` format.
+    """Build edited-context agent episodes in the trace format (``docs/TRACES.md``).
 
     Args:
         workload: ``hotpotqa-e``, ``2wikimqa-e`` or ``nq-e``.
@@ -446,115 +448,6 @@ def build_traces(workload: str, edit: str, *, n: int | None = None, split: str =
     return _build(workload, edit, n, split, target_tokens, n_versions, seed, count_tokens)[0]
 
 
-# ------------------------------------------------------------------------------------------ file io
-
-
-def _check_messages(msgs, where: str) -> None:
-    if not isinstance(msgs, list) or not msgs:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list")
-    for j, m in enumerate(msgs):
-        w = f"{where}.messages[{j}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"{w}: a message must be an object with a string 'role'")
-        if not isinstance(m.get("content"), str) and not (m.get("content") is None and m.get("tool_calls")):
-            raise ValueError(f"{w}: 'content' must be a string")
-        calls = m.get("tool_calls")
-        if calls is not None and (not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls)):
-            raise ValueError(f"{w}: 'tool_calls' must be a list of objects with a string 'name'")
-
-
-def validate_trace(trace: object, where: str = "trace") -> None:
-    """Check one trace against ``shared/TRACES.md``.
-
-    Args:
-        trace: a decoded trace line.
-        where: location prefix for error messages (e.g. ``file.jsonl:3``).
-    Raises:
-        ValueError: naming the first problem (missing id, fewer than two versions, a version with none
-            of messages/text/token_ids, malformed messages, token ids or answers).
-    """
-    if not isinstance(trace, dict):
-        raise ValueError(f"{where}: a trace must be a JSON object, got {type(trace).__name__}")
-    if not isinstance(trace.get("id"), str) or not trace["id"]:
-        raise ValueError(f"{where}: missing or empty string 'id'")
-    where = f"{where} (id {trace['id']!r})"
-    for key in ("workload", "edit"):
-        if key in trace and not isinstance(trace[key], str):
-            raise ValueError(f"{where}: '{key}' must be a string")
-    vs = trace.get("versions")
-    if not isinstance(vs, list):
-        raise ValueError(f"{where}: missing 'versions' list")
-    if len(vs) < 2:
-        raise ValueError(f"{where}: 'versions' has {len(vs)} entries; a trace needs two or more")
-    for k, v in enumerate(vs):
-        w = f"{where} versions[{k}]"
-        if not isinstance(v, dict) or not any(key in v for key in ("messages", "text", "token_ids")):
-            raise ValueError(f"{w}: a version needs one of 'messages', 'text', 'token_ids'")
-        if "messages" in v:
-            _check_messages(v["messages"], w)
-        if "text" in v and (not isinstance(v["text"], str) or not v["text"]):
-            raise ValueError(f"{w}: 'text' must be a non-empty string")
-        if "token_ids" in v and (not isinstance(v["token_ids"], list) or not v["token_ids"] or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v["token_ids"])):
-            raise ValueError(f"{w}: 'token_ids' must be a non-empty list of non-negative integers")
-    ans = trace.get("answers")
-    if ans is not None and (not isinstance(ans, list) or not all(isinstance(a, str) for a in ans)):
-        raise ValueError(f"{where}: 'answers' must be a list of strings")
-
-
-def write_traces(traces: list[dict], path: str | Path) -> None:
-    """Validate and write traces as JSON Lines (UTF-8, one episode a line), creating parent folders.
-
-    Args:
-        traces: trace dicts.
-        path: output file.
-    Raises:
-        ValueError: a trace is malformed or two traces share an id.
-    """
-    ids = set()
-    for i, t in enumerate(traces):
-        validate_trace(t, f"traces[{i}]")
-        if t["id"] in ids:
-            raise ValueError(f"traces[{i}]: duplicate id {t['id']!r}")
-        ids.add(t["id"])
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for t in traces:
-            f.write(json.dumps(t, ensure_ascii=False) + "\n")
-
-
-def read_traces(path: str | Path) -> list[dict]:
-    """Read and validate a trace file (blank lines are ignored).
-
-    Args:
-        path: a JSON Lines trace file.
-    Returns:
-        The traces, in file order.
-    Raises:
-        ValueError: a line is not JSON or not a valid trace (the message names file, line and problem),
-            or two traces share an id.
-        FileNotFoundError: no such file.
-    """
-    out, ids = [], {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                t = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            validate_trace(t, where)
-            if t["id"] in ids:
-                raise ValueError(f"{where}: duplicate id {t['id']!r} (first on line {ids[t['id']]})")
-            ids[t["id"]] = lineno
-            out.append(t)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- cli
 
 
@@ -568,7 +461,7 @@ def add_traces_cli(subparsers, token_counter_factory: Callable[[str], CountToken
     """
     p = subparsers.add_parser("traces", help="build and check edited-context agent trace files")
     sub = p.add_subparsers(dest="traces_command", required=True)
-    b = sub.add_parser("build", help="build -E workload episodes (TRACES.md format)")
+    b = sub.add_parser("build", help="build -E workload episodes (docs/TRACES.md format)")
     b.add_argument("--dataset", required=True, choices=sorted(WORKLOADS), help="workload name")
     b.add_argument("--edit", default="replace_tool_result", choices=[*EDITS, "all"])
     b.add_argument("--n", type=int, default=None, help="at most this many episodes (default: all)")
@@ -580,7 +473,7 @@ def add_traces_cli(subparsers, token_counter_factory: Callable[[str], CountToken
                    + ("" if token_counter_factory else " (not available in this build)"))
     b.add_argument("--out", required=True, help="output .jsonl")
     b.set_defaults(func=functools.partial(_cmd_build, factory=token_counter_factory))
-    v = sub.add_parser("validate", help="check a trace file against TRACES.md")
+    v = sub.add_parser("validate", help="check a trace file against the trace format (docs/TRACES.md)")
     v.add_argument("path")
     v.set_defaults(func=_cmd_validate)
 
@@ -598,6 +491,9 @@ def _cmd_build(args: argparse.Namespace, factory: Callable[[str], CountTokens] |
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    traces = read_traces(args.path)
+    try:
+        traces = read_traces(args.path)
+    except (ValueError, OSError) as e:  # the message names file, line and field
+        raise SystemExit(f"invalid trace file: {e}") from None
     print(f"{args.path}: {len(traces)} valid traces")
     return 0

@@ -1,4 +1,4 @@
-"""LangGraph / LangChain integration (see DESIGN.md section 6).
+"""LangGraph / LangChain integration (see docs/DESIGN.md section 6).
 
 - :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel`: a chat model over the local model that
   reuses KV per graph thread (tools, streaming, async).

@@ -10,7 +10,7 @@ that thread's previous context version through a :class:`~patchkv_agent.runtime.
 
 Tools (``bind_tools``): rendered with ``tools=`` by chat templates that use it; otherwise (SmolLM2's
 template ignores it) the JSON protocol of :mod:`~patchkv_agent.langgraph.tools` is appended to the
-system prompt, and earlier calls/results are written back as text (:func:`patchkv_agent.eval.replay.plain_messages`).
+system prompt, and earlier calls/results are written back as text (:func:`~patchkv_agent.langgraph.tools.plain_messages`).
 With ``constrained=True`` (default) the decode runs under a grammar (:mod:`~patchkv_agent.langgraph.grammar`,
 xgrammar) inside the same decode path: ``tool_choice="any"``/``"required"`` or a tool's name forces one
 call whose arguments match the tool's JSON schema; ``"auto"``/None lets the model write text or a
@@ -46,10 +46,10 @@ from langchain_core.runnables.config import ensure_config, run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..core.sampling import Sampler, SamplingParams
-from ..eval.replay import plain_messages
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
-from .tools import TOOL_CALL_OPEN, ParsedOutput, held_back, parse_tool_calls, to_trace_messages, tool_schemas, with_tool_protocol
+from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, parse_tool_calls, plain_messages, to_trace_messages,
+                    tool_schemas, with_tool_protocol)
 
 log = logging.getLogger(__name__)
 _KEY_KWARG = "patchkv_thread_key"
@@ -327,8 +327,8 @@ class PatchKVChatModel(BaseChatModel):
             response_format: structured output (its instruction is appended to the system prompt).
 
         Returns:
-            ``(trace_messages, token_ids, mode)``: TRACES.md messages as the model saw them (JSON protocol
-            included), their ids, and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
+            ``(trace_messages, token_ids, mode)``: trace-format messages (docs/TRACES.md) as the model saw
+            them (JSON protocol included), their ids, and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
             ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids.
 
         Raises:
@@ -583,7 +583,7 @@ def _with_system(trace: list[dict], text: str) -> list[dict]:
 
 
 def _native(trace: list[dict]) -> list[dict]:
-    """TRACES.md messages in the OpenAI-style form chat templates with tool support expect."""
+    """Trace-format messages (docs/TRACES.md) in the OpenAI-style form chat templates with tool support expect."""
     out = []
     for m in trace:
         d = {"role": m["role"], "content": m.get("content") or ""}

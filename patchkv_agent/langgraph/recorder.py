@@ -1,4 +1,4 @@
-"""``TraceRecorder``: write every context version of a live agent run as ``shared/TRACES.md`` traces.
+"""``TraceRecorder``: write every context version of a live agent run as traces (``docs/TRACES.md``).
 
 A LangChain callback handler: pass it in the run config (``config={"callbacks": [recorder]}``) of a
 graph or agent. Every chat-model call becomes one version of its thread's episode (identical
@@ -115,7 +115,7 @@ class TraceRecorder(BaseCallbackHandler):
     # --------------------------------------------------------------- output
 
     def episodes(self) -> list[dict[str, Any]]:
-        """The recorded traces with two or more versions (TRACES.md episodes)."""
+        """The recorded traces with two or more versions (trace-format episodes, docs/TRACES.md)."""
         out = []
         with self._lock:
             items = [(k, [dict(v) for v in vs]) for k, vs in self._episodes.items()]

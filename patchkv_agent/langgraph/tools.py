@@ -5,9 +5,10 @@ the model lists the tools as JSON schemas and is asked to reply, to call one, wi
 
     <tool_call>{"name": "search", "arguments": {"query": "..."}}</tool_call>
 
-which is also how :func:`patchkv_agent.eval.replay.plain_messages` writes earlier calls back into the
-context (tool results as ``<tool_response>...</tool_response>``), so a call the model wrote and the
-same call re-rendered are the same text.
+which is also how :func:`plain_messages` writes earlier calls back into the context (tool results as
+``<tool_response>...</tool_response>``), so a call the model wrote and the same call re-rendered are the
+same text. This module owns those tags: the chat model, the trace replay (:mod:`patchkv_agent.eval.traces`)
+and the calibration tools all render trace messages through :func:`plain_messages`.
 
 :func:`parse_tool_calls` reads model output tolerantly: tagged calls (also an unterminated last one),
 bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also in code fences, also
@@ -15,8 +16,8 @@ bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also 
 never repaired into a call (an agent would run a tool with wrong arguments); what cannot be read becomes
 an ``invalid_tool_calls`` entry, never an exception.
 
-Also converts LangChain messages to the message dicts of ``shared/TRACES.md``. Knows LangChain message
-classes; nothing about models or the engine.
+Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``). Knows
+LangChain message classes; nothing about models, the engine or evaluation.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 _TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```|$)", re.S)
 _NAME = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
@@ -82,7 +84,7 @@ def with_tool_protocol(messages: list[dict[str, Any]], tools: Sequence[dict[str,
     """Trace-format messages with the protocol appended to the system message (one is added if none).
 
     Args:
-        messages: TRACES.md message dicts.
+        messages: trace-format message dicts (``docs/TRACES.md``).
         tools: OpenAI-format tool schemas (nothing changes when empty).
 
     Returns:
@@ -96,6 +98,32 @@ def with_tool_protocol(messages: list[dict[str, Any]], tools: Sequence[dict[str,
         out[0]["content"] = ((out[0].get("content") or "") + "\n\n" + proto).strip()
     else:
         out.insert(0, {"role": "system", "content": proto})
+    return out
+
+
+def plain_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """Trace messages a plain chat template can render: tool calls and results written out as text.
+
+    An assistant message's ``tool_calls`` become one ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    line each after its content; a ``tool`` message's content is wrapped in ``<tool_response>`` tags.
+
+    Args:
+        messages: message dicts of the trace format (``role``, ``content``, optional ``tool_calls``).
+
+    Returns:
+        ``{"role", "content"}`` dicts, one per input message (a missing role reads as ``user``).
+    """
+    out = []
+    for m in messages:
+        role, content = m.get("role", "user"), m.get("content") or ""
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                TOOL_CALL_OPEN + json.dumps({"name": c.get("name"), "arguments": c.get("args", {})}) + TOOL_CALL_CLOSE
+                for c in m["tool_calls"])
+            content = (content + "\n" + calls).strip()
+        if role == "tool":
+            content = f"{TOOL_RESPONSE_OPEN}\n{content}\n{TOOL_RESPONSE_CLOSE}"
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -127,7 +155,7 @@ def _text(content: Any, where: str = "message", calls_ok: bool = False) -> str:
 
 
 def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as ``shared/TRACES.md`` message dicts.
+    """LangChain messages as trace-format message dicts (``docs/TRACES.md``).
 
     Returns:
         ``{"role", "content"}`` dicts; assistant tool calls as ``tool_calls: [{"id", "name", "args"}]``,

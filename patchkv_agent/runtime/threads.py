@@ -21,8 +21,9 @@ two places:
 KV beyond ``resident_budget_bytes`` is evicted least-recently-used first: offloaded, or dropped with the
 reason recorded for the next resume.
 
-Locking: one lock per thread (state transitions of that thread), one lock for the model forward (one
-forward at a time per model), one short registry lock for the tables. A thread lock may be held while
+Locking: one lock per thread (state transitions of that thread), the engine's ``forward_lock`` for the
+model forward (one forward at a time per model, shared with every other registry and direct caller of
+that engine), one short registry lock for the tables. A thread lock may be held while
 taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
 checkpoint.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -44,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NewType
 
 import numpy as np
-import torch
 
+from ..core.fallback import Fallback, FallbackKind
+from ..core.recovery import decode_step
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine, ResumeResult
-from .kvstore import CheckpointKey, KVStore, StoreUnavailable, load_for_resume, resume_from_store
+from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +68,6 @@ def thread_key(thread_id: str, checkpoint_ns: str = "") -> ThreadKey:
         A ``(thread_id, checkpoint_ns)`` tuple.
     """
     return ThreadKey((str(thread_id), str(checkpoint_ns)))
-
-
-def ids_hash(token_ids) -> str:
-    """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits)."""
-    return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
-
-
-def _as_ids(token_ids) -> np.ndarray:
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.detach().cpu().reshape(-1).numpy().astype(np.int64)
-    return np.asarray(list(token_ids), dtype=np.int64)
 
 
 def _kv_bytes(res: ResumeResult) -> int:
@@ -99,7 +89,7 @@ class _Thread:
     checkpoint_version: int = 0
     checkpoint_source: str = ""            # "background", "on_path", "evicted"
     pending: Future | None = None
-    lost: str | None = None                # why the KV of `version` is gone (next resume says so)
+    lost: Fallback | None = None           # why the KV of `version` is gone (next resume says so)
     store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
     store_version: int = 0                 # the context version that entry holds
     store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
@@ -147,11 +137,8 @@ class TokenStream:
         if not out:
             tok = self._sampler(self.result.logits)
         else:
-            eng = self._registry.engine
-            with self._registry.forward_lock, torch.no_grad():
-                logits = eng.model(input_ids=torch.tensor([[out[-1]]], device=eng.device),
-                                   position_ids=torch.tensor([[self._pos]], device=eng.device),
-                                   cache=self._cache, use_cache=True).logits[0, -1]
+            with self._registry.forward_lock:
+                logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
             self._pos += 1
             tok = self._sampler(logits)
         self._decode_s += time.perf_counter() - t0
@@ -204,7 +191,7 @@ class ThreadRegistry:
         self.resident_budget_bytes = resident_budget_bytes
         self.offload_budget_bytes = offload_budget_bytes
         self.on_evict = on_evict
-        self.forward_lock = threading.RLock()
+        self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
         self._threads: OrderedDict[ThreadKey, _Thread] = OrderedDict()  # least recently used first
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="patchkv-offload")
@@ -279,8 +266,9 @@ class ThreadRegistry:
             th.version, th.token_ids = v, None
             th.resident, th.checkpoint = None, None
             self._set_store_entry(th, found, v, "restart")
-            th.lost = None if found is not None else (
-                f"exact recompute: the graph checkpoint refers to KV of context version {v} "
+            th.lost = None if found is not None else Fallback(
+                FallbackKind.NOT_HELD,
+                f"the graph checkpoint refers to KV of context version {v} "
                 f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)"
                 + (f"; the {self.store.tier} store holds no checkpoint of it either" if self.store is not None else ""))
 
@@ -288,8 +276,9 @@ class ThreadRegistry:
         """The store's most recently used entry of ``version`` of thread ``key`` written by this model."""
         try:
             keys = self.store.keys()
-        except StoreUnavailable:
-            log.warning("store unavailable while looking up thread %s version %d", key, version, exc_info=True)
+        except StoreUnavailable as e:  # one line, no traceback: the resume says so anyway
+            log.warning("store unavailable while looking up thread %s version %d: %s", key, version,
+                        str(e).splitlines()[0][:300])
             return None
         fp = self.engine.spec.fingerprint
         hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
@@ -368,9 +357,11 @@ class ThreadRegistry:
             resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
 
         Raises:
-            ValueError: bad ids or strategy (from the engine).
+            ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
+                :class:`~patchkv_agent.core.inputs.InvalidInput`).
         """
-        ids = _as_ids(token_ids)
+        ids = self.engine.validate_ids(token_ids)  # the public boundary's one validator
+        max_new_tokens = self.engine.validate_max_new_tokens(max_new_tokens, len(ids))
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
@@ -478,15 +469,16 @@ class ThreadRegistry:
                                     "evicted": [(k.thread_id, k.checkpoint_ns, k.version) for k in put.evicted]})
         else:
             self._set_store_entry(th, None)
-            th.lost = (f"exact recompute: checkpoint of context version {version} was not kept by the "
-                       f"{self.store.tier} store ({reason})")
+            th.lost = Fallback(FallbackKind.STORE_REFUSED, f"checkpoint of context version {version} was not kept "
+                               f"by the {self.store.tier} store ({reason})")
             self.events.append({"event": "store_refused", "key": th.key, "version": version, "reason": reason})
 
     def _delete_quietly(self, key: CheckpointKey) -> None:
         try:
             self.store.delete(key)
-        except StoreUnavailable:  # the tier's budget or expiry removes it eventually
-            log.warning("could not delete %s from the %s store", key.describe(), self.store.tier, exc_info=True)
+        except StoreUnavailable as e:  # the tier's budget or expiry removes it eventually; one line, no traceback
+            log.warning("could not delete %s from the %s store: %s", key.describe(), self.store.tier,
+                        str(e).splitlines()[0][:300])
 
     def _submit_delete(self, key: CheckpointKey) -> None:
         try:
@@ -609,8 +601,8 @@ class ThreadRegistry:
                     th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
-                    th.lost = (f"exact recompute: resident KV of context version {th.version} was evicted "
-                               f"(resident budget {self.resident_budget_bytes} B) without an offload")
+                    th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "
+                                       f"evicted (resident budget {self.resident_budget_bytes} B) without an offload")
                     th.resident, th.checkpoint = None, None
                     self.events.append({"event": "evict_drop", "key": th.key, "version": th.version})
             finally:
@@ -628,8 +620,8 @@ class ThreadRegistry:
                 if th.checkpoint is None:
                     continue
                 if th.resident is None and th.checkpoint_version == th.version:
-                    th.lost = (f"exact recompute: checkpoint of context version {th.version} was dropped "
-                               f"(offload budget {self.offload_budget_bytes} B)")
+                    th.lost = Fallback(FallbackKind.BUDGET_DROPPED, f"checkpoint of context version {th.version} "
+                                       f"was dropped (offload budget {self.offload_budget_bytes} B)")
                 self.events.append({"event": "drop_checkpoint", "key": th.key, "version": th.checkpoint_version})
                 th.checkpoint = None
             finally:

@@ -1,6 +1,7 @@
 """Recovery strategies behind one interface (:class:`Strategy`), resolved by name with :func:`get_strategy`.
 
-- :mod:`.base`: the interface and the registry.
+- :mod:`.base`: the interface, the registry and :class:`RecoverySettings` (re-exported from
+  :mod:`patchkv_agent.core.settings`): what every strategy reads instead of the engine.
 - :mod:`.builtin`: ``exact`` (the oracle), ``prefix`` (Prefix Cache baseline), ``direct`` (Direct KV
   Reuse baseline), ``patchkv`` (selective recovery).
 - :mod:`.cacheblend`: the CacheBlend baseline.
@@ -10,9 +11,9 @@ Importing this package registers all five; nothing below imports it back.
 
 from __future__ import annotations
 
-from .base import STRATEGIES, Strategy, get_strategy, register_strategy
+from .base import STRATEGIES, RecoverySettings, Strategy, get_strategy, register_strategy, run_plan
 from .builtin import DirectStrategy, ExactStrategy, PatchKVStrategy, PrefixStrategy
 from .cacheblend import CacheBlendStrategy
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy", "register_strategy", "ExactStrategy", "PrefixStrategy",
-           "DirectStrategy", "PatchKVStrategy", "CacheBlendStrategy"]
+__all__ = ["STRATEGIES", "Strategy", "RecoverySettings", "get_strategy", "register_strategy", "run_plan",
+           "ExactStrategy", "PrefixStrategy", "DirectStrategy", "PatchKVStrategy", "CacheBlendStrategy"]

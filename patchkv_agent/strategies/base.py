@@ -1,47 +1,117 @@
 """The strategy interface and registry: a :class:`Strategy` turns an :class:`~patchkv_agent.core.diff.Edit`
 into a plan that :func:`patchkv_agent.core.recovery.execute` runs (or runs its own schedule).
 
+A strategy reads a :class:`~patchkv_agent.core.settings.RecoverySettings` (block size, length model,
+kappa, precision, ...) and, to execute, the model and its :class:`~patchkv_agent.core.models.ModelSpec`;
+never the engine. Its own options (e.g. ``PatchKVStrategy(kappa=0.05)``) are overrides of those
+settings, applied by :meth:`Strategy.resolve`.
+
 A new strategy subclasses :class:`Strategy` and is added with :func:`register_strategy`.
-Knows plans and checkpoints, not models' loading or LangGraph.
+Knows plans, settings and checkpoints, not models' loading, the engine or LangGraph.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping
 
 import torch
 
 from ..core.checkpoint import Checkpoint
 from ..core.diff import Edit
+from ..core.models import ModelSpec
 from ..core.recovery import PlanLike, RecoveryOutput, execute
+from ..core.settings import RecoverySettings
 
-if TYPE_CHECKING:
-    from ..engine import PatchKVEngine
+__all__ = ["Strategy", "RecoverySettings", "STRATEGIES", "register_strategy", "get_strategy", "run_plan"]
 
 
 class Strategy:
-    """Base class: ``plan`` returns the rows to restore and to recompute."""
+    """Base class: ``plan`` returns the rows to restore and to recompute; ``execute`` runs it.
+
+    Attributes:
+        name: the registry name.
+        uses_checkpoint: False when the strategy never reads a checkpoint (``exact``).
+        exact: True when the result equals a full prefill by construction.
+        overrides: :class:`RecoverySettings` fields this instance sets over the engine's (its options).
+    """
 
     name: ClassVar[str] = ""
     uses_checkpoint: ClassVar[bool] = True
-    exact: ClassVar[bool] = False  # True when the result equals a full prefill by construction
+    exact: ClassVar[bool] = False
+    overrides: Mapping[str, Any] = MappingProxyType({})
 
-    def plan(self, engine: "PatchKVEngine", ckpt: Checkpoint | None, edit: Edit) -> PlanLike:
+    def set_overrides(self, **overrides) -> None:
+        """Record settings overrides (None values are skipped), validated against :class:`RecoverySettings`.
+
+        Raises:
+            TypeError: an unknown settings field.
+            ValueError: a value outside its range.
+        """
+        given = {k: v for k, v in overrides.items() if v is not None}
+        RecoverySettings().replace(**given)  # misuse raises here, at construction
+        self.overrides = MappingProxyType(given)
+
+    def resolve(self, settings: RecoverySettings) -> RecoverySettings:
+        """The settings this strategy runs with: ``settings`` with :attr:`overrides` applied."""
+        return settings.replace(**self.overrides) if self.overrides else settings
+
+    def plan(self, settings: RecoverySettings, ckpt: Checkpoint | None, edit: Edit) -> PlanLike:
+        """The rows to restore and recompute.
+
+        Args:
+            settings: the engine's settings (this strategy's overrides are applied on top).
+            ckpt: the checkpoint of the previous version (None for strategies that use none).
+            edit: the diff of the checkpoint's version against ``C_new``.
+
+        Returns:
+            A plan (``prefix_len``, ``restore_old_positions``, ``restore_new_positions``,
+            ``recompute_positions``).
+        """
         raise NotImplementedError
 
-    def execute(self, engine: "PatchKVEngine", ckpt: Checkpoint | None, edit: Edit, plan: PlanLike,
-                new_ids: "torch.Tensor") -> RecoveryOutput:
-        """Run the plan. The default is one forward over the recompute rows
-        (:func:`patchkv_agent.core.recovery.execute`); strategies with their own schedule (e.g. layer-wise
-        selection) override this and must return the same :class:`RecoveryOutput` (full K/V of C_new,
-        first-token logits, ``restore_s``/``recompute_s``/``recompute_tokens`` stats)."""
-        src_k = ckpt.keys if ckpt is not None else None
-        src_v = ckpt.values if ckpt is not None else None
-        mixed = ckpt.mixed if ckpt is not None and getattr(self, "precision", "fp16") == "mixed" else None
-        if getattr(self, "precision", "fp16") == "mixed" and ckpt is not None and mixed is None:
+    def execute(self, model, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None, edit: Edit,
+                plan: PlanLike, new_ids: "torch.Tensor") -> RecoveryOutput:
+        """Run the plan. The default is one forward over the recompute rows (:func:`run_plan`); strategies
+        with their own schedule (e.g. layer-wise selection) override this and must return the same
+        :class:`RecoveryOutput` (full K/V of C_new, first-token logits,
+        ``restore_s``/``recompute_s``/``recompute_tokens`` stats).
+
+        Args:
+            model: the HF causal LM.
+            spec: its :class:`ModelSpec`.
+            settings: the engine's settings (this strategy's overrides are applied on top).
+            ckpt: the checkpoint (None for strategies that use none).
+            edit: the diff.
+            plan: the plan from :meth:`plan`.
+            new_ids: int64 ``[N_new]`` ids of ``C_new``.
+
+        Returns:
+            :class:`RecoveryOutput`.
+
+        Raises:
+            ValueError: ``restore_precision="mixed"`` with a checkpoint written without mixed runs.
+            CorruptCheckpoint: a checkpoint run failed its checksum.
+        """
+        return run_plan(model, spec, self.resolve(settings), ckpt, plan, new_ids)
+
+
+def run_plan(model, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None, plan: PlanLike,
+             new_ids: "torch.Tensor") -> RecoveryOutput:
+    """:func:`patchkv_agent.core.recovery.execute` with the checkpoint's rows at ``settings.restore_precision``.
+
+    Raises:
+        ValueError: ``"mixed"`` with a checkpoint written without mixed-precision runs.
+    """
+    mixed = None
+    if ckpt is not None and settings.restore_precision == "mixed":
+        mixed = ckpt.mixed
+        if mixed is None:
             raise ValueError("precision='mixed' needs a checkpoint written with mixed precision "
                              "(PatchKVEngine(..., mixed_precision=True))")
-        return execute(engine.model, engine.spec, new_ids, plan, src_k, src_v, mixed=mixed)
+    src_k = ckpt.keys if ckpt is not None else None
+    src_v = ckpt.values if ckpt is not None else None
+    return execute(model, spec, new_ids, plan, src_k, src_v, mixed=mixed)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}

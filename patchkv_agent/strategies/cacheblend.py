@@ -12,7 +12,8 @@ check layer's fresh K/V for every token and runs its attention for the selected 
 
 Here, on an edited agent context:
 - start from the same stale KV as ``direct``: prefix rows exact, all suffix rows restored from the
-  checkpoint with the RoPE correction (:func:`~patchkv_agent.core.recovery.restore_rows` on the
+  checkpoint with the RoPE correction (:class:`~patchkv_agent.core.recovery.RecoveryBuffers`, the
+  same validation, allocation and restore as every other strategy, on the
   :func:`~patchkv_agent.core.plan.plan_direct` plan);
 - layers ``0..check_layer`` recompute every non-prefix token (``X`` and all of ``S``);
 - at the check layer, rank suffix tokens by ``||V_recomputed - V_restored||`` (L2 over KV heads and
@@ -47,21 +48,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..core.models import text_config
 from ..core.plan import plan_direct
-from ..core.recovery import RecoveryOutput, ScatterCache, build_masks, restore_rows
+from ..core.recovery import RecoveryBuffers, RecoveryOutput, ScatterCache, build_masks
 from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:
-    from ..core.diff import Edit
-    from ..engine import PatchKVEngine
     from ..core.checkpoint import Checkpoint
+    from ..core.diff import Edit
+    from ..core.models import ModelSpec
+    from ..core.settings import RecoverySettings
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "glm", "gemma3_text"})
-
-
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def select_top_deviation(deviation: np.ndarray, ratio: float) -> np.ndarray:
@@ -96,7 +94,7 @@ def check_supported(model) -> None:
     Raises:
         ValueError: unsupported family or layout (the message names the strategies that work).
     """
-    mt = str(getattr(_text_config(model), "model_type", ""))
+    mt = str(getattr(text_config(model), "model_type", ""))
     base = getattr(model, "model", None)
     ok = mt in SUPPORTED_MODEL_TYPES and all(
         hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head")
@@ -129,16 +127,18 @@ class CacheBlendStrategy(Strategy):
             raise ValueError(f"cacheblend check_layer must be >= 0, got {check_layer}")
         self.ratio, self.check_layer = float(ratio), int(check_layer)
 
-    def plan(self, engine, ckpt, edit):
-        return plan_direct(edit, block_size=engine.block_size)
+    def plan(self, settings, ckpt, edit):
+        return plan_direct(edit, block_size=settings.block_size)
 
     @torch.no_grad()
-    def execute(self, engine: "PatchKVEngine", ckpt: "Checkpoint | None", edit: "Edit", plan,
-                new_ids: torch.Tensor) -> RecoveryOutput:
+    def execute(self, model, spec: "ModelSpec", settings: "RecoverySettings", ckpt: "Checkpoint | None",
+                edit: "Edit", plan, new_ids: torch.Tensor) -> RecoveryOutput:
         """Restore like ``direct``, then recompute layer by layer with the CacheBlend selection.
 
         Args:
-            engine: the engine (model and spec).
+            model: the HF causal LM.
+            spec: its model spec.
+            settings: the recovery settings (unused: CacheBlend restores full-precision rows).
             ckpt: the checkpoint of the previous version.
             edit: the diff (unused beyond the plan).
             plan: a ``plan_direct`` plan: ``recompute_positions`` = X + last token, restore = all of S.
@@ -154,32 +154,14 @@ class CacheBlendStrategy(Strategy):
         Raises:
             ValueError: unsupported model family, or a plan that does not recompute the last token.
         """
-        model, spec = engine.model, engine.spec
         check_supported(model)
-        n = int(new_ids.numel())
-        always = np.asarray(plan.recompute_positions, dtype=np.int64)
-        rest_new = np.array(plan.restore_new_positions, dtype=np.int64)  # writable copies for torch
-        rest_old = np.array(plan.restore_old_positions, dtype=np.int64)
-        n_prefix = int(plan.prefix_len)
-        if len(always) == 0 or always[-1] != n - 1:
-            raise ValueError("plan must recompute the last context token (it produces the first logits)")
-        if n_prefix + len(rest_new) + len(always) != n:
-            raise ValueError(f"plan covers {n_prefix}+{len(rest_new)}+{len(always)} rows, context has {n}")
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-
         # ---- restore: exact prefix rows, RoPE-corrected suffix rows (the `direct` starting point)
         t0 = time.perf_counter()
-        shape = (1, spec.num_kv_heads, n, spec.head_dim)
-        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        for layer in range(spec.num_layers if n_prefix else 0):
-            keys[layer][0, :, :n_prefix] = ckpt.keys[layer][:, :n_prefix].to(device)
-            values[layer][0, :, :n_prefix] = ckpt.values[layer][:, :n_prefix].to(device)
-        payload = 0
-        if len(rest_new):
-            restore_rows(spec, ckpt.keys, ckpt.values, keys, values, rest_old, rest_new)
-            payload = len(rest_new) * sum(k.shape[0] * k.shape[2] * k.element_size() * 2 for k in ckpt.keys)
+        buf = RecoveryBuffers(model, spec, new_ids, plan)
+        keys, values, device, dtype = buf.keys, buf.values, buf.device, buf.dtype
+        n, n_prefix, always, rest_new = buf.n_new, buf.prefix_len, buf.recompute, buf.restore_new
+        buf.restore(ckpt.keys, ckpt.values)  # full-precision rows (CacheBlend does not quantize)
+        payload = buf.payload_bytes
         t1 = time.perf_counter()
 
         # ---- layer-wise recompute
@@ -232,7 +214,7 @@ class CacheBlendStrategy(Strategy):
                 masks, rope = prepare(pos_t)
         hidden = base.norm(hidden[:, -1:])
         logits = model.lm_head(hidden)[0, -1].float()
-        cap = getattr(_text_config(model), "final_logit_softcapping", None)
+        cap = getattr(text_config(model), "final_logit_softcapping", None)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         t2 = time.perf_counter()

@@ -8,13 +8,19 @@ bookkeeping elsewhere (Redis keeps it on the server so several processes share i
 Contract (``tests/test_kvstore.py`` checks it for every tier):
 
 - ``put`` publishes atomically: a reader sees the whole entry or none, never a part.
-- ``get`` returns a checkpoint only after every byte matched the checksum written with it and the entry
-  matched the requested key; otherwise it raises :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint`
-  (:class:`~.codec.ForeignCheckpoint` for another key's content). A key that is not there raises
-  :class:`CheckpointMissing` whose ``reason`` says whether it was evicted, never stored, too large or
-  expired. A tier that cannot be reached raises :class:`StoreUnavailable`.
+- ``get`` returns a checkpoint only after every byte read back (metadata included) matched the checksum
+  written with it and the entry matched the requested key; otherwise it raises
+  :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint` (:class:`~.codec.ForeignCheckpoint` for another
+  key's content) and *quarantines* the entry (removes it, counts it in ``stats.quarantined`` and records
+  why), so a broken entry never breaks the next call: that one gets :class:`CheckpointMissing` saying it was
+  quarantined. No parse, decode or type error of stored bytes leaves ``get`` as anything else. A key that
+  is not there raises :class:`CheckpointMissing` whose ``reason`` says whether it was evicted, never
+  stored, too large, quarantined or expired. A tier that cannot be reached raises :class:`StoreUnavailable`.
 - With ``budget_bytes`` set, after every ``put`` the blob bytes held are within the budget; the least
   recently used entries (``get`` and ``put`` count as uses) are evicted first, never the one just put.
+  Sizes are derived from verified metadata (shapes and dtypes under the metadata checksum), never from a
+  size field no checksum covers, so a damaged record can neither evict valid entries nor switch the
+  budget off.
 - Every method is safe to call from many OS threads (one re-entrant lock per store instance).
 
 Knows checkpoints through :mod:`.codec` only; nothing about engines or models.
@@ -22,6 +28,7 @@ Knows checkpoints through :mod:`.codec` only; nothing about engines or models.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -31,9 +38,15 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint
-from .codec import CheckpointKey, blob_nbytes, encode_checkpoint
+from .codec import CheckpointKey, ForeignCheckpoint, blob_nbytes, encode_checkpoint
 
 MAX_TOMBSTONES = 4096
+QUARANTINED = "quarantined"
+
+log = logging.getLogger(__name__)
+
+# what a damaged stored entry can raise while it is parsed (the decode guard turns these into CorruptCheckpoint)
+DECODE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
 
 
 class CheckpointMissing(KeyError):
@@ -78,6 +91,7 @@ class StoreStats:
     corrupt: int = 0
     evictions: int = 0
     refused: int = 0
+    quarantined: int = 0
     evicted_keys: list[CheckpointKey] = field(default_factory=list)
 
 
@@ -177,12 +191,19 @@ class KVStore(ABC):
                                         "(never stored, deleted, or expired)")
             self._index_touch(key)
             try:
-                ckpt = self._read(key)
+                try:
+                    ckpt = self._read(key)
+                except (CheckpointMissing, CorruptCheckpoint, StoreUnavailable):
+                    raise
+                except DECODE_ERRORS as e:  # a stored-entry parse error the tier did not name: damage
+                    raise CorruptCheckpoint(f"entry of {key.describe()} cannot be read: {type(e).__name__}: "
+                                            f"{str(e)[:200]}") from None
             except CheckpointMissing:
                 self.stats.misses += 1
                 raise
-            except CorruptCheckpoint:
+            except CorruptCheckpoint as e:
                 self.stats.corrupt += 1
+                self.quarantine(key, str(e), foreign=isinstance(e, ForeignCheckpoint))
                 raise
             self.stats.hits += 1
             return ckpt
@@ -205,6 +226,20 @@ class KVStore(ABC):
             self._tomb_put(key, f"checkpoint of {key.describe()} was deleted")
             return True
 
+    def quarantine(self, key: CheckpointKey, reason: str, *, foreign: bool = False) -> None:
+        """Take a damaged or foreign entry out of service: remove it (the disk tier moves it aside), count it,
+        and record ``reason`` for the next lookup. Never raises for an unreachable tier (logged, one line)."""
+        with self._lock:
+            self.stats.quarantined += 1
+            try:
+                self._quarantine(key, reason)
+                self._index_pop(key)
+                self._tomb_put(key, f"checkpoint of {key.describe()} was {QUARANTINED} as "
+                                    f"{'foreign' if foreign else 'corrupt'} ({reason[:300]})")
+            except StoreUnavailable as e:
+                log.warning("could not quarantine %s in the %s store: %s", key.describe(), self.tier,
+                            str(e).splitlines()[0][:300])
+
     def nbytes(self) -> int:
         """Blob bytes held (what the budget counts)."""
         with self._lock:
@@ -225,7 +260,8 @@ class KVStore(ABC):
         s = self.stats
         return {"tier": self.tier, "deployment": self.deployment, "entries": len(self.keys()),
                 "nbytes": self.nbytes(), "budget_bytes": self.budget_bytes, "puts": s.puts, "hits": s.hits,
-                "misses": s.misses, "corrupt": s.corrupt, "evictions": s.evictions, "refused": s.refused}
+                "misses": s.misses, "corrupt": s.corrupt, "quarantined": s.quarantined, "evictions": s.evictions,
+                "refused": s.refused}
 
     def close(self) -> None:
         """Release connections or files (the entries stay in persistent tiers)."""
@@ -281,6 +317,10 @@ class KVStore(ABC):
     @abstractmethod
     def _remove(self, key: CheckpointKey) -> None:
         """Remove the entry's data (idempotent)."""
+
+    def _quarantine(self, key: CheckpointKey, reason: str) -> None:
+        """Take a damaged entry's data out of service (default: remove it)."""
+        self._remove(key)
 
     # bookkeeping: in-process by default; a shared tier overrides all of these.
 

@@ -9,6 +9,12 @@ that the content belongs to the requested key (thread, version, fingerprint, tok
 it builds a single tensor; a failure raises :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint` (or its
 subclass :class:`ForeignCheckpoint`) naming what failed.
 
+Nothing read back is trusted before it is verified: :func:`parse_meta` turns stored metadata bytes into a
+dict or a ``CorruptCheckpoint`` (never a ``UnicodeDecodeError`` or ``JSONDecodeError``);
+:func:`check_meta` verifies the metadata checksum and then every field's type and range (blob names, dtypes,
+shapes, lengths); :func:`entry_nbytes` derives an entry's size from the verified shapes and dtypes (what the
+budgets count), never from a stored size field.
+
 Knows the checkpoint and run-payload layouts; nothing about where the bytes live (see the stores).
 """
 
@@ -29,6 +35,15 @@ from ...core.checkpoint import Checkpoint, CorruptCheckpoint, MixedKV
 
 SCHEMA = 1
 _PAYLOAD_HEADER = ("tag", "n_rows", "num_kv_heads", "head_dim", "block_size", "v_group")
+_PAYLOAD_FIELDS = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero")
+MAX_META_BYTES = 64 << 20   # stored metadata larger than this is refused unread
+MAX_LAYERS = 4096
+MAX_DIMS = 8
+MAX_ENTRY_BYTES = 1 << 42   # 4 TiB: a size beyond this is damage, not data
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1}
+_NUMPY_DTYPES = frozenset(_ITEMSIZE) - {"bfloat16"}
+_HEX16 = frozenset("0123456789abcdef")
 
 
 class ForeignCheckpoint(CorruptCheckpoint):
@@ -38,7 +53,8 @@ class ForeignCheckpoint(CorruptCheckpoint):
 def ids_hash(token_ids) -> str:
     """A short stable hash of a token-id sequence (blake2b of its int64 bytes, 16 hex digits).
 
-    The same function as :func:`patchkv_agent.runtime.threads.ids_hash`, so registry handles and store keys agree.
+    The one definition: :mod:`patchkv_agent.runtime.threads` re-exports it, so registry handles and store keys
+    agree.
     """
     return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
@@ -172,36 +188,160 @@ def meta_checksum(meta: Mapping[str, Any]) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
 
 
+def parse_meta(raw: bytes | bytearray | memoryview | str, what: str = "stored metadata") -> dict[str, Any]:
+    """Stored metadata bytes -> the metadata dict (not yet verified: pass it to :func:`check_meta`).
+
+    Raises:
+        CorruptCheckpoint: too large, not UTF-8, not JSON, or not a JSON object.
+    """
+    if len(raw) > MAX_META_BYTES:
+        raise CorruptCheckpoint(f"{what} has {len(raw)} bytes (more than {MAX_META_BYTES}: damaged)")
+    try:
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        meta = json.loads(text)
+    except UnicodeDecodeError:
+        raise CorruptCheckpoint(f"{what} is not UTF-8 (damaged bytes)") from None
+    except (ValueError, RecursionError):
+        raise CorruptCheckpoint(f"{what} is not valid JSON (damaged bytes)") from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint(f"{what} is not a JSON object (damaged)")
+    return meta
+
+
+def _is_int(x: Any, lo: int = 0, hi: int | None = None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo and (hi is None or x <= hi)
+
+
+def _blob_size(spec: Any, names: set[str]) -> int:
+    """Check one blob-table row; returns its byte length derived from shape and dtype."""
+    if not isinstance(spec, dict) or set(spec) != {"name", "kind", "dtype", "shape", "nbytes", "xxh3"}:
+        raise CorruptCheckpoint("a blob-table row has the wrong fields")
+    name, kind, dtype, shape = spec["name"], spec["kind"], spec["dtype"], spec["shape"]
+    if not isinstance(name, str) or name not in names:
+        raise CorruptCheckpoint(f"unexpected blob name {str(name)[:40]!r} in the blob table")
+    names.discard(name)  # each name once
+    if kind not in ("torch", "numpy") or dtype not in (_ITEMSIZE if kind == "torch" else _NUMPY_DTYPES):
+        raise CorruptCheckpoint(f"blob {name} has an unknown kind or dtype ({str(kind)[:10]!r}, {str(dtype)[:10]!r})")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d, 0, MAX_ENTRY_BYTES) for d in shape):
+        raise CorruptCheckpoint(f"blob {name} has a malformed shape")
+    n = _ITEMSIZE[dtype]
+    for d in shape:
+        n *= d
+    if n > MAX_ENTRY_BYTES or spec["nbytes"] != n or not _is_int(spec["nbytes"]):
+        raise CorruptCheckpoint(f"blob {name} says {str(spec['nbytes'])[:24]} bytes; its shape and dtype make {n}")
+    x = spec["xxh3"]
+    if not isinstance(x, str) or len(x) != 16 or not set(x) <= _HEX16:
+        raise CorruptCheckpoint(f"blob {name} has a malformed checksum field")
+    return n
+
+
+def _check_layout(meta: Mapping[str, Any]) -> int:
+    """Check every field's type and range after the checksum matched; returns the entry's blob bytes."""
+    n_layers, mixed, stats = meta.get("n_layers"), meta.get("mixed"), meta.get("stats")
+    if not _is_int(n_layers, 1, MAX_LAYERS):
+        raise CorruptCheckpoint(f"n_layers {str(n_layers)[:24]} is out of range")
+    if not isinstance(meta.get("fingerprint"), str) or not isinstance(stats, dict):
+        raise CorruptCheckpoint("fingerprint or stats field has the wrong type")
+    if "store" in meta and not (isinstance(meta["store"], dict)
+                                and all(isinstance(v, str) for v in meta["store"].values())):
+        raise CorruptCheckpoint("the store field has the wrong type")
+    names = {"token_ids", "scores", *(f"{kv}.{i}" for i in range(n_layers) for kv in "kv")}
+    tags: list[str] = []
+    if mixed is not None:
+        if not isinstance(mixed, dict) or set(mixed) != {"block_size", "runs", "tags", "headers", "checksums"}:
+            raise CorruptCheckpoint("the mixed-precision layout has the wrong fields")
+        tags = mixed["tags"]
+        if (not isinstance(tags, list) or len(tags) > len(Tag) or not all(t in Tag.__members__ for t in tags)
+                or len(set(tags)) != len(tags) or not _is_int(mixed["block_size"], 1)):
+            raise CorruptCheckpoint("the mixed-precision tags or block size are malformed")
+        runs, headers, sums = mixed["runs"], mixed["headers"], mixed["checksums"]
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 3 and all(_is_int(x) for x in r)
+                                                 and r[0] in {int(t) for t in Tag} for r in runs):
+            raise CorruptCheckpoint("the mixed-precision runs are malformed")
+        for seq in (headers, sums):
+            if not isinstance(seq, list) or len(seq) != n_layers or not all(
+                    isinstance(layer, dict) and set(layer) <= set(tags) for layer in seq):
+                raise CorruptCheckpoint("the mixed-precision headers or checksums are malformed")
+        for layer, sums_layer in zip(headers, sums):
+            if set(layer) != set(sums_layer) or not all(_is_int(c) for c in sums_layer.values()):
+                raise CorruptCheckpoint("the mixed-precision checksums are malformed")
+            for tag, hdr in layer.items():
+                if (not isinstance(hdr, dict) or set(hdr) != set(_PAYLOAD_HEADER) or hdr["tag"] != tag
+                        or not all(_is_int(hdr[f]) for f in _PAYLOAD_HEADER[1:])):
+                    raise CorruptCheckpoint("a run payload header is malformed")
+        names |= {"mixed.tags", *(f"mixed.rows.{t}" for t in tags)}
+        names |= {f"p.{i}.{t}.{f}" for i in range(n_layers) for t in tags for f in _PAYLOAD_FIELDS}
+    table = meta.get("blobs")
+    if not isinstance(table, list) or len(table) > len(names):
+        raise CorruptCheckpoint("the blob table is malformed")
+    total = sum(_blob_size(spec, names) for spec in table)
+    missing = {"token_ids", *(f"{kv}.{i}" for i in range(n_layers) for kv in "kv")} & names
+    if mixed is not None:
+        missing |= {"mixed.tags", *(f"mixed.rows.{t}" for t in tags)} & names
+    if missing:
+        raise CorruptCheckpoint(f"the blob table lacks {sorted(missing)[0]}")
+    return total
+
+
+def entry_nbytes(meta: Mapping[str, Any]) -> int:
+    """Total blob bytes of an entry whose metadata :func:`check_meta` accepted (what budgets count),
+    derived from the verified shapes and dtypes."""
+    return _check_layout(meta)
+
+
 def blob_nbytes(meta: Mapping[str, Any]) -> int:
-    """Total blob bytes an entry holds (what store budgets count)."""
+    """Total blob bytes of metadata built by :func:`encode_checkpoint` in this process."""
     return sum(int(b["nbytes"]) for b in meta["blobs"])
 
 
-# ------------------------------------------------------------------------------------ decode
+def _stored_key(meta: Mapping[str, Any]) -> CheckpointKey:
+    k = meta.get("key")
+    types = {"deployment": str, "thread_id": str, "checkpoint_ns": str, "version": int, "fingerprint": str,
+             "ids_hash": str}
+    if (not isinstance(k, dict) or set(k) != set(types) or isinstance(k["version"], bool)
+            or not all(isinstance(k[f], t) for f, t in types.items())):
+        raise CorruptCheckpoint("the stored key is malformed")
+    return CheckpointKey(**k)
 
 
-def check_meta(meta: Mapping[str, Any], key: CheckpointKey) -> None:
-    """Refuse metadata that is damaged, of another schema, or of another key.
+def check_meta(meta: Any, key: CheckpointKey | None) -> CheckpointKey:
+    """Refuse metadata that is damaged, malformed, of another schema, or of another key.
+
+    The checksum is checked first; then every field's type and range (:func:`entry_nbytes`), so no field
+    the checksum does not cover, and no malformed one, is used.
+
+    Args:
+        meta: the parsed metadata (:func:`parse_meta`).
+        key: the key the caller asked for (None: any key; the stored one is returned).
+
+    Returns:
+        The key stored in the metadata.
 
     Raises:
-        CorruptCheckpoint: checksum or schema mismatch.
+        CorruptCheckpoint: checksum, schema or field mismatch.
         ForeignCheckpoint: the entry belongs to another thread, version, model or token ids.
     """
-    if not isinstance(meta, Mapping) or "meta_xxh3" not in meta or "key" not in meta:
-        raise CorruptCheckpoint(f"metadata of {key.describe()} is unreadable")
+    what = key.describe() if key is not None else "a stored entry"
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("meta_xxh3"), str) or "key" not in meta:
+        raise CorruptCheckpoint(f"metadata of {what} is unreadable")
     if meta_checksum(meta) != meta["meta_xxh3"]:
-        raise CorruptCheckpoint(f"metadata checksum mismatch for {key.describe()}")
-    if meta.get("schema") != SCHEMA:
-        raise CorruptCheckpoint(f"stored schema {meta.get('schema')} is not {SCHEMA}")
-    stored = CheckpointKey(**meta["key"])
-    if stored == key:
-        return
+        raise CorruptCheckpoint(f"metadata checksum mismatch for {what}")
+    if meta.get("schema") != SCHEMA or isinstance(meta.get("schema"), bool):
+        raise CorruptCheckpoint(f"stored schema {str(meta.get('schema'))[:24]} is not {SCHEMA}")
+    try:
+        stored = _stored_key(meta)
+        _check_layout(meta)
+    except CorruptCheckpoint as e:
+        raise CorruptCheckpoint(f"metadata of {what} is malformed: {e}") from None
+    if key is None or stored == key:
+        return stored
     for field, what in (("deployment", "deployment"), ("thread_id", "thread"), ("checkpoint_ns", "namespace"),
                         ("version", "version"), ("fingerprint", "model"), ("ids_hash", "token ids")):
         a, b = getattr(stored, field), getattr(key, field)
         if a != b:
             raise ForeignCheckpoint(f"refused: the entry found for {key.describe()} belongs to another "
                                     f"{what} ({field} {str(a)[:40]!r}, requested {str(b)[:40]!r})")
+    raise ForeignCheckpoint(f"refused: the entry found for {key.describe()} belongs to another key")
 
 
 def _build(spec: Mapping[str, Any], raw: bytes | bytearray | memoryview) -> torch.Tensor | np.ndarray:
@@ -232,10 +372,23 @@ def decode_checkpoint(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytea
         A :class:`Checkpoint` with fresh CPU tensors.
 
     Raises:
-        CorruptCheckpoint: damaged metadata, a missing blob, a wrong length or a checksum mismatch.
+        CorruptCheckpoint: damaged or malformed metadata, a missing blob, a wrong length, a checksum
+            mismatch, or tensors whose shapes do not fit together; never another exception type for
+            anything stored.
         ForeignCheckpoint: the entry belongs to another key.
     """
     check_meta(meta, key)
+    try:
+        return _decode(meta, blobs, key)
+    except CorruptCheckpoint:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as e:
+        raise CorruptCheckpoint(f"entry of {key.describe()} cannot be decoded: {type(e).__name__}: "
+                                f"{str(e)[:200]}") from None
+
+
+def _decode(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytearray | memoryview],
+            key: CheckpointKey) -> Checkpoint:
     arrays = {}
     for spec in meta["blobs"]:
         raw = blobs.get(spec["name"])
@@ -246,13 +399,21 @@ def decode_checkpoint(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytea
     if ids_hash(token_ids) != key.ids_hash or meta["fingerprint"] != key.fingerprint:
         raise ForeignCheckpoint(f"refused: the token ids or model stored for {key.describe()} are not the key's")
     n = int(meta["n_layers"])
+    keys, values = [arrays[f"k.{i}"] for i in range(n)], [arrays[f"v.{i}"] for i in range(n)]
+    n_tok = token_ids.shape[0] if token_ids.ndim == 1 and token_ids.dtype == np.int64 else -1
+    for k, v in zip(keys, values):
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 3
+                and k.shape == v.shape and k.shape[1] == n_tok and k.dtype == v.dtype):
+            raise CorruptCheckpoint(f"K/V shapes of {key.describe()} do not fit its {n_tok} token ids")
+    scores = arrays.get("scores")
+    if scores is not None and scores.shape != (n_tok,):
+        raise CorruptCheckpoint(f"attention scores of {key.describe()} do not fit its token ids")
     mixed = None
     if meta["mixed"] is not None:
         mm = meta["mixed"]
         payloads = []
         for i, layer in enumerate(mm["headers"]):
-            payloads.append({tag: RunPayload(**hdr, **{f: arrays[f"p.{i}.{tag}.{f}"] for f in
-                                                      ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero")
+            payloads.append({tag: RunPayload(**hdr, **{f: arrays[f"p.{i}.{tag}.{f}"] for f in _PAYLOAD_FIELDS
                                                       if f"p.{i}.{tag}.{f}" in arrays})
                              for tag, hdr in layer.items()})
         mixed = MixedKV(block_size=int(mm["block_size"]), tags=arrays["mixed.tags"],
@@ -260,9 +421,8 @@ def decode_checkpoint(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytea
                         tag_rows={tag: arrays[f"mixed.rows.{tag}"] for tag in mm["tags"]},
                         payloads=payloads, checksums=[{t: int(c) for t, c in layer.items()}
                                                       for layer in mm["checksums"]])
-    return Checkpoint(token_ids=token_ids, keys=[arrays[f"k.{i}"] for i in range(n)],
-                      values=[arrays[f"v.{i}"] for i in range(n)], fingerprint=meta["fingerprint"],
-                      scores=arrays.get("scores"), stats=dict(meta["stats"]), mixed=mixed)
+    return Checkpoint(token_ids=token_ids, keys=keys, values=values, fingerprint=meta["fingerprint"],
+                      scores=scores, stats=dict(meta["stats"]), mixed=mixed)
 
 
 def verify_blobs(meta: Mapping[str, Any], blobs: Mapping[str, np.ndarray], key: CheckpointKey) -> None:

@@ -1,44 +1,142 @@
-"""The local disk tier: one directory per checkpoint, published by write-then-rename, survives restarts.
+"""The local disk tier: one file per checkpoint, replaced by one atomic rename, survives restarts and crashes.
 
 Layout under ``root/<deployment>/``::
 
-    <key digest>/meta.json   the codec's metadata (key, fingerprint, blob table with xxh3 per blob)
-    <key digest>/data.bin    the blobs back to back, in the table's order
-    .tmp-<digest>-<uuid>/    an entry being written (never read; stale ones are removed on open)
-    .gone/<key digest>       why an entry is gone (evicted, deleted, too large)
+    <key digest>.kv              an entry: header, metadata (the codec's JSON), the blobs back to back
+    .tmp-<digest>-<uuid>.kv      an entry being written (never read; removed by recovery)
+    .gone/<key digest>           why an entry is gone (evicted, deleted, too large, quarantined)
+    .quarantine/<digest>-<ns>.kv entries that failed a check, moved aside (the newest few are kept)
+    .lock                        shared by writers during a put, exclusive during recovery
 
-``put`` writes both files into a temporary directory, fsyncs them, and renames the directory into
-place: a reader (in this or another process) sees the whole entry or none. Replacing an entry of the
-same key renames the old one aside first; a reader in another process may then briefly miss it and
-falls back to exact recomputation. Recency survives a restart through ``meta.json``'s mtime (touched on
-every ``get``). The budget is enforced per store instance over the entries it knows (those present
-when it opened, those it wrote, and those of other processes it has read).
+An entry file is ``MAGIC`` (8 bytes), the metadata length (u64, little endian), the xxh3-64 of the
+metadata bytes (u64), the metadata, then the blobs in the blob table's order. Every byte read back is
+verified before use: the header's metadata checksum, the codec's checksum over the metadata record and
+its field types, the file length against the length derived from the verified blob table, and each
+blob's xxh3. A check that fails quarantines the entry (moved to ``.quarantine/``, counted, its reason
+recorded) so the next call sees a plain miss; nothing that is not a regular file is ever opened for
+reading (a FIFO or a directory in place of an entry is skipped, never waited on).
+
+``put`` writes the new entry to a temporary file, fsyncs it, and swaps it into place with one
+``rename(2)`` (which drops the old copy in the same atomic step), then fsyncs the directory: at every
+instant the old complete entry or the new complete entry is published, never neither, and a reader
+holding the old file keeps reading a consistent copy. A crash before the swap leaves a temporary file
+that recovery on open rolls back (removes) while the old entry stays; a crash after it leaves the new
+entry. Recovery runs under an exclusive lock on ``.lock`` (taken only when no put of any process is in
+flight; otherwise only temporaries older than ``STALE_TMP_S`` are removed); it also migrates entries of
+the previous layout (``<digest>/meta.json`` + ``data.bin``), finishing a replace of that layout that a
+crash interrupted between its two renames (the renamed-aside old copy is restored).
+
+Recency survives a restart through the entry file's mtime (stamped on every ``put`` and ``get``). The
+budget is enforced per store instance over the entries it knows (those present and verified when it
+opened, those it wrote, and those of other processes it has read), with sizes derived from verified
+metadata only.
 
 Knows the codec and the file system; nothing about engines or Redis.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import stat
+import struct
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
+
+import xxhash
 
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint
-from .base import CheckpointMissing, KVStore, StoreUnavailable
-from .codec import CheckpointKey, blob_nbytes, check_meta, decode_checkpoint
+from .base import DECODE_ERRORS, CheckpointMissing, KVStore, StoreUnavailable
+from .codec import (MAX_META_BYTES, CheckpointKey, ForeignCheckpoint, check_meta, decode_checkpoint, entry_nbytes,
+                    parse_meta)
+
+log = logging.getLogger(__name__)
 
 STALE_TMP_S = 600.0
+MAGIC = b"PKVKV\x001\n"
+HEADER = struct.Struct("<8sQQ")  # magic, metadata length, xxh3-64 of the metadata bytes
+SUFFIX = ".kv"
+KEEP_QUARANTINED = 16
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def _dir_name(deployment: str) -> str:
     """A file-safe directory name, unique per deployment (the hash tells apart names that sanitize alike)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", deployment)[:64]
     return f"{safe}-{hashlib.blake2b(deployment.encode(), digest_size=4).hexdigest()}"
+
+
+class NotRegular(OSError):
+    """A path that should be a regular file is something else (FIFO, directory, device, symlink)."""
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[tuple[int, os.stat_result]]:
+    """Open ``path`` for reading without following a symlink or blocking on a FIFO; refuse non-regular files."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink in place of the file
+            raise NotRegular(f"{path} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegular(f"{path} is not a regular file")
+        yield fd, st
+    finally:
+        os.close(fd)
+
+
+def _read_fd(fd: int, n: int, offset: int = 0) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        b = os.pread(fd, min(n - got, 1 << 26), offset + got)
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def read_small_text(path: Path, limit: int = 4096) -> str | None:
+    """A short regular file's text (undecodable bytes replaced), or None when absent, not regular or unreadable."""
+    try:
+        with _open_regular(path) as (fd, _):
+            return _read_fd(fd, limit).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def _parse_header(head: bytes, size: int) -> tuple[int, int]:
+    """(metadata length, metadata xxh3) from an entry's header; CorruptCheckpoint when it is damaged."""
+    if len(head) < HEADER.size:
+        raise CorruptCheckpoint(f"entry file has {len(head)} bytes, shorter than its header (truncated)")
+    magic, meta_len, meta_xxh = HEADER.unpack(head[:HEADER.size])
+    if magic != MAGIC:
+        raise CorruptCheckpoint("entry file does not start with the entry magic (damaged header)")
+    if meta_len > min(MAX_META_BYTES, size - HEADER.size):
+        raise CorruptCheckpoint(f"entry header gives a metadata length of {meta_len} bytes (damaged header)")
+    return meta_len, meta_xxh
+
+
+def _read_meta(fd: int, size: int) -> tuple[dict, int]:
+    """The verified-checksum metadata dict of an open entry file and the offset of its data."""
+    meta_len, meta_xxh = _parse_header(_read_fd(fd, HEADER.size), size)
+    raw = _read_fd(fd, meta_len, HEADER.size)
+    if len(raw) != meta_len or xxhash.xxh3_64_intdigest(raw) != meta_xxh:
+        raise CorruptCheckpoint("entry metadata failed its header checksum (damaged bytes)")
+    return parse_meta(raw, "entry metadata"), HEADER.size + meta_len
 
 
 class DiskStore(KVStore):
@@ -63,143 +161,276 @@ class DiskStore(KVStore):
         self.dir = self.root / _dir_name(self.deployment)
         self.fsync = fsync
         self._clock = 0  # last recency stamp (ns)
+        self.recovered: dict[str, int] = {"tmp_removed": 0, "legacy_migrated": 0, "legacy_restored": 0}
         try:
-            (self.dir / ".gone").mkdir(parents=True, exist_ok=True)
+            for sub in (".gone", ".quarantine"):
+                (self.dir / sub).mkdir(parents=True, exist_ok=True)
+            self._recover()
             self._scan()
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot be opened: {e}") from e
 
     def path_of(self, key: CheckpointKey) -> Path:
-        """The entry directory of ``key`` (for inspection and fault-injection tests)."""
-        return self.dir / key.digest
+        """The entry file of ``key`` (for inspection and fault-injection tests)."""
+        return self.dir / f"{key.digest}{SUFFIX}"
+
+    def data_offset(self, key: CheckpointKey) -> int:
+        """Byte offset of the first blob in ``key``'s entry file (for fault-injection tests).
+
+        Raises:
+            CorruptCheckpoint: the header is damaged.
+        """
+        p = self.path_of(key)
+        with _open_regular(p) as (fd, st):
+            return HEADER.size + _parse_header(_read_fd(fd, HEADER.size), st.st_size)[0]
+
+    # ------------------------------------------------------------------ locking
+
+    @contextlib.contextmanager
+    def _dir_lock(self, exclusive: bool = False, blocking: bool = True) -> Iterator[bool]:
+        """Hold ``.lock``: shared by every put of every process, exclusive for recovery; yields whether held."""
+        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK,
+                     0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise NotRegular(f"{self.dir / '.lock'} is not a regular file; remove it")
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
 
     # ------------------------------------------------------------------ restart
 
+    def _recover(self) -> None:
+        """Roll back interrupted puts and migrate (or restore) entries of the previous layout."""
+        with self._dir_lock(exclusive=True, blocking=False) as alone:
+            now = time.time()
+            for e in list(os.scandir(self.dir)):
+                if not e.name.startswith(".tmp-"):
+                    continue
+                try:
+                    old = now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
+                except OSError:
+                    continue
+                if e.name.endswith("-old") and e.is_dir(follow_symlinks=False):
+                    if alone:  # a replace of the previous layout interrupted between its two renames
+                        self._migrate_legacy(Path(e.path), e.name[5:37], restored=True)
+                    continue
+                if alone or old:  # never published; with the exclusive lock no put of any process is running
+                    self._rm(Path(e.path))
+                    self.recovered["tmp_removed"] += 1
+            if alone:
+                for e in list(os.scandir(self.dir)):
+                    if _DIGEST.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                        self._migrate_legacy(Path(e.path), e.name)
+
+    def _rm(self, p: Path) -> None:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink()
+        except OSError:
+            pass
+
+    def _migrate_legacy(self, src: Path, digest: str, restored: bool = False) -> None:
+        """An entry of the previous layout (a directory of meta.json + data.bin) -> an entry file."""
+        final = self.dir / f"{digest}{SUFFIX}"
+        try:
+            if not final.exists() and _DIGEST.fullmatch(digest):
+                with _open_regular(src / "meta.json") as (fd, st):
+                    raw_meta = _read_fd(fd, min(st.st_size, MAX_META_BYTES + 1))
+                meta = parse_meta(raw_meta, "legacy metadata")
+                stored = check_meta(meta, None)
+                with _open_regular(src / "data.bin") as (fd, st):
+                    data = _read_fd(fd, st.st_size)
+                if stored.digest != digest or len(data) != entry_nbytes(meta):
+                    raise CorruptCheckpoint("legacy entry does not match its name or length")
+                self._publish(final, raw_meta, [memoryview(data)], recovering=True)
+                self.recovered["legacy_restored" if restored else "legacy_migrated"] += 1
+        except (OSError, CorruptCheckpoint, *DECODE_ERRORS) as e:
+            log.warning("disk store %s: legacy entry %s not migrated: %s", self.dir, src.name, str(e)[:200])
+        self._rm(src)
+
     def _scan(self) -> None:
         found = []
-        now = time.time()
-        for p in self.dir.iterdir():
-            if p.name.startswith(".tmp-") and now - p.stat().st_mtime > STALE_TMP_S:
-                shutil.rmtree(p, ignore_errors=True)  # an interrupted put: never published
-            if p.name.startswith(".") or not p.is_dir():
+        for e in os.scandir(self.dir):
+            name = e.name
+            if name.startswith(".") or not name.endswith(SUFFIX) or not _DIGEST.fullmatch(name[:-len(SUFFIX)]):
                 continue
-            entry = self._load_index_entry(p)
+            if not e.is_file(follow_symlinks=False):
+                continue  # a FIFO, directory or link in place of an entry: never opened
+            entry = self._load_index_entry(Path(e.path), name[:-len(SUFFIX)])
             if entry is not None:
                 found.append(entry)
         for mtime, key, n in sorted(found, key=lambda e: e[0]):
             self._lru[key] = n
 
-    def _load_index_entry(self, p: Path):
+    def _load_index_entry(self, p: Path, digest: str, quarantine: bool = True):
+        """(mtime, key, verified size) of an entry file, or None (absent, unreadable, or damaged: quarantined
+        when ``quarantine``, else returned as ``(0, None, 0)``)."""
         try:
-            meta_path = p / "meta.json"
-            meta = json.loads(meta_path.read_text())
-            key = CheckpointKey(**meta["key"])
-            return meta_path.stat().st_mtime_ns, key, blob_nbytes(meta)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # unreadable: get() reports it as corrupt if asked for by key
+            with _open_regular(p) as (fd, st):
+                meta, data_off = _read_meta(fd, st.st_size)
+                key = check_meta(meta, None)
+                n = entry_nbytes(meta)
+                if key.digest != digest or key.deployment != self.deployment:
+                    raise ForeignCheckpoint(f"entry file {p.name} holds {key.describe()} (another key)")
+                if st.st_size != data_off + n:
+                    raise CorruptCheckpoint(f"entry file {p.name} has {st.st_size} bytes, its metadata makes "
+                                            f"{data_off + n} (truncated or wrong length)")
+                return st.st_mtime_ns, key, n
+        except FileNotFoundError:
+            return None
+        except (OSError, CorruptCheckpoint, *DECODE_ERRORS) as e:
+            if isinstance(e, OSError) and not isinstance(e, NotRegular):
+                return None  # unreadable now (permissions, I/O): a get reports it
+            if not quarantine:
+                return 0, None, 0
+            self._quarantine_file(p, digest, str(e), found_by_scan=True)
+            return None
 
     def _index_get(self, key: CheckpointKey) -> int | None:
         n = super()._index_get(key)
-        if n is None and (self.path_of(key) / "meta.json").exists():  # written by another process
-            entry = self._load_index_entry(self.path_of(key))
-            n = entry[2] if entry is not None else 0
-            self._index_put(key, n)
+        if n is None and os.path.lexists(self.path_of(key)):  # written by another process
+            entry = self._load_index_entry(self.path_of(key), key.digest, quarantine=False)
+            if entry is not None:
+                # a damaged or foreign file is indexed at size 0: get() reads it, says what is wrong and
+                # quarantines it
+                n = entry[2] if entry[1] == key else 0
+                self._index_put(key, n)
         return n
 
     # ------------------------------------------------------------------ hooks
 
     def _write(self, key, meta, blobs, ckpt) -> None:
-        tmp = self.dir / f".tmp-{key.digest}-{uuid.uuid4().hex}"
-        final = self.path_of(key)
+        raw_meta = json.dumps(meta).encode()
         try:
-            tmp.mkdir()
-            with open(tmp / "data.bin", "wb") as f:
-                for spec in meta["blobs"]:
-                    f.write(memoryview(blobs[spec["name"]]))
-                self._sync(f)
-            with open(tmp / "meta.json", "w") as f:
-                json.dump(meta, f)
-                self._sync(f)
-            if final.exists():
-                trash = self.dir / f".tmp-{key.digest}-{uuid.uuid4().hex}-old"
-                os.rename(final, trash)
-                os.rename(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            self._stamp(final / "meta.json")
-            if self.fsync:
-                fd = os.open(self.dir, os.O_RDONLY)
+            self._publish(self.path_of(key), raw_meta, [memoryview(blobs[s["name"]]) for s in meta["blobs"]])
+            self._stamp(self.path_of(key))
+        except OSError as e:
+            raise StoreUnavailable(f"disk store at {self.dir} cannot write {key.describe()}: {e}") from e
+
+    def _publish(self, final: Path, raw_meta: bytes, chunks: list, *, recovering: bool = False) -> None:
+        """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory.
+
+        ``recovering``: called by recovery, which already holds the exclusive lock.
+        """
+        tmp = self.dir / f".tmp-{final.name[:32]}-{uuid.uuid4().hex}{SUFFIX}"
+        with contextlib.nullcontext(True) if recovering else self._dir_lock():
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
                 try:
-                    os.fsync(fd)
+                    with os.fdopen(fd, "wb", closefd=False) as f:
+                        f.write(HEADER.pack(MAGIC, len(raw_meta), xxhash.xxh3_64_intdigest(raw_meta)))
+                        f.write(raw_meta)
+                        for c in chunks:
+                            f.write(c)
+                    if self.fsync:
+                        os.fsync(fd)
                 finally:
                     os.close(fd)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise StoreUnavailable(f"disk store at {self.dir} cannot write {key.describe()}: {e}") from e
+                self._swap(tmp, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+        if self.fsync:
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    @staticmethod
+    def _swap(tmp: Path, final: Path) -> None:
+        os.replace(tmp, final)  # the atomic step (a seam for crash tests)
 
     def _stamp(self, path: Path) -> None:
         # explicit nanosecond stamps: the kernel's own mtimes are jiffy-coarse and would tie
         self._clock = max(time.time_ns(), self._clock + 1)
-        os.utime(path, ns=(self._clock, self._clock))
-
-    def _sync(self, f) -> None:
-        if self.fsync:
-            f.flush()
-            os.fsync(f.fileno())
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(self._clock, self._clock), follow_symlinks=False)
 
     def _read(self, key) -> Checkpoint:
         p = self.path_of(key)
         try:
-            text = (p / "meta.json").read_text()
-            data = (p / "data.bin").read_bytes()
-            self._stamp(p / "meta.json")  # recency survives a restart
+            with _open_regular(p) as (fd, st):
+                meta, data_off = _read_meta(fd, st.st_size)
+                check_meta(meta, key)  # before the blob table is trusted
+                n = entry_nbytes(meta)
+                if st.st_size != data_off + n:
+                    raise CorruptCheckpoint(f"entry file of {key.describe()} has {st.st_size} bytes, expected "
+                                            f"{data_off + n} (truncated or wrong length)")
+                data = _read_fd(fd, n, data_off)
         except FileNotFoundError:
             self._index_pop(key)
             raise CheckpointMissing(key, self._tomb_get(key) or f"checkpoint of {key.describe()} was removed "
                                     "from the disk store (evicted or replaced by another process)") from None
+        except NotRegular as e:
+            raise CorruptCheckpoint(f"entry of {key.describe()}: {e}") from None
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot read {key.describe()}: {e}") from e
-        try:
-            meta = json.loads(text)
-        except ValueError:
-            raise CorruptCheckpoint(f"metadata of {key.describe()} is not valid JSON (damaged file)") from None
-        check_meta(meta, key)  # before the blob table is trusted
+        self._stamp(p)  # recency survives a restart
         view, blobs, off = memoryview(data), {}, 0
         for spec in meta["blobs"]:
             blobs[spec["name"]] = view[off:off + spec["nbytes"]]
             off += spec["nbytes"]
-        if len(data) > off:  # a shorter file shows up as a short blob in decode_checkpoint
-            raise CorruptCheckpoint(f"data file of {key.describe()} has {len(data)} bytes, expected {off} "
-                                    "(wrong length)")
         return decode_checkpoint(meta, blobs, key)
 
     def _remove(self, key) -> None:
-        p = self.path_of(key)
-        if p.exists():
-            trash = self.dir / f".tmp-{key.digest}-{uuid.uuid4().hex}-del"
-            try:
-                os.rename(p, trash)  # atomic unpublish, then delete at leisure
-            except FileNotFoundError:
-                return
-            shutil.rmtree(trash, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_of(key))  # atomic unpublish; a reader holding the file keeps its copy
+
+    def _quarantine(self, key, reason: str) -> None:
+        self._quarantine_file(self.path_of(key), key.digest, reason)
+
+    def _quarantine_file(self, p: Path, digest: str, reason: str, found_by_scan: bool = False) -> None:
+        """Move a damaged entry aside (the newest ``KEEP_QUARANTINED`` are kept for inspection).
+
+        ``found_by_scan``: found on open or by an index lookup, not by ``get`` (which counts and records its own).
+        """
+        q = self.dir / ".quarantine"
+        try:
+            os.rename(p, q / f"{digest}-{time.time_ns()}{SUFFIX}")
+        except FileNotFoundError:
+            return
+        except OSError:
+            self._rm(p)
+        log.warning("disk store %s: quarantined %s: %s", self.dir, p.name, (reason.splitlines() or [""])[0][:300])
+        with contextlib.suppress(OSError):
+            old = sorted(q.iterdir(), key=lambda x: x.name.rsplit("-", 1)[-1])
+            for x in old[:-KEEP_QUARANTINED]:
+                self._rm(x)
+        if found_by_scan:
+            self.stats.quarantined += 1
+            for k in [k for k in self._lru if k.digest == digest]:
+                self._lru.pop(k, None)
+            self._tomb_put_digest(digest, f"entry {p.name} was quarantined as corrupt ({reason[:300]})")
 
     # tombstones persist so another process (or a restart) can say why a key is gone
 
     def _tomb_put(self, key, reason: str) -> None:
         super()._tomb_put(key, reason)
+        self._tomb_put_digest(key.digest, reason)
+
+    def _tomb_put_digest(self, digest: str, reason: str) -> None:
+        p = self.dir / ".gone" / digest
         try:
-            (self.dir / ".gone" / key.digest).write_text(reason)
+            tmp = p.with_name(f".{digest}-{uuid.uuid4().hex}")
+            tmp.write_text(reason)
+            os.replace(tmp, p)
         except OSError:
             pass
 
     def _tomb_get(self, key) -> str | None:
         reason = super()._tomb_get(key)
         if reason is None:
-            try:
-                reason = (self.dir / ".gone" / key.digest).read_text() or None
-            except OSError:
-                reason = None
+            reason = read_small_text(self.dir / ".gone" / key.digest) or None
         return reason
 
     def _tomb_pop(self, key) -> None:

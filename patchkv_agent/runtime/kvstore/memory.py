@@ -80,5 +80,6 @@ class MemoryStore(KVStore):
             return
         try:
             self.spill.put(key, self._entries[key][0])
-        except StoreUnavailable:  # the entry is lost; the tombstone says it was evicted
-            log.warning("spill of %s to the %s tier failed", key.describe(), self.spill.tier, exc_info=True)
+        except StoreUnavailable as e:  # the entry is lost; the tombstone says it was evicted
+            log.warning("spill of %s to the %s tier failed: %s", key.describe(), self.spill.tier,
+                        str(e).splitlines()[0][:300])

@@ -13,40 +13,53 @@ Knows the engine's public ``resume`` and the store interface; nothing about tier
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 from ...core.checkpoint import CorruptCheckpoint
-from ...strategies import get_strategy
+from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from .codec import CheckpointKey, ForeignCheckpoint
 
-FALLBACK_PREFIX = "exact recompute: "
+__all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
+
+log = logging.getLogger(__name__)
 
 
 def load_for_resume(engine, store: KVStore, key: CheckpointKey):
     """Fetch ``key`` for ``engine``, or say why it cannot be used.
 
     Returns:
-        ``(checkpoint, None)`` or ``(None, reason)``; ``reason`` starts with ``"exact recompute: "``.
+        ``(checkpoint, None)`` or ``(None, reason)``; ``reason`` is a
+        :class:`~patchkv_agent.core.fallback.Fallback` (its text starts with ``"exact recompute: "``).
 
     Raises:
         TypeError, ValueError: ``key`` is not a key of ``store``'s deployment.
     """
     store.check_key(key)
-    if key.fingerprint != engine.spec.fingerprint:
-        return None, (f"{FALLBACK_PREFIX}the checkpoint of {key.describe()} was written by another model "
-                      f"({key.fingerprint[:24]}...) than this engine's ({engine.spec.fingerprint[:24]}...); "
-                      "not loaded")
+    current = engine.refresh_fingerprint()  # notices in-place weight changes
+    if key.fingerprint != current and engine.weights_changed_since(key.fingerprint):
+        return None, Fallback(FallbackKind.WEIGHTS_CHANGED, f"the model's weights changed since the checkpoint of "
+                                                            f"{key.describe()} was written; not loaded")
+    if key.fingerprint != current:
+        return None, Fallback(FallbackKind.FOREIGN_MODEL,
+                              f"the checkpoint of {key.describe()} was written by another model "
+                              f"({key.fingerprint[:24]}...) than this engine's ({current[:24]}...); "
+                              "not loaded")
     try:
         return store.get(key), None
     except CheckpointMissing as e:
-        return None, f"{FALLBACK_PREFIX}checkpoint missing: {e.reason}"
+        return None, Fallback(FallbackKind.MISSING, e.reason)
     except ForeignCheckpoint as e:
-        return None, f"{FALLBACK_PREFIX}foreign checkpoint: {e}"
+        return None, Fallback(FallbackKind.FOREIGN, e)
     except CorruptCheckpoint as e:
-        return None, f"{FALLBACK_PREFIX}corrupt checkpoint: {e}"
+        return None, Fallback(FallbackKind.CORRUPT_CHECKPOINT, e)
     except StoreUnavailable as e:
-        return None, f"{FALLBACK_PREFIX}store unavailable: {e}"
+        return None, Fallback(FallbackKind.STORE_UNAVAILABLE, e)
+    except Exception as e:  # noqa: BLE001 - last line of defence: a store fault never escapes a resume
+        detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log.warning("%s store failed reading %s: %s", store.tier, key.describe(), detail)
+        return None, Fallback(FallbackKind.STORE_ERROR, detail)
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
@@ -60,8 +73,8 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         new_token_ids: ids of the new context version.
         strategy: the strategy when the checkpoint is usable (``exact`` never reads the store).
         max_new_tokens: greedy tokens to decode.
-        forward_lock: held around the engine's forward passes (not the store read) when several threads
-            share one engine; None: no lock.
+        forward_lock: an extra lock held around the engine call (not the store read); None: none. The
+            engine serialises its forward passes with its own ``forward_lock`` in any case.
         **options: strategy options (``dirty_window=``, ``kappa=`` ...).
 
     Returns:
@@ -69,10 +82,12 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ``store_get_s`` and ``store_key``, and ``fallback`` is None or why the exact path was taken.
 
     Raises:
-        ValueError: a key of another deployment, an unknown strategy, or bad token ids.
+        ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
-    get_strategy(strategy, **options)  # misuse raises before any I/O
+    engine.strategy(strategy, **options)  # misuse raises before any I/O (the engine resolves strategies)
+    new_token_ids = engine.validate_ids(new_token_ids, "new_token_ids")
+    engine.validate_max_new_tokens(max_new_tokens, len(new_token_ids))
     t0 = time.perf_counter()
     if strategy == "exact":
         store.check_key(key)

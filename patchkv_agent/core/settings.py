@@ -1,0 +1,85 @@
+"""The settings a recovery reads: one frozen, keyword-only value instead of attributes on an engine.
+
+:class:`RecoverySettings` holds what planning, checkpointing and restoring need: the block size, the
+dirty-window length model, ``kappa``, the per-block precision policy, the precision restored rows are
+read at, the attention-capture window and whether checkpoints carry mixed-precision runs. The engine
+builds one from its calibration profile and explicit arguments (explicit arguments win); strategies
+receive it (with the model spec) and may return a modified copy (``dataclasses.replace``) for their
+own options.
+
+Boundary: torch-free (imports only :mod:`.plan` and :mod:`.precision`, which are numpy-only), so
+profiles and tools can build settings without loading a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
+from .precision import PrecisionPolicy
+
+__all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
+
+DEFAULT_CAPTURE_WINDOW = 32  # final query positions whose attention the checkpoint pass records
+RESTORE_PRECISIONS = ("fp16", "mixed")
+
+
+def _default_length_model() -> LengthModel:
+    return LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoverySettings:
+    """Everything a strategy, the checkpoint pass and the restore read (frozen; copy with ``replace``).
+
+    Attributes:
+        block_size: suffix block size in tokens (unit of selection, transfer and precision tags), ``>= 1``.
+        length_model: the dirty-window :class:`~patchkv_agent.core.plan.LengthModel` (``d_hat`` per
+            edited span); default a fixed ``DEFAULT_DIRTY_WINDOW``-token window.
+        kappa: fraction of suffix tokens outside the window recomputed by attention score, in ``[0, 1]``.
+        precision_policy: thresholds of the per-block FP16 / K8V8 / K8V4 rule for checkpoints.
+        restore_precision: ``"fp16"`` (restore checkpoint rows as stored) or ``"mixed"`` (each restored
+            block at its checkpoint tag).
+        capture_window: final query positions the checkpoint pass records attention from, ``>= 1``.
+        mixed_precision: checkpoints also carry mixed-precision runs (needed for ``"mixed"`` restores).
+
+    Raises:
+        ValueError: a field outside its range (the message names it).
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    length_model: LengthModel = field(default_factory=_default_length_model)
+    kappa: float = 0.0
+    precision_policy: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    restore_precision: str = "fp16"
+    capture_window: int = DEFAULT_CAPTURE_WINDOW
+    mixed_precision: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
+            raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
+        if isinstance(self.kappa, bool) or not isinstance(self.kappa, (int, float)) or not (
+                math.isfinite(self.kappa) and 0.0 <= self.kappa <= 1.0):
+            raise ValueError(f"kappa must be a number in [0, 1], got {self.kappa!r}")
+        object.__setattr__(self, "kappa", float(self.kappa))
+        if not isinstance(self.length_model, LengthModel):
+            raise ValueError(f"length_model must be a LengthModel, got {type(self.length_model).__name__}")
+        if not isinstance(self.precision_policy, PrecisionPolicy):
+            raise ValueError(f"precision_policy must be a PrecisionPolicy, got {type(self.precision_policy).__name__}")
+        if self.restore_precision not in RESTORE_PRECISIONS:
+            raise ValueError(f"precision must be 'fp16' or 'mixed', got {self.restore_precision!r}")
+        if not isinstance(self.mixed_precision, bool):
+            raise ValueError(f"mixed_precision must be a bool, got {self.mixed_precision!r}")
+
+    def replace(self, **changes) -> "RecoverySettings":
+        """A copy with ``changes`` applied (validated like the constructor).
+
+        Raises:
+            TypeError: an unknown field name.
+            ValueError: a value outside its range.
+        """
+        return dataclasses.replace(self, **changes)

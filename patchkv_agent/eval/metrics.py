@@ -1,0 +1,142 @@
+"""Fidelity metrics of a resume against the exact reference, and answer F1 against gold answers.
+
+The fields of the result format (``docs/TRACES.md``): ``first_token_kl``, ``top1_agree``, ``tf_agree``,
+``exact_continuation`` (:func:`fidelity` computes all four) and ``f1`` (:func:`token_f1`). Used by the
+trace replay, the benchmark, the transport benchmark and the calibration profiler and analysis, so that
+every number called "KL" or "agreement" in this project is computed one way.
+
+Boundary: reads a :class:`~patchkv_agent.engine.ResumeResult`'s logits, output ids and K/V, and runs the
+engine's model for teacher forcing; strategies and stores are not known here.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import string
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..core.recovery import to_dynamic_cache
+
+__all__ = ["normalize_answer", "token_f1", "first_token_kl", "top1_agree", "teacher_forced_agreement", "fidelity"]
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD answer normalisation: lower case, no punctuation, no articles, single spaces.
+
+    Args:
+        s: an answer or a prediction.
+
+    Returns:
+        The normalised text.
+    """
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def token_f1(prediction: str, answers: Iterable[str]) -> float:
+    """Max SQuAD token F1 of ``prediction`` over ``answers``.
+
+    Args:
+        prediction: the model's text.
+        answers: gold answers (aliases).
+
+    Returns:
+        The best F1 in ``[0, 1]`` (0.0 when ``answers`` is empty).
+    """
+    best = 0.0
+    pred = normalize_answer(prediction).split()
+    for ans in answers:
+        gold = normalize_answer(ans).split()
+        common = collections.Counter(pred) & collections.Counter(gold)
+        same = sum(common.values())
+        if not pred or not gold:
+            f1 = float(pred == gold)
+        elif same == 0:
+            f1 = 0.0
+        else:
+            p, r = same / len(pred), same / len(gold)
+            f1 = 2 * p * r / (p + r)
+        best = max(best, f1)
+    return best
+
+
+def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(ref || other) of the first-token distributions, in nats (float64 softmax, clamped at 0).
+
+    Args:
+        ref_logits: the reference's first-token logits ``[V]``.
+        logits: the compared first-token logits ``[V]``.
+
+    Returns:
+        The divergence.
+    """
+    p = torch.log_softmax(ref_logits.double(), -1)
+    q = torch.log_softmax(logits.double(), -1)
+    return float((p.exp() * (p - q)).sum().clamp_min(0.0))
+
+
+def top1_agree(ref_logits: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether the two first-token argmaxes are equal.
+
+    Args:
+        ref_logits: the reference's first-token logits.
+        logits: the compared first-token logits.
+
+    Returns:
+        True when they pick the same token.
+    """
+    return bool(int(ref_logits.argmax()) == int(logits.argmax()))
+
+
+@torch.no_grad()
+def teacher_forced_agreement(engine, res, ref_ids: Sequence[int]) -> float:
+    """Fraction of steps whose argmax equals ``ref_ids`` when feeding ``ref_ids`` over ``res``'s KV.
+
+    Step 0 is ``res``'s own first-token logits; steps 1.. come from one forward of ``ref_ids[:-1]`` on a
+    copy of ``res``'s cache at the positions after its context.
+
+    Args:
+        engine: the engine whose model produced ``res``.
+        res: a :class:`~patchkv_agent.engine.ResumeResult` (logits, K/V, context ids).
+        ref_ids: the reference continuation (exact's greedy output).
+
+    Returns:
+        The agreement in ``[0, 1]`` (1.0 for an empty reference).
+    """
+    ref_ids = list(ref_ids)
+    if not ref_ids:
+        return 1.0
+    preds = [int(res.logits.argmax())]
+    if len(ref_ids) > 1:
+        cache = to_dynamic_cache(engine.model, res.keys, res.values)
+        n = len(res.context_ids)
+        feed = torch.tensor([ref_ids[:-1]], device=engine.device)
+        pos = torch.arange(n, n + len(ref_ids) - 1, device=engine.device)[None]
+        logits = engine.model(input_ids=feed, position_ids=pos, cache=cache, use_cache=True).logits[0]
+        preds += logits.argmax(-1).tolist()
+    return sum(int(a == b) for a, b in zip(preds, ref_ids)) / len(ref_ids)
+
+
+def fidelity(engine, res, ref) -> dict[str, Any]:
+    """The four fidelity fields of a result row: ``res`` scored against the exact reference ``ref``.
+
+    Args:
+        engine: the engine that produced both.
+        res: the strategy's :class:`~patchkv_agent.engine.ResumeResult`.
+        ref: the ``exact`` result for the same context.
+
+    Returns:
+        ``{"first_token_kl", "top1_agree", "tf_agree", "exact_continuation"}``.
+    """
+    ref_out = list(ref.output_ids)
+    return {
+        "first_token_kl": first_token_kl(ref.logits, res.logits),
+        "top1_agree": top1_agree(ref.logits, res.logits),
+        "tf_agree": teacher_forced_agreement(engine, res, ref_out),
+        "exact_continuation": bool(list(res.output_ids) == ref_out),
+    }

@@ -1,0 +1,213 @@
+"""The engine's typed surface: RecoverySettings (what strategies read), ResumeStats (the stats dict's
+schema) and Fallback (why a resume was exact), on a tiny llama."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from patchkv_agent import Fallback, FallbackKind, PatchKVEngine, RecoverySettings, ResumeStats
+from patchkv_agent.core.checkpoint import CorruptCheckpoint
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_repair
+from patchkv_agent.core.precision import PrecisionPolicy
+from patchkv_agent.runtime.kvstore import CheckpointMissing, ForeignCheckpoint, MemoryStore, StoreUnavailable
+from patchkv_agent.runtime.kvstore import load_for_resume, resume_from_store
+from patchkv_agent.strategies import PatchKVStrategy, get_strategy
+from tiny_models import tiny_model
+
+TOL = 1e-4
+
+# the stats keys of an engine resume before ResumeStats existed (e3677db), in order
+OLD_KEYS = ("strategy", "prompt_tokens", "prefix_tokens", "new_tokens", "suffix_tokens", "recompute_tokens",
+            "recompute_ratio", "restore_tokens", "payload_bytes", "ttft_s", "plan_s", "restore_s", "recompute_s",
+            "offload_s", "stats_s", "quantize_s", "fallback")
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+
+
+@pytest.fixture(scope="module")
+def pair(eng):
+    rng = np.random.default_rng(0)
+    old = rng.integers(3, eng.spec.vocab_size, size=120).tolist()
+    new = old[:40] + rng.integers(3, eng.spec.vocab_size, size=17).tolist() + old[50:]
+    return old, new
+
+
+# ----------------------------------------------------------------------------- RecoverySettings
+
+
+def test_settings_defaults_validation_and_replace():
+    s = RecoverySettings()
+    assert (s.block_size, s.kappa, s.restore_precision, s.capture_window, s.mixed_precision) == (
+        DEFAULT_BLOCK_SIZE, 0.0, "fp16", 32, True)
+    assert s.length_model == LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
+    with pytest.raises(TypeError):
+        RecoverySettings(16)  # keyword-only
+    with pytest.raises(Exception):
+        s.block_size = 4  # frozen
+    for bad in ({"block_size": 0}, {"block_size": 2.5}, {"kappa": 1.5}, {"kappa": float("nan")},
+                {"restore_precision": "int4"}, {"capture_window": 0}, {"mixed_precision": "yes"},
+                {"length_model": 32}):
+        with pytest.raises(ValueError):
+            s.replace(**bad)
+    with pytest.raises(TypeError):
+        s.replace(no_such_field=1)
+    assert s.replace(kappa=0.1).kappa == 0.1 and s.kappa == 0.0
+
+
+def test_engine_builds_settings_once_explicit_args_win(eng):
+    s = eng.settings
+    assert (s.block_size, s.length_model) == (8, LengthModel.fixed(8))
+    # the attribute names callers used keep working, read from the settings
+    assert (eng.block_size, eng.kappa, eng.length_model) == (8, 0.0, LengthModel.fixed(8))
+    base = RecoverySettings(block_size=16, kappa=0.25, precision_policy=PrecisionPolicy(tau_L=0.5))
+    e2 = PatchKVEngine(eng.model, None, settings=base, kappa=0.5, profile=None)
+    assert (e2.settings.block_size, e2.settings.kappa, e2.settings.precision_policy.tau_L) == (16, 0.5, 0.5)
+    with pytest.raises(ValueError):
+        PatchKVEngine(eng.model, None, block_size=0, profile=None)
+
+
+def test_engine_attribute_assignment_replaces_the_frozen_settings():
+    e = PatchKVEngine(tiny_model("llama"), None, profile=None)
+    before = e.settings
+    e.block_size = 16
+    e.length_model = LengthModel.fixed(4)
+    assert e.settings is not before and before.block_size == DEFAULT_BLOCK_SIZE
+    assert (e.settings.block_size, e.settings.length_model) == (16, LengthModel.fixed(4))
+    with pytest.raises(ValueError):
+        e.kappa = 2.0
+    assert e.settings.kappa == 0.0
+
+
+def test_strategies_read_settings_not_the_engine(eng, pair):
+    old, new = pair
+    ckpt = eng.checkpoint(old)
+    edit = diff_versions(ckpt.token_ids, np.asarray(new))
+    s = RecoverySettings(block_size=4, length_model=LengthModel.fixed(12), kappa=0.05)
+    got = get_strategy("patchkv").plan(s, ckpt, edit)
+    ref = plan_repair(edit, ckpt.scores, length_model=LengthModel.fixed(12), kappa=0.05, block_size=4)
+    assert np.array_equal(got.recompute_positions, ref.recompute_positions)
+    assert np.array_equal(got.restore_old_positions, ref.restore_old_positions)
+    # options are overrides of the settings
+    strat = PatchKVStrategy(dirty_window=20, block_size=16, precision="fp16")
+    r = strat.resolve(s)
+    assert (r.length_model, r.block_size, r.kappa, r.restore_precision) == (LengthModel.fixed(20), 16, 0.05, "fp16")
+    got = strat.plan(s, ckpt, edit)
+    ref = plan_repair(edit, ckpt.scores, length_model=LengthModel.fixed(20), kappa=0.05, block_size=16)
+    assert np.array_equal(got.recompute_positions, ref.recompute_positions)
+    with pytest.raises(ValueError, match="precision"):
+        PatchKVStrategy(precision="int4")
+    with pytest.raises(ValueError):
+        PatchKVStrategy(kappa=-0.1)
+    # an engine resume with options equals one on an engine whose settings are those options (fp16
+    # restores: the mixed runs of the two checkpoints are tagged per block of their own size)
+    e2 = PatchKVEngine(eng.model, None, block_size=16, dirty_window=20, profile=None)
+    a = eng.resume(ckpt, new, strategy="patchkv", dirty_window=20, block_size=16, precision="fp16",
+                   max_new_tokens=3)
+    b = e2.resume(e2.checkpoint(old), new, strategy="patchkv", precision="fp16", max_new_tokens=3)
+    assert a.stats["recompute_tokens"] == b.stats["recompute_tokens"] and a.output_ids == b.output_ids
+    assert torch.allclose(a.logits, b.logits, atol=TOL)
+
+
+# ----------------------------------------------------------------------------- ResumeStats
+
+
+def test_resume_stats_dict_has_exactly_the_old_keys(eng, pair):
+    old, new = pair
+    assert ResumeStats.keys() == OLD_KEYS
+    res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
+    assert isinstance(res.stats, dict)
+    assert tuple(res.stats) == OLD_KEYS + ("restore_kernel",)
+    exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
+    assert tuple(exact.stats) == OLD_KEYS + ("restore_kernel",)
+    assert exact.stats["offload_s"] is None and exact.stats["fallback"] is None
+    json.dumps({k: v for k, v in res.stats.items()})  # a trace row's fields stay JSON values
+    typed = ResumeStats.from_dict(res.stats)
+    assert typed.recompute_tokens == res.stats["recompute_tokens"] and typed.extras == {
+        "restore_kernel": res.stats["restore_kernel"]}
+    assert typed.to_dict() == res.stats
+
+
+def test_cacheblend_stats_keep_their_extras(eng, pair):
+    old, new = pair
+    e = PatchKVEngine(eng.model, None, block_size=8, dirty_window=8, mixed_precision=False, profile=None)
+    res = e.resume(e.checkpoint(old), new, strategy="cacheblend", max_new_tokens=1)
+    assert tuple(res.stats)[:len(OLD_KEYS)] == OLD_KEYS
+    assert {"cacheblend_full_layers", "cacheblend_selected", "cacheblend_selected_positions"} <= set(res.stats)
+    assert "restore_kernel" not in res.stats
+
+
+# ----------------------------------------------------------------------------- Fallback
+
+
+def test_fallback_is_its_text():
+    f = Fallback(FallbackKind.MISSING, "evicted by the LRU")
+    assert f == "exact recompute: checkpoint missing: evicted by the LRU" and str(f) == f
+    assert type(str(f)) is str and f.kind is FallbackKind.MISSING and f.detail == "evicted by the LRU"
+    assert json.loads(json.dumps({"fallback": f})) == {"fallback": str(f)}
+    g = pickle.loads(pickle.dumps(f))
+    assert g == f and g.kind is FallbackKind.MISSING
+    assert Fallback("corrupt_checkpoint", "x").kind is FallbackKind.CORRUPT_CHECKPOINT
+    with pytest.raises(ValueError):
+        Fallback("no-such-kind", "x")
+    for kind in FallbackKind:
+        assert Fallback(kind, "d").startswith("exact recompute: ") and Fallback(kind, "d").endswith("d")
+
+
+def test_engine_fallback_kinds(eng, pair):
+    old, new = pair
+    dyn = PatchKVEngine(tiny_model("dynamic"), None, block_size=8, dirty_window=8, profile=None)
+    res = dyn.resume(dyn.checkpoint(old), new, strategy="direct", max_new_tokens=1)
+    fb = res.stats["fallback"]
+    assert fb.kind is FallbackKind.UNSUPPORTED_ROPE and fb == f"exact recompute: {dyn.spec.rope_unsupported_reason}"
+
+    ckpt = eng.checkpoint(old)
+    for tag in ckpt.mixed.tag_rows:
+        ckpt.mixed.payloads[0][tag].k_data.view(torch.uint8).view(-1)[0] ^= 0x5A
+    res = eng.resume(ckpt, new, strategy="patchkv", max_new_tokens=1)
+    fb = res.stats["fallback"]
+    assert fb.kind is FallbackKind.CORRUPT_RUN and fb.startswith("exact recompute: checksum mismatch")
+    exact = eng.resume(None, new, strategy="exact", max_new_tokens=1)
+    assert (res.logits - exact.logits).abs().max().item() <= TOL and res.output_ids == exact.output_ids
+
+
+@pytest.mark.parametrize("exc, kind, label", [
+    (CheckpointMissing(None, "gone"), FallbackKind.MISSING, "checkpoint missing: "),
+    (ForeignCheckpoint("entry of thread u"), FallbackKind.FOREIGN, "foreign checkpoint: "),
+    (CorruptCheckpoint("bad bytes"), FallbackKind.CORRUPT_CHECKPOINT, "corrupt checkpoint: "),
+    (StoreUnavailable("connection refused"), FallbackKind.STORE_UNAVAILABLE, "store unavailable: "),
+])
+def test_store_fallback_kinds(eng, pair, exc, kind, label, monkeypatch):
+    old, new = pair
+    store = MemoryStore()
+    ckpt = eng.checkpoint(old)
+    key = store.key_for(ckpt, thread_id="t", version=1)
+    store.put(key, ckpt)
+
+    def fail(_key):
+        raise exc
+
+    monkeypatch.setattr(store, "get", fail)
+    _, reason = load_for_resume(eng, store, key)
+    assert reason.kind is kind and reason.startswith("exact recompute: " + label)
+    res = resume_from_store(eng, store, key, new, max_new_tokens=2)
+    assert res.stats["fallback"].kind is kind and res.stats["strategy"] == "exact"
+
+
+def test_store_foreign_model_kind(eng, pair):
+    import dataclasses
+
+    old, new = pair
+    store = MemoryStore()
+    ckpt = eng.checkpoint(old)
+    key = dataclasses.replace(store.key_for(ckpt, thread_id="t", version=1), fingerprint="other:" + "0" * 24)
+    _, reason = load_for_resume(eng, store, key)
+    assert reason.kind is FallbackKind.FOREIGN_MODEL and "another model" in reason
