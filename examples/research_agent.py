@@ -14,7 +14,11 @@ For each HotpotQA question (packaged with patchkv-agent), one graph thread runs 
    resumed on a shadow thread with ``prefix`` (Prefix Cache: recompute everything after the first
    edit), timed the same way.
 
-Control flow is graph-driven (a 135M model is a weak tool caller); the model writes every answer.
+The controller decides when the context is edited; the model chooses the searches of the edits itself
+through real tool calls (``bind_tools([search], tool_choice="search")``: grammar-constrained, so a
+135M model writes a valid call whose query it picks; the call and its result replace the stale pair in
+the context), and writes every answer. ``--checkpointer sqlite:PATH`` keeps the graph's checkpoints in
+SQLite; ``patchkv-agent replay --from-checkpointer sqlite:PATH`` replays them.
 Per turn it prints TTFT and recompute tokens of PatchKV next to prefix recompute, and how much of the
 offload the tool time hid. ``--record PATH`` writes the run as replayable traces
 (``patchkv-agent replay``).
@@ -96,7 +100,7 @@ def build_graph(model: PatchKVChatModel, ex: dict, search: PassageSearch, args, 
     supporting = [p for p in ex["passages"] if p.get("is_supporting")]
     shown: set[str] = set()
 
-    @tool
+    @tool("search")
     def search_tool(query: str) -> str:
         """Search the encyclopedia; returns one passage."""
         p = search.find(query, exclude=shown)
@@ -124,13 +128,10 @@ def build_graph(model: PatchKVChatModel, ex: dict, search: PassageSearch, args, 
                     "messages": [SystemMessage(SYSTEM, id="sys"),
                                  HumanMessage(f"Find evidence to answer: {question}", id="task")]}
         stale = [i for i, s in enumerate(slots) if not s["supporting"] and s.get("live", True)]
-        if EDITS.get(turn) == "replace_tool_result" and stale:   # the missing supporting passage
-            missing = [p for p in supporting if p["title"] not in {s["title"] for s in slots}]
-            query = missing[0]["title"] if missing else search.find(question, exclude=shown)["title"]
-            return {"turn": turn, "pending": [{"slot": stale[0], "query": query}]}
-        if EDITS.get(turn) == "refresh_evidence" and stale:      # a stale result re-run
-            query = search.find(question, exclude=shown | {s["title"] for s in slots})["title"]
-            return {"turn": turn, "pending": [{"slot": stale[len(stale) // 2], "query": query}]}
+        if EDITS.get(turn) == "replace_tool_result" and stale:   # a stale result replaced: the model searches
+            return {"turn": turn, "pending": [{"slot": stale[0], "query": None}]}
+        if EDITS.get(turn) == "refresh_evidence" and stale:      # another stale result re-run by the model
+            return {"turn": turn, "pending": [{"slot": stale[len(stale) // 2], "query": None}]}
         if len(stale) >= 2:                                          # compact two old exchanges
             a, b = slots[stale[0]], slots[stale[1]]
             by_title = {p["title"]: p for p in search.passages}
@@ -141,19 +142,37 @@ def build_graph(model: PatchKVChatModel, ex: dict, search: PassageSearch, args, 
                 RemoveMessage(id=b["ai_id"]), RemoveMessage(id=b["tool_id"])]}
         return {"turn": turn, "pending": []}
 
-    def tools(state: AgentState) -> dict:
+    searcher = model.bind_tools([search_tool], tool_choice="search", max_tokens=args.search_tokens)
+
+    def model_query(state: AgentState, slot: dict, thread_id: str) -> tuple[str, dict]:
+        """The model's own tool call: it writes the search (grammar-forced to a valid call of `search`)."""
+        keep = [m for m in state["messages"] if getattr(m, "id", None) not in (slot["ai_id"], slot["tool_id"])]
+        ask = HumanMessage(f"The result for '{slot['title']}' is stale. Call the search tool to find better "
+                           f"evidence for: {question}")
+        ai = searcher.invoke(keep + [ask], {"configurable": {"thread_id": thread_id + "/search"}})
+        if ai.tool_calls:
+            return ai.tool_calls[0]["args"].get("query") or question, ai.response_metadata["patchkv"]
+        print(f"      model's search call was invalid ({ai.invalid_tool_calls[:1]}); searching the question", flush=True)
+        return question, ai.response_metadata["patchkv"]
+
+    def tools(state: AgentState, config) -> dict:
         t0 = time.perf_counter()
         slots = [dict(s) for s in state["slots"]]
         out = []
         for req in state.get("pending", []):
             s = slots[req["slot"]]
-            result = search_tool.invoke({"query": req["query"]})
+            query = req["query"]
+            if query is None:
+                query, st = model_query(state, s, config["configurable"]["thread_id"])
+                print(f"      model tool call: search(query={query!r})  [{st['strategy']}, "
+                      f"{st['prompt_tokens']} ctx tok, TTFT {st['ttft_s']:.2f}s, grammar {st['grammar']}]", flush=True)
+            result = search_tool.invoke({"query": query})
             s["title"] = result.split("\n", 1)[0]
             s["supporting"] = any(p["title"] == s["title"] for p in supporting)
-            call = {"name": "search", "args": {"query": req["query"]}, "id": s["call_id"]}
+            call = {"name": "search", "args": {"query": query}, "id": s["call_id"]}
             out += [AIMessage("", tool_calls=[call], id=s["ai_id"]),
                     ToolMessage(result, tool_call_id=s["call_id"], id=s["tool_id"])]
-        time.sleep(max(0.0, args.tool_latency - (time.perf_counter() - t0)))  # the tool's latency
+        time.sleep(max(0.0, args.tool_latency - (time.perf_counter() - t0)))  # the tool's latency (a floor)
         ask = HumanMessage(f"Question: {question} Answer in a few words.", id=f"q{state['turn']}")
         return {"messages": out + [ask], "slots": slots, "pending": [],
                 "log": [{"tool_s": time.perf_counter() - t0}]}
@@ -236,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads (0: torch's default). One thread each for the agent and the "
                          "offload worker fills 2 cores without oversubscription, and does not stall on busy cores")
     ap.add_argument("--record", default=None, help="write the run as traces (JSONL) here")
+    ap.add_argument("--checkpointer", default="memory", metavar="memory|sqlite:PATH",
+                    help="where the graph's checkpoints go (sqlite:PATH: replay them later with "
+                         "`patchkv-agent replay --from-checkpointer sqlite:PATH`)")
+    ap.add_argument("--search-tokens", type=int, default=48, help="token limit of the model's search calls")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -248,9 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     engine = PatchKVEngine.from_pretrained(args.model)
     registry = ThreadRegistry(engine)
-    model = PatchKVChatModel(registry=registry, strategy=args.strategy, max_new_tokens=args.max_new_tokens,
-                             model_name=args.model)
-    saver = PatchKVCheckpointSaver(InMemorySaver(), registry)
+    model = PatchKVChatModel(registry=registry, strategy=args.strategy, max_new_tokens=args.max_new_tokens)
+    if args.checkpointer == "memory":
+        inner = InMemorySaver()
+    elif args.checkpointer.startswith("sqlite:"):
+        import sqlite3
+
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        inner = SqliteSaver(sqlite3.connect(args.checkpointer[len("sqlite:"):], check_same_thread=False))
+    else:
+        ap.error(f"--checkpointer takes memory or sqlite:PATH, got {args.checkpointer!r}")
+    saver = PatchKVCheckpointSaver(inner, registry)
     print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; block {engine.block_size}, "
           f"{args.turns} turns x {args.questions} questions, tool latency {args.tool_latency}s", flush=True)
 
@@ -273,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
               f"prefix {s['prefix_ttft_s']:.3f}s (x{s['prefix_ttft_s'] / max(s['patchkv_ttft_s'], 1e-9):.1f}); "
               f"recompute {s['patchkv_recompute']:.0f} vs {s['prefix_recompute']:.0f} tokens; "
               f"{100 * s['offload_hidden_share']:.0f}% of {s['offload_s']:.2f}s offload hidden behind tool time")
+    if args.checkpointer != "memory":
+        print(f"checkpoints in {args.checkpointer} (replay: patchkv-agent replay --from-checkpointer "
+              f"{args.checkpointer} --strategies prefix,patchkv)")
     if args.record:
         n = recorder.write(args.record)
         print(f"wrote {n} traces to {args.record} (replay: patchkv-agent replay {args.record})")

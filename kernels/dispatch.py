@@ -31,8 +31,8 @@ from .quant import (
     RunPayload,
     normalize_tag,
     reference_dequantize,
-    reference_dequantize_scatter,
     reference_quantize_gather,
+    torch_dequantize_scatter,
 )
 from .rope import delta_cos_sin, rope_rotate
 
@@ -216,8 +216,8 @@ def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
             dequantize_scatter_triton(c.payload, c.dst_k, c.dst_v, c.dst_rows, c.delta, c.inv_freq,
                                       interleaved=c.interleaved)
         else:
-            reference_dequantize_scatter(c.payload, c.dst_k, c.dst_v, c.dst_rows, c.delta, c.inv_freq,
-                                         interleaved=c.interleaved)
+            torch_dequantize_scatter(c.payload, c.dst_k, c.dst_v, c.dst_rows, c.delta, c.inv_freq,
+                                     interleaved=c.interleaved)
     return next((p for p in paths if p != "native"), "native") if paths else "native"
 
 

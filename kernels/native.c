@@ -1,5 +1,6 @@
 /* Native CPU transport kernels: the twins of quant.reference_quantize_gather and
- * quant.reference_dequantize_scatter (and of the Triton kernels).
+ * quant.reference_dequantize_scatter (the oracle; quant.torch_dequantize_scatter is the torch path),
+ * and of the Triton kernels.
  *
  * pkv_restore: decode a run's payload, RoPE-correct its keys, write fp32 destination rows, in one
  * pass per row and head (read codes, decode, rotate, store) instead of the torch reference's

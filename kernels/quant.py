@@ -1,5 +1,6 @@
-"""KV transport formats, the run payload, and the pure-torch references (the oracle of the Triton and
-native kernels, and the CPU path when no C compiler is present).
+"""KV transport formats, the run payload, the naive pure-torch references (the oracles of every other
+path: ``reference_*``) and the optimised torch restore (``torch_dequantize_scatter``, the CPU path when
+no C compiler is present).
 
 Knows nothing about models, checkpoints or precision policy: one layer's ``k, v`` of shape
 ``[num_kv_heads, N, head_dim]`` (batch squeezed, any float dtype) in, a :class:`RunPayload` out,
@@ -489,11 +490,42 @@ def reference_dequantize_scatter(
     *,
     interleaved: bool = False,
 ) -> None:
+    """The oracle of every restore path: decode the whole run, rotate every key row, ``index_copy_`` all.
+
+    Written for clarity, not speed (a full fp32 copy of the run and one rotation pass);
+    :func:`torch_dequantize_scatter`, the native kernel and the Triton kernel must equal it (the first
+    two bit for bit).
+
+    Args, Raises: as :func:`torch_dequantize_scatter`.
+    """
+    check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq)
+    if payload.n_rows == 0:
+        return
+    p = payload if payload.k_data.device == dst_k.device else payload.to(dst_k.device)
+    k, v = reference_dequantize(p)
+    if inv_freq is not None and bool((delta != 0).any()):
+        k = rope_delta_reference(k, delta.to(k.device), inv_freq.to(k.device), interleaved=interleaved)
+    rows = dst_rows.to(dst_k.device)
+    dst_k.index_copy_(1, rows, k.to(dst_k.dtype))
+    dst_v.index_copy_(1, rows, v.to(dst_v.dtype))
+
+
+def torch_dequantize_scatter(
+    payload: RunPayload,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    dst_rows: torch.Tensor,
+    delta: torch.Tensor,
+    inv_freq: torch.Tensor | None,
+    *,
+    interleaved: bool = False,
+) -> None:
     """Decode a run, rotate its keys by ``delta`` and write it into ``dst[:, dst_rows, :]`` in place.
 
-    Same result as decoding with :func:`reference_dequantize`, rotating with
-    ``rope.rope_delta_reference`` and ``index_copy_``-ing into the destinations, bit for bit; done
-    in cache-sized pieces with few fused passes (see ``_plan``).
+    The optimised torch path (the CPU path when no C compiler is present): the same result as
+    :func:`reference_dequantize_scatter` (decode with :func:`reference_dequantize`, rotate with
+    ``rope.rope_delta_reference``, ``index_copy_`` into the destinations), bit for bit; done in
+    cache-sized pieces with few fused passes (see ``_plan``).
 
     Args:
         payload: the run (moved to ``dst_k``'s device if needed).

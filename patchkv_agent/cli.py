@@ -100,6 +100,20 @@ def _replay_traces(args) -> list[dict]:
     """The episodes ``replay`` runs: the whole file validated (before any model loads), then ``--limit``."""
     from .eval.traces import read_traces
 
+    if (args.traces is None) == (args.from_checkpointer is None):
+        raise SystemExit("replay: pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH (one of them)")
+    if args.from_checkpointer is not None:
+        from .eval.replay import traces_from_checkpointer
+
+        try:
+            traces = traces_from_checkpointer(args.from_checkpointer, args.thread or None)
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"replay: --from-checkpointer: {e}") from None
+        if not traces:
+            raise SystemExit(f"replay: no thread in {args.from_checkpointer} has two or more model contexts")
+        print(f"{len(traces)} threads from {args.from_checkpointer}: "
+              + ", ".join(f"{t['id']} ({len(t['versions'])} versions)" for t in traces), file=sys.stderr)
+        return traces[: args.limit] if args.limit else traces
     try:
         traces = read_traces(args.traces)
     except (ValueError, OSError) as e:  # names file:line and the field; no model was loaded
@@ -282,8 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="also write the result rows (JSON Lines)")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("replay", help="replay traces (docs/TRACES.md) and write results.jsonl")
-    p.add_argument("traces", help="a trace file (JSON Lines); validated whole before the model loads")
+    p = sub.add_parser("replay", help="replay traces (docs/TRACES.md) or a LangGraph SQLite checkpointer's threads; "
+                                      "write results.jsonl")
+    p.add_argument("traces", nargs="?", default=None, help="a trace file (JSON Lines); validated whole before the model loads")
+    p.add_argument("--from-checkpointer", default=None, metavar="sqlite:PATH",
+                   help="read the message history at each checkpoint of the threads a LangGraph SqliteSaver stored")
+    p.add_argument("--thread", action="append", default=[], metavar="ID",
+                   help="with --from-checkpointer: only this thread (repeatable; default: all)")
     _common(p)
     p.add_argument("--limit", type=_non_negative, default=0, help="replay only the first N episodes (0: all)")
     p.add_argument("--out", default="results.jsonl", help="result rows, appended and flushed as they finish")

@@ -119,26 +119,18 @@ def test_dequantize_scatter_triton_matches_reference(tag, d, r, rot, inter, pdt,
     delta = torch.zeros(r, dtype=torch.int64) if zero else torch.randint(-300, 4000, (r,))
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, rot, 2).float() / rot)) if rot else None
     outs = []
-    for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton):
+    for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton, Q.torch_dequantize_scatter):
         dk, dv = torch.full((h, n_dst, d), 7.0, dtype=ddt), torch.full((h, n_dst, d), -7.0, dtype=ddt)
         fn(p, dk, dv, dst_rows, delta, inv_freq, interleaved=inter)
         outs.append((dk, dv))
-    (rk, rv), (tk, tv) = outs
+    (rk, rv), (tk, tv), (ck, cv) = outs
     tol = KERNEL_TOL[ddt]
     for want, got in ((rk, tk), (rv, tv)):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(ck, rk) and torch.equal(cv, rv)  # the torch path: the oracle's bits
     untouched = torch.ones(n_dst, dtype=torch.bool)
     untouched[dst_rows] = False
     assert torch.all(tk[:, untouched] == 7.0) and torch.all(tv[:, untouched] == -7.0)
-
-
-def _naive_dequantize_scatter(p, dst_k, dst_v, dst_rows, delta, inv_freq, interleaved):
-    """The CPU path's semantics spelled out: decode, rotate every row, index_copy_ the lot."""
-    k, v = Q.reference_dequantize(p)
-    if inv_freq is not None and bool((delta != 0).any()):
-        k = Q.rope_delta_reference(k, delta, inv_freq, interleaved=interleaved)
-    dst_k.index_copy_(1, dst_rows, k.to(dst_k.dtype))
-    dst_v.index_copy_(1, dst_rows, v.to(dst_v.dtype))
 
 
 def _fragmented_rows(layout, r, seed=0):
@@ -170,7 +162,7 @@ def _fragmented_rows(layout, r, seed=0):
 ])
 def test_dequantize_scatter_pieces(monkeypatch, layout, tag, pdt, ddt, inter):
     """The CPU path cuts a run into pieces (direct, copied per stretch, index_copy_'d); with small
-    pieces every kind occurs, and the result must equal both the Triton kernel and the naive path."""
+    pieces every kind occurs, and the result must equal both the Triton kernel and the oracle."""
     monkeypatch.setattr(Q, "_PIECE_ELEMS", 2 * 64 * 48)  # 48-row pieces
     monkeypatch.setattr(Q, "_MIN_DIRECT_ROWS", 24)
     monkeypatch.setattr(Q, "_MIN_COPY_ROWS", 8)
@@ -187,18 +179,15 @@ def test_dequantize_scatter_pieces(monkeypatch, layout, tag, pdt, ddt, inter):
                      "long_and_short": {"direct", "copy", "index_copy"}}[layout], kinds
     assert any(not one_shift for *_, one_shift in plan) == (layout != "contiguous")
     outs = []
-    for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton, _naive_dequantize_scatter):
+    for fn in (Q.torch_dequantize_scatter, dequantize_scatter_triton, Q.reference_dequantize_scatter):
         dk, dv = torch.full((h, n_dst, d), 7.0, dtype=ddt), torch.full((h, n_dst, d), -7.0, dtype=ddt)
-        if fn is _naive_dequantize_scatter:
-            fn(p, dk, dv, dst_rows, delta, inv_freq, inter)
-        else:
-            fn(p, dk, dv, dst_rows, delta, inv_freq, interleaved=inter)
+        fn(p, dk, dv, dst_rows, delta, inv_freq, interleaved=inter)
         outs.append((dk, dv))
     tol = KERNEL_TOL[ddt]
     for dk, dv in outs[1:]:
         torch.testing.assert_close(dk.float(), outs[0][0].float(), rtol=tol, atol=tol)
         torch.testing.assert_close(dv.float(), outs[0][1].float(), rtol=tol, atol=tol)
-    assert torch.equal(outs[0][0], outs[2][0]) and torch.equal(outs[0][1], outs[2][1])  # naive: same bits
+    assert torch.equal(outs[0][0], outs[2][0]) and torch.equal(outs[0][1], outs[2][1])  # the oracle: same bits
     untouched = torch.ones(n_dst, dtype=torch.bool)
     untouched[dst_rows] = False
     assert torch.all(outs[0][0][:, untouched] == 7.0) and torch.all(outs[0][1][:, untouched] == -7.0)

@@ -225,9 +225,9 @@ class ScriptedChatModel(PatchKVChatModel):
     script: list[str] = []
     _turn: int = PrivateAttr(default=0)
 
-    def render(self, messages, tools=None):
+    def render(self, messages, tools=None, response_format=None):
         self._turn = sum(isinstance(m, AIMessage) for m in messages)
-        return super().render(messages, tools)
+        return super().render(messages, tools, response_format)
 
     def _decode_text(self, output_ids):
         return self.script[min(self._turn, len(self.script) - 1)]

@@ -35,7 +35,7 @@ def calls(text, names=NAMES):
     ('<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>', "", [("search", {"query": "x"})]),
     ('<tool_call>{"function": {"name": "search", "arguments": {"query": "f"}}}</tool_call>', "", [("search", {"query": "f"})]),
     ("<tool_call>{'name': 'search', 'arguments': {'query': 'py'}}</tool_call>", "", [("search", {"query": "py"})]),
-    ('<tool_call>{"name": "search", "arguments": {"query": "cut', "", [("search", {"query": "cut"})]),  # truncated
+    ('<tool_call>{"name": "search", "arguments": {"query": "done"}}', "", [("search", {"query": "done"})]),  # no close tag, EOS
     ('{"name": "search", "arguments": {"query": "bare"}}', "", [("search", {"query": "bare"})]),
     ('Sure: ```json\n{"name": "lookup", "parameters": {"id": 1}}\n```', "Sure:", [("lookup", {"id": 1})]),
     ('<tool_call>[{"name": "search", "arguments": {}}, {"name": "lookup"}]</tool_call>', "",
@@ -68,6 +68,36 @@ def test_malformed_calls_become_invalid_tool_calls(text, name, error):
 def test_absent_calls_leave_text_alone(text):
     content, good, bad = calls(text)
     assert good == [] and bad == [] and content == text.strip()
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "search", "arguments": {"setup": "Why did the cat',
+    'Sure. <tool_call>{"name": "search", "arguments": {"query": "x"}}',   # JSON complete, close tag cut off
+    '{"name": "search", "arguments": {"setup": "Why did the cat',          # bare
+])
+def test_truncated_calls_are_invalid_never_repaired(text):
+    p = parse_tool_calls(text, NAMES, truncated=True)
+    assert p.tool_calls == [] and len(p.invalid_tool_calls) == 1
+    bad = p.invalid_tool_calls[0]
+    assert bad["name"] == "search" and "cut off by the token limit" in bad["error"] and "search" in bad["args"]
+    # not cut off (the model stopped) but unreadable: still never a repaired call
+    q = parse_tool_calls('<tool_call>{"name": "search", "arguments": {"q": "Why', NAMES)
+    assert q.tool_calls == [] and "not valid JSON" in q.invalid_tool_calls[0]["error"]
+
+
+def test_only_tagged_calls_when_bare_is_off():
+    p = parse_tool_calls('{"name": "search", "arguments": {"query": "bare"}}', NAMES, bare=False)
+    assert p.tool_calls == [] and p.content.startswith("{")
+
+
+def test_non_text_content_blocks_raise_naming_what_is_supported():
+    img = HumanMessage(content=[{"type": "text", "text": "what is this?"},
+                                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])
+    with pytest.raises(ValueError, match="'image_url' content block.*string or a list of strings"):
+        to_trace_messages([img])
+    ok = AIMessage(content=[{"type": "text", "text": "calling"}, {"type": "tool_use", "id": "c", "name": "search", "input": {}}],
+                   tool_calls=[{"name": "search", "args": {}, "id": "c"}])
+    assert to_trace_messages([ok])[0]["content"] == "calling"
 
 
 def test_bare_json_with_any_name_when_no_names_given():

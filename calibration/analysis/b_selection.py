@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from patchkv_agent.core.diff import Edit
-from patchkv_agent.core.plan import LengthModel, RepairPlan, SuffixBlocks, plan_blocks, plan_repair, plan_suffix_blocks
+from patchkv_agent.core.plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, RepairPlan, SuffixBlocks,
+                                     plan_blocks, plan_repair, plan_suffix_blocks)
 from patchkv_agent.strategies import Strategy
 
 from .inputs import SELECTORS, PreparedContext, _mean, _score
@@ -142,7 +143,8 @@ def selection_masks(edit: Edit, scores: np.ndarray | None, *, window: int, block
 
 
 @torch.no_grad()
-def evaluate_selection(engine, prep: PreparedContext, *, window: int = 32, block_size: int = 32, budget: float = 0.05,
+def evaluate_selection(engine, prep: PreparedContext, *, window: int = DEFAULT_DIRTY_WINDOW,
+                       block_size: int = DEFAULT_BLOCK_SIZE, budget: float = 0.05,
                        budget_blocks: int | None = None, seed: int = 0, precision: str = "fp16",
                        max_new_tokens: int = 16, bar=None) -> list[dict[str, Any]]:
     """Figure (b) for one context: resume with each selector's block set and score it against exact.

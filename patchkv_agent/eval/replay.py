@@ -11,7 +11,8 @@ Knows the engine's public methods and the trace/result formats (:mod:`.traces`);
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 from ..engine import PatchKVEngine, ResumeResult
 from .metrics import fidelity, token_f1
@@ -82,3 +83,65 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
         if key not in row and key != "strategy" and isinstance(val, (int, float, str, bool, list, type(None))):
             row[key] = val
     return row
+
+
+# ------------------------------------------------------------------ traces from a LangGraph checkpointer
+
+def traces_from_checkpointer(spec: str, thread_ids: Iterable[str] | None = None, *, workload: str = "checkpointer",
+                             checkpoint_ns: str = "") -> list[dict]:
+    """Episodes (TRACES.md) from the message histories of LangGraph threads stored by a SQLite saver.
+
+    Every checkpoint of a thread (oldest first) whose ``messages`` channel ends in something other than an
+    AI message is a context the model was (about to be) called on; each distinct such history is one
+    version, so a thread whose controller edited its context between turns replays those edits.
+
+    Args:
+        spec: ``sqlite:PATH`` (a database written by ``SqliteSaver`` / ``AsyncSqliteSaver``).
+        thread_ids: threads to read (None: every thread in the database).
+        workload: the traces' ``workload`` field.
+        checkpoint_ns: the graph namespace to read (``""``: the root graph).
+
+    Returns:
+        One trace per thread with two or more versions (``edit: "live"``); threads with fewer are skipped.
+
+    Raises:
+        ValueError: a spec that is not ``sqlite:PATH``, or an unknown thread id.
+        FileNotFoundError: the database does not exist.
+    """
+    import sqlite3
+
+    from langchain_core.messages import AIMessage, BaseMessage
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from ..langgraph.tools import to_trace_messages
+
+    kind, _, path = spec.partition(":")
+    if kind != "sqlite" or not path:
+        raise ValueError(f"--from-checkpointer takes sqlite:PATH (a LangGraph SqliteSaver database), got {spec!r}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no SQLite checkpoint database at {path}")
+    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, check_same_thread=False)
+    try:
+        saver = SqliteSaver(conn)
+        known = [r[0] for r in conn.execute("SELECT DISTINCT thread_id FROM checkpoints ORDER BY thread_id")]
+        wanted = list(thread_ids) if thread_ids else known
+        missing = [t for t in wanted if t not in known]
+        if missing:
+            raise ValueError(f"threads {missing} are not in {path}; it holds {known[:20]}")
+        traces = []
+        for tid in wanted:
+            tuples = list(saver.list({"configurable": {"thread_id": tid, "checkpoint_ns": checkpoint_ns}}))
+            versions, last = [], None
+            for tup in reversed(tuples):  # oldest first
+                msgs = (tup.checkpoint.get("channel_values") or {}).get("messages") or []
+                if not msgs or not all(isinstance(m, BaseMessage) for m in msgs) or isinstance(msgs[-1], AIMessage):
+                    continue
+                trace_msgs = to_trace_messages(msgs)
+                if trace_msgs != last:
+                    versions.append({"messages": trace_msgs, "checkpoint_id": tup.config["configurable"]["checkpoint_id"]})
+                    last = trace_msgs
+            if len(versions) >= 2:
+                traces.append({"id": str(tid), "workload": workload, "edit": "live", "versions": versions})
+        return traces
+    finally:
+        conn.close()

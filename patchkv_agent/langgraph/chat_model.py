@@ -4,19 +4,25 @@ Each call renders the messages with the tokenizer's chat template, finds its thr
 :class:`~patchkv_agent.langgraph.middleware.PatchKVMiddleware` or :func:`~patchkv_agent.langgraph.node.patchkv_node`,
 else ``configurable.thread_id`` + namespace of the run config, else ``default_thread_id``) and resumes
 that thread's previous context version through a :class:`~patchkv_agent.runtime.threads.ThreadRegistry`
-(diff, plan, restore, recompute), then decodes greedily token by token. The resume stats of each call
-are in ``AIMessage.response_metadata["patchkv"]``.
+(diff, plan, restore, recompute), then decodes token by token: greedy, or sampled with ``temperature`` /
+``top_p`` / ``seed`` (same seed, same context: same output). The resume stats of each call are in
+``AIMessage.response_metadata["patchkv"]``.
 
 Tools (``bind_tools``): rendered with ``tools=`` by chat templates that use it; otherwise (SmolLM2's
 template ignores it) the JSON protocol of :mod:`~patchkv_agent.langgraph.tools` is appended to the
 system prompt, and earlier calls/results are written back as text (:func:`~patchkv_agent.langgraph.tools.plain_messages`).
-Output is parsed by the tolerant :func:`~patchkv_agent.langgraph.tools.parse_tool_calls`. ``tool_choice``
-is not enforced (a local greedy decoder cannot be forced to call); ``"none"`` hides the tools.
+With ``constrained=True`` (default) the decode runs under a grammar (:mod:`~patchkv_agent.langgraph.grammar`,
+xgrammar) inside the same decode path: ``tool_choice="any"``/``"required"`` or a tool's name forces one
+call whose arguments match the tool's JSON schema; ``"auto"``/None lets the model write text or a
+schema-valid call; ``"none"`` hides the tools. A call cut off by the token limit is an
+``invalid_tool_calls`` entry with ``finish_reason="length"``, never a repaired call.
+``with_structured_output`` supports ``json_schema`` (default), ``json_mode`` and ``function_calling``, each
+grammar-enforced.
 
 Streaming yields one chunk per decoded token whose text is final: while tools are bound, text from a
-possible call start (``<tool_call>`` or ``{``) on is held back and the last chunk carries the rest and
-the parsed calls, so the concatenated stream equals the non-streamed message. Async methods run the
-sync path in an executor.
+possible call start (``<tool_call>``) on is held back and the last chunk carries the rest and the parsed
+calls, so the concatenated stream equals the non-streamed message. Async methods run the sync path in
+an executor. Content must be text (strings or ``{"type": "text"}`` blocks); other blocks raise.
 
 Knows LangChain's chat-model interface, the registry and the engine's public methods; nothing about graphs.
 """
@@ -25,17 +31,21 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import weakref
+from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
 import numpy as np
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.callbacks.manager import handle_event
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables.config import ensure_config, run_in_executor
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
+from ..core.sampling import Sampler, SamplingParams
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, parse_tool_calls, plain_messages, to_trace_messages,
@@ -46,6 +56,22 @@ _KEY_KWARG = "patchkv_thread_key"
 CONTEXT_EVENT = "patchkv_context"  # custom callback event: the rendered context of a call (for recorders)
 _PROBE_TOOL = {"type": "function", "function": {"name": "patchkv_probe_tool", "description": "probe",
                                                 "parameters": {"type": "object", "properties": {}}}}
+CALL_KWARGS = ("tools", "tool_choice", "response_format", "strategy", "strategy_options", "max_new_tokens",
+               "max_tokens", "temperature", "top_p", "seed")
+STRUCTURED_METHODS = ("json_schema", "json_mode", "function_calling")
+_GRAMMARS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_GRAMMARS_LOCK = threading.Lock()
+
+
+def grammar_compiler(engine):
+    """The (cached) :class:`~patchkv_agent.langgraph.grammar.GrammarCompiler` of an engine's tokenizer."""
+    from .grammar import GrammarCompiler
+
+    with _GRAMMARS_LOCK:
+        gc = _GRAMMARS.get(engine)
+        if gc is None:
+            gc = _GRAMMARS[engine] = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.eos_ids)
+        return gc
 
 
 def _jsonable(x: Any) -> Any:
@@ -60,31 +86,56 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def structured_instruction(response_format: dict) -> str:
+    """The system-prompt line that tells the model what JSON to write (the grammar enforces it)."""
+    if response_format.get("type") == "json_schema":
+        js = response_format.get("json_schema") or {}
+        schema = js.get("schema", js)
+        return "Reply with only a JSON object that matches this JSON schema:\n" + json.dumps(schema, separators=(",", ":"))
+    return "Reply with only a JSON object."
+
+
 class PatchKVChatModel(BaseChatModel):
     """Chat model over a :class:`~patchkv_agent.engine.PatchKVEngine` that reuses KV per agent thread.
 
-    Build it with ``PatchKVChatModel(registry=ThreadRegistry(engine))`` (share the registry with the
-    middleware / node wrapper / checkpointer) or ``PatchKVChatModel(engine=engine)`` (a registry of its own).
+    Build it with :meth:`from_pretrained` (engine, registry and chat model in one call),
+    ``PatchKVChatModel(registry=ThreadRegistry(engine))`` (share the registry with the middleware / node
+    wrapper / checkpointer) or ``PatchKVChatModel(engine=engine)`` (a registry of its own).
 
     Attributes:
         registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` holding the threads' KV.
         strategy: resume strategy when a thread has KV (``patchkv``, ``prefix``, ``direct``, ``exact`` ...).
         strategy_options: options for the strategy (``dirty_window=``, ``kappa=`` ...).
-        max_new_tokens: greedy tokens per call (also a per-call kwarg).
+        max_new_tokens: tokens per call at most (alias ``max_tokens``; also per call, under either name).
+        temperature: 0 (default) greedy; > 0 samples (also per call).
+        top_p: nucleus mass for sampling (also per call).
+        seed: sampling seed (also per call); the same seed and context give the same output.
+        stop: stop sequences (merged with a call's ``stop``).
+        streaming: ``invoke`` streams internally (callbacks see each token).
+        constrained: decode tool calls and structured output under a grammar (False: free decoding read
+            by the tolerant parser, bare JSON calls included).
         default_thread_id: thread for calls that name none (None, the default: such calls are exact and
             keep no state, so unrelated conversations never share KV).
         tool_protocol: ``auto`` (template when it renders ``tools=``, else JSON), ``template`` or ``json``.
+        model_name: reported in ``response_metadata["model_name"]`` and LangSmith params (default: the
+            name or path the engine's model was loaded from, else its config's ``_name_or_path``).
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     registry: Any = Field(exclude=True)
     strategy: str = "patchkv"
     strategy_options: dict[str, Any] = Field(default_factory=dict)
-    max_new_tokens: int = 128
+    max_new_tokens: int = Field(default=128, ge=0, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    streaming: bool = False
+    constrained: bool = True
     default_thread_id: str | None = None
     tool_protocol: Literal["auto", "template", "json"] = "auto"
-    model_name: str = "patchkv-local"
+    model_name: str | None = None
     _template_tools: bool | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
@@ -98,8 +149,45 @@ class PatchKVChatModel(BaseChatModel):
             elif data["registry"].engine is not engine:
                 raise ValueError("PatchKVChatModel: pass either engine= or registry=, not both with different engines")
         if isinstance(data, dict) and not isinstance(data.get("registry"), ThreadRegistry):
-            raise ValueError("PatchKVChatModel needs registry=ThreadRegistry(engine) or engine=PatchKVEngine(...)")
+            raise ValueError("PatchKVChatModel needs registry=ThreadRegistry(engine) or engine=PatchKVEngine(...) "
+                             "(or use PatchKVChatModel.from_pretrained(name))")
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
         return data
+
+    @model_validator(mode="after")
+    def _default_name(self) -> "PatchKVChatModel":
+        if self.model_name is None:
+            m = self.engine.model
+            self.model_name = (getattr(m, "patchkv_source", None) or getattr(m.config, "_name_or_path", None)
+                               or m.config.model_type)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | None = None, *, registry_options: dict[str, Any] | None = None,
+                        **kwargs: Any) -> "PatchKVChatModel":
+        """Load a model and build engine, registry and chat model in one call.
+
+        Args:
+            name_or_path: ``"smollm2-135m"`` (default), an HF id, a local directory or a ``.gguf`` path.
+            registry_options: :class:`~patchkv_agent.runtime.threads.ThreadRegistry` options (budgets, store ...).
+            **kwargs: chat-model fields (``max_tokens``, ``temperature``, ``strategy`` ...) go to the chat
+                model; everything else (``dtype``, ``device``, ``block_size``, ``profile`` ...) to
+                :meth:`PatchKVEngine.from_pretrained <patchkv_agent.engine.PatchKVEngine.from_pretrained>`.
+
+        Returns:
+            The chat model (``.engine``, ``.registry`` reach the rest).
+
+        Raises:
+            FileNotFoundError, ValueError: see :func:`patchkv_agent.core.models.load_model`.
+        """
+        from ..core.models import DEFAULT_MODEL
+        from ..engine import PatchKVEngine
+
+        fields = set(cls.model_fields) | {"max_tokens"}
+        chat = {k: kwargs.pop(k) for k in list(kwargs) if k in fields and k not in ("registry",)}
+        engine = PatchKVEngine.from_pretrained(name_or_path or DEFAULT_MODEL, **kwargs)
+        return cls(registry=ThreadRegistry(engine, **(registry_options or {})), **chat)
 
     @property
     def engine(self):
@@ -113,15 +201,107 @@ class PatchKVChatModel(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "strategy": self.strategy, "max_new_tokens": self.max_new_tokens,
-                "fingerprint": self.engine.spec.fingerprint[:16]}
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "constrained": self.constrained, "fingerprint": self.engine.spec.fingerprint[:16]}
 
-    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | None = None, **kwargs: Any):
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        name = kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name  # (a call with model= raises)
+        params = LangSmithParams(ls_provider="patchkv", ls_model_name=name, ls_model_type="chat",
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)))
+        stops = stop or self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    # ------------------------------------------------------------- tokens
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's own tokenizer (no special tokens added)."""
+        if self.engine.tokenizer is None:
+            raise ValueError("PatchKVChatModel needs an engine with a tokenizer")
+        return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
+        """Tokens of the context these messages (and tools) render to with the model's chat template,
+        generation prompt included: exactly what a call would prefill."""
+        return len(self.render(messages, tool_schemas(tools) if tools else None)[1])
+
+    # ------------------------------------------------------------- binding
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | dict | bool | None = None, **kwargs: Any):
         """Bind tools (LangChain tools, functions, pydantic classes or OpenAI-format dicts).
+
+        Args:
+            tools: the tools.
+            tool_choice: ``"auto"``/None (text or a call), ``"any"``/``"required"``/True (a call of some
+                bound tool), a tool name or ``{"type": "function", "function": {"name": ...}}`` (a call of
+                that tool), ``"none"`` (no call).
+            **kwargs: other call arguments (``max_tokens``, ``temperature`` ...).
 
         Returns:
             A runnable that passes the tools' OpenAI-format schemas to every call.
+
+        Raises:
+            ValueError: a ``tool_choice`` that names no bound tool or is not one of the forms above.
         """
-        return self.bind(tools=tool_schemas(tools), tool_choice=tool_choice, **kwargs)
+        from .grammar import spec_for
+
+        schemas = tool_schemas(tools)
+        spec_for(tools=schemas, tool_choice=tool_choice)  # validate now, not at the first call
+        return self.bind(tools=schemas, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: Any = None, *, method: str = "json_schema", include_raw: bool = False,
+                               strict: bool | None = None, **kwargs: Any):
+        """Output parsed into ``schema`` (pydantic class, TypedDict, JSON schema or OpenAI function dict).
+
+        Args:
+            schema: the output schema (may be None for ``json_mode``: any JSON object).
+            method: ``json_schema`` (grammar = the schema), ``json_mode`` (grammar = a JSON object; with a
+                schema, the schema), or ``function_calling`` (a forced tool call whose arguments match it).
+            include_raw: return ``{"raw", "parsed", "parsing_error"}``.
+            strict: accepted for compatibility; the grammar always enforces the schema.
+
+        Returns:
+            A runnable returning the parsed output.
+
+        Raises:
+            ValueError: an unknown method or keyword argument, or a method that needs a schema without one.
+        """
+        from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
+        from langchain_core.runnables import RunnableMap, RunnablePassthrough
+        from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+        from langchain_core.utils.pydantic import is_basemodel_subclass
+
+        if kwargs:
+            raise ValueError(f"with_structured_output: unsupported arguments {sorted(kwargs)}; supported: schema, "
+                             f"method, include_raw, strict")
+        if method not in STRUCTURED_METHODS:
+            raise ValueError(f"with_structured_output: unknown method {method!r}; supported: {list(STRUCTURED_METHODS)}")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"with_structured_output(method={method!r}) needs a schema (json_mode works without one)")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        ls_format = {"kwargs": {"method": method}, "schema": schema}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=ls_format)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        else:
+            if schema is None:
+                rf: dict[str, Any] = {"type": "json_object"}
+                llm = self.bind(response_format=rf, ls_structured_output_format={"kwargs": {"method": method}})
+            else:
+                js = (schema.model_json_schema() if is_pydantic and hasattr(schema, "model_json_schema")
+                      else convert_to_json_schema(schema))
+                rf = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
+                llm = self.bind(response_format=rf, ls_structured_output_format=ls_format)
+            parser = _CompletePydantic(pydantic_object=schema) if is_pydantic else _CompleteJson()
+        if include_raw:
+            assign = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+            none = RunnablePassthrough.assign(parsed=lambda _: None)
+            return RunnableMap(raw=llm) | assign.with_fallbacks([none], exception_key="parsing_error")
+        return llm | parser
 
     # ------------------------------------------------------------- rendering
 
@@ -137,12 +317,14 @@ class PatchKVChatModel(BaseChatModel):
                 self._template_tools = False
         return self._template_tools
 
-    def render(self, messages: Sequence[BaseMessage], tools: Sequence[dict] | None = None) -> tuple[list[dict], list[int], str]:
+    def render(self, messages: Sequence[BaseMessage], tools: Sequence[dict] | None = None,
+               response_format: dict | None = None) -> tuple[list[dict], list[int], str]:
         """The context one call sees.
 
         Args:
             messages: the conversation.
             tools: OpenAI-format tool schemas (bound tools).
+            response_format: structured output (its instruction is appended to the system prompt).
 
         Returns:
             ``(trace_messages, token_ids, mode)``: trace-format messages (docs/TRACES.md) as the model saw
@@ -150,11 +332,13 @@ class PatchKVChatModel(BaseChatModel):
             ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids.
 
         Raises:
-            ValueError: the engine has no tokenizer.
+            ValueError: the engine has no tokenizer; a message with non-text content.
         """
         if self.engine.tokenizer is None:
             raise ValueError("PatchKVChatModel needs an engine with a tokenizer (it renders chat templates)")
         trace = to_trace_messages(messages)
+        if response_format is not None:
+            trace = _with_system(trace, structured_instruction(response_format))
         if not tools:
             return trace, self.engine.encode(plain_messages(trace)), "plain"
         use_template = self.tool_protocol == "template" or (self.tool_protocol == "auto" and self.template_renders_tools())
@@ -210,20 +394,46 @@ class PatchKVChatModel(BaseChatModel):
 
     # ------------------------------------------------------------------ core
 
-    def _run(self, messages, stop, run_manager, tools=None, tool_choice=None, **kwargs) -> Iterator[tuple[str, Any]]:
+    def _call_options(self, kwargs: dict) -> dict[str, Any]:
+        """Validated per-call options (call kwargs over fields). Raises TypeError on unknown arguments."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("ls_structured_output_format", "stream")}
+        unknown = sorted(set(kwargs) - set(CALL_KWARGS) - {_KEY_KWARG})
+        if unknown:
+            raise TypeError(f"PatchKVChatModel: unsupported call arguments {unknown}; supported: {list(CALL_KWARGS)}")
+        if "max_tokens" in kwargs and "max_new_tokens" in kwargs and kwargs["max_tokens"] != kwargs["max_new_tokens"]:
+            raise TypeError("pass max_tokens or max_new_tokens (the same thing), not both")
+        max_new = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens))
+        if max_new is None or int(max_new) < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_new}")
+        params = SamplingParams(temperature=float(kwargs.get("temperature", self.temperature)),
+                                top_p=float(kwargs.get("top_p", self.top_p)), seed=kwargs.get("seed", self.seed))
+        return {"max_new": int(max_new), "params": params, "tools": kwargs.get("tools"),
+                "tool_choice": kwargs.get("tool_choice"), "response_format": kwargs.get("response_format"),
+                "strategy": kwargs.get("strategy", self.strategy),
+                "strategy_options": {**self.strategy_options, **(kwargs.get("strategy_options") or {})},
+                "key": kwargs.get(_KEY_KWARG)}
+
+    def _run(self, messages, stop, run_manager, **kwargs) -> Iterator[tuple[str, Any]]:
         """Yield ``("text", delta)`` events, then one ``("final", dict)``."""
-        tools = [] if tool_choice == "none" else list(tools or [])
-        trace, ids, mode = self.render(messages, tools)
-        explicit = kwargs.pop(_KEY_KWARG, None)
+        from .grammar import spec_for
+
+        opt = self._call_options(kwargs)
+        tool_choice, rf = opt["tool_choice"], opt["response_format"]
+        tools = [] if tool_choice == "none" else list(opt["tools"] or [])
+        spec = spec_for(tools=tools, tool_choice=tool_choice, response_format=rf)  # validates either way
+        if rf is not None and tools:
+            raise ValueError("pass tools or response_format (structured output), not both")
+        trace, ids, mode = self.render(messages, tools, rf)
+        processor = grammar_compiler(self.engine).processor(spec) if (spec and self.constrained) else None
+        sampler = Sampler(opt["params"], processor)
+        explicit = opt["key"]
         key = self._thread_key(run_manager, ThreadKey(tuple(explicit)) if explicit else None)
-        strategy = kwargs.pop("strategy", self.strategy)
-        max_new = int(kwargs.pop("max_new_tokens", self.max_new_tokens))
-        stream = self.registry.stream(key, ids, strategy=strategy, max_new_tokens=max_new,
-                                      **{**self.strategy_options, **kwargs.pop("strategy_options", {})})
+        stream = self.registry.stream(key, ids, strategy=opt["strategy"], max_new_tokens=opt["max_new"],
+                                      sampler=sampler, **opt["strategy_options"])
         _dispatch(run_manager, CONTEXT_EVENT, {"thread_key": list(key) if key else None, "messages": trace,
                                                "token_ids": list(map(int, ids)), "mode": mode})
-        stops = [s for s in (stop or []) if s]
-        markers = stops + ([TOOL_CALL_OPEN, "{"] if tools else [])
+        stops = [s for s in list(stop or []) + list(self.stop or []) if s]
+        markers = stops + ([TOOL_CALL_OPEN] + ([] if self.constrained else ["{"]) if tools else [])
         emitted, text, stopped = "", "", False
         try:
             for _ in stream:
@@ -243,13 +453,27 @@ class PatchKVChatModel(BaseChatModel):
         finally:
             stream.close()
         res = stream.result
-        parsed = parse_tool_calls(text, [t["function"]["name"] for t in tools]) if tools else ParsedOutput(content=text)
-        if not parsed.content.startswith(emitted):  # pragma: no cover - held_back guards this
-            raise RuntimeError("bug: streamed text is not a prefix of the final content")
         out = res.output_ids
         eos = bool(out) and out[-1] in self.engine.eos_ids
-        finish = "tool_calls" if parsed.tool_calls else ("stop" if eos or stopped else "length")
-        stats = _jsonable({**res.stats, "tool_mode": mode, "thread_key": list(key) if key else None})
+        complete = eos or stopped or sampler.done
+        if tools:
+            parsed = parse_tool_calls(text, [t["function"]["name"] for t in tools], bare=not self.constrained,
+                                      truncated=not complete)
+        else:
+            parsed = ParsedOutput(content=text)
+        if not parsed.content.startswith(emitted):  # pragma: no cover - held_back guards this
+            raise RuntimeError("bug: streamed text is not a prefix of the final content")
+        if parsed.tool_calls and not parsed.invalid_tool_calls:
+            finish = "tool_calls"  # every call complete (even if text after them was cut off)
+        else:
+            finish = "stop" if complete else "length"
+        extra = {"tool_mode": mode, "thread_key": list(key) if key else None,
+                 "grammar": spec["kind"] if processor is not None else None,
+                 "sampling": {"temperature": opt["params"].temperature, "top_p": opt["params"].top_p,
+                              "seed": opt["params"].seed}}
+        if processor is not None:
+            extra.update(grammar_mask_s=processor.mask_s, grammar_steps=processor.steps)
+        stats = _jsonable({**res.stats, **extra})
         yield "final", {
             "content": parsed.content, "tail": parsed.content[len(emitted):], "parsed": parsed,
             "response_metadata": {"patchkv": stats, "model_name": self.model_name, "finish_reason": finish},
@@ -305,6 +529,40 @@ class PatchKVChatModel(BaseChatModel):
             yield item
 
 
+def _check_complete(result) -> None:
+    from langchain_core.exceptions import OutputParserException
+
+    msg = getattr(result[0], "message", None) if result else None
+    if msg is not None and (msg.response_metadata or {}).get("finish_reason") == "length":
+        raise OutputParserException("structured output cut off by the token limit (raise max_tokens): "
+                                    + str(msg.content)[:200])
+
+
+def _parsers():
+    from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+
+    class CompleteJson(JsonOutputParser):
+        """JSON output; the final (non-partial) parse of an output cut off by max_tokens raises."""
+
+        def parse_result(self, result, *, partial: bool = False):
+            if not partial:
+                _check_complete(result)
+            return super().parse_result(result, partial=partial)
+
+    class CompletePydantic(PydanticOutputParser):
+        """Pydantic output; the final parse of an output cut off by max_tokens raises."""
+
+        def parse_result(self, result, *, partial: bool = False):
+            if not partial:
+                _check_complete(result)
+            return super().parse_result(result, partial=partial)
+
+    return CompleteJson, CompletePydantic
+
+
+_CompleteJson, _CompletePydantic = _parsers()
+
+
 def _dispatch(run_manager, name: str, data: dict) -> None:
     """Send a custom event to the run's handlers, with the model run's id (a recorder matches it to the
     run's ``on_chat_model_start``); ``CallbackManagerForLLMRun.on_custom_event`` itself is a no-op."""
@@ -312,6 +570,16 @@ def _dispatch(run_manager, name: str, data: dict) -> None:
         return
     handle_event(run_manager.handlers, "on_custom_event", "ignore_custom_event", name, data,
                  run_id=run_manager.run_id, tags=run_manager.tags, metadata=run_manager.metadata)
+
+
+def _with_system(trace: list[dict], text: str) -> list[dict]:
+    """Trace messages with ``text`` appended to the system message (one is added first if none)."""
+    out = [dict(m) for m in trace]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = ((out[0].get("content") or "") + "\n\n" + text).strip()
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
 
 
 def _native(trace: list[dict]) -> list[dict]:

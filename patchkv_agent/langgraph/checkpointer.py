@@ -11,11 +11,18 @@ reads the handles back and tells the registry (:meth:`~patchkv_agent.runtime.thr
 in a new process, or with a new registry, the KV is gone, so the thread's next generation is an exact
 recompute whose ``stats["fallback"]`` says so, and the version numbers continue from the checkpoint's.
 
+The wrapper has exactly the capabilities of the saver it wraps: LangGraph (and its conformance suite)
+decide what a saver can do by which methods its class overrides, so ``PatchKVCheckpointSaver(inner, reg)``
+is an instance of a subclass built once per inner saver class that defines only the delegating methods
+that class overrides (``adelete_for_runs``, ``acopy_thread``, ``aprune`` ... appear only when ``inner``
+has them).
+
 Knows LangGraph's saver interface and the registry's handles; nothing about models.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 from langchain_core.runnables import RunnableConfig
@@ -30,14 +37,28 @@ META_KEY = "patchkv"
 class PatchKVCheckpointSaver(BaseCheckpointSaver):
     """Delegate to ``inner``; record KV handles in checkpoint metadata; announce them on load.
 
+    The object built is an instance of a subclass of this class made for ``type(inner)`` (see the module
+    docstring): it defines a saver method (``put``, ``aput``, ``delete_thread``, ``acopy_thread`` ...) only
+    when ``inner``'s class overrides it, so capability checks see what ``inner`` can do.
+
     Args:
         inner: the saver that stores everything.
         registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` whose handles are recorded.
+
+    Raises:
+        TypeError: ``inner`` is not a LangGraph ``BaseCheckpointSaver``.
     """
 
-    def __init__(self, inner: BaseCheckpointSaver, registry: ThreadRegistry):
+    inner: BaseCheckpointSaver
+
+    def __new__(cls, inner: BaseCheckpointSaver, registry: ThreadRegistry):
         if not isinstance(inner, BaseCheckpointSaver):
             raise TypeError(f"inner must be a LangGraph BaseCheckpointSaver, got {type(inner).__name__}")
+        if cls is PatchKVCheckpointSaver:
+            cls = wrapper_class(type(inner))
+        return super().__new__(cls)
+
+    def __init__(self, inner: BaseCheckpointSaver, registry: ThreadRegistry):
         super().__init__(serde=inner.serde)
         self.serde = inner.serde
         self.inner, self.registry = inner, registry
@@ -72,6 +93,20 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         for h in (entry or {}).get("threads", []) if isinstance(entry, Mapping) else []:
             self.registry.expect(thread_key(h["thread_id"], h.get("checkpoint_ns", "")), h)
         return tup
+
+    def _fork(self, source_thread_id: str, target_thread_id: str) -> None:
+        for k in self.registry.keys():
+            if k[0] == str(source_thread_id):
+                self.registry.fork(k, thread_key(target_thread_id, k[1]))
+
+    def with_allowlist(self, extra_allowlist) -> "PatchKVCheckpointSaver":
+        """The same wrapper around ``inner.with_allowlist(extra_allowlist)``."""
+        inner = self.inner.with_allowlist(extra_allowlist)
+        return self if inner is self.inner else PatchKVCheckpointSaver(inner, self.registry)
+
+
+class _Delegates:
+    """The delegating saver methods; :func:`wrapper_class` copies those ``inner``'s class overrides."""
 
     # -------------------------------------------------------------- sync
 
@@ -116,11 +151,6 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         self.inner.copy_thread(source_thread_id, target_thread_id)
         self._fork(source_thread_id, target_thread_id)
 
-    def _fork(self, source_thread_id: str, target_thread_id: str) -> None:
-        for k in self.registry.keys():
-            if k[0] == str(source_thread_id):
-                self.registry.fork(k, thread_key(target_thread_id, k[1]))
-
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """Delegate to ``inner.prune``."""
         return self.inner.prune(thread_ids, strategy=strategy)
@@ -132,11 +162,6 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
     def get_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]):
         """Delegate to ``inner.get_delta_channel_history``."""
         return self.inner.get_delta_channel_history(config=config, channels=channels)
-
-    def with_allowlist(self, extra_allowlist) -> "PatchKVCheckpointSaver":
-        """The same wrapper around ``inner.with_allowlist(extra_allowlist)``."""
-        inner = self.inner.with_allowlist(extra_allowlist)
-        return self if inner is self.inner else PatchKVCheckpointSaver(inner, self.registry)
 
     # ------------------------------------------------------------- async
 
@@ -181,3 +206,31 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
     async def aget_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]):
         """Async twin of :meth:`get_delta_channel_history`."""
         return await self.inner.aget_delta_channel_history(config=config, channels=channels)
+
+
+DELEGATED = tuple(n for n, v in vars(_Delegates).items() if callable(v) and not n.startswith("_"))
+_CLASSES: dict[type, type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def overridden(saver_cls: type, name: str) -> bool:
+    """Whether ``saver_cls`` overrides ``BaseCheckpointSaver.<name>`` (how LangGraph detects capabilities)."""
+    base = getattr(BaseCheckpointSaver, name, None)
+    impl = getattr(saver_cls, name, None)
+    return impl is not None and impl is not base
+
+
+def wrapper_class(inner_cls: type) -> type:
+    """The :class:`PatchKVCheckpointSaver` subclass for savers of class ``inner_cls`` (built once).
+
+    Returns:
+        A subclass defining exactly the delegating methods of :data:`DELEGATED` that ``inner_cls`` overrides.
+    """
+    with _CLASSES_LOCK:
+        cls = _CLASSES.get(inner_cls)
+        if cls is None:
+            methods = {n: vars(_Delegates)[n] for n in DELEGATED if overridden(inner_cls, n)}
+            cls = type(f"PatchKVCheckpointSaver[{inner_cls.__name__}]", (PatchKVCheckpointSaver,),
+                       {**methods, "__module__": __name__, "__doc__": PatchKVCheckpointSaver.__doc__})
+            _CLASSES[inner_cls] = cls
+        return cls

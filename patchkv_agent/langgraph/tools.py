@@ -12,8 +12,9 @@ and the calibration tools all render trace messages through :func:`plain_message
 
 :func:`parse_tool_calls` reads model output tolerantly: tagged calls (also an unterminated last one),
 bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also in code fences, also
-``{"function": {...}}``), arguments given as a JSON string, truncated JSON repaired where possible,
-Python-literal dicts; what cannot be read becomes an ``invalid_tool_calls`` entry, never an exception.
+``{"function": {...}}``), arguments given as a JSON string, Python-literal dicts; truncated JSON is
+never repaired into a call (an agent would run a tool with wrong arguments); what cannot be read becomes
+an ``invalid_tool_calls`` entry, never an exception.
 
 Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``). Knows
 LangChain message classes; nothing about models, the engine or evaluation.
@@ -126,7 +127,15 @@ def plain_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def _text(content: Any) -> str:
+_CALL_BLOCKS = ("tool_use", "tool_call", "function_call", "tool_call_chunk")
+
+
+def _text(content: Any, where: str = "message", calls_ok: bool = False) -> str:
+    """The text of a message's content: a string, or ``str`` / ``{"type": "text"}`` blocks.
+
+    Raises:
+        ValueError: any other block (image, audio, file ...), naming what is supported.
+    """
     if isinstance(content, str):
         return content
     parts = []
@@ -135,6 +144,13 @@ def _text(content: Any) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(block.get("text", ""))
+        elif isinstance(block, dict) and calls_ok and block.get("type") in _CALL_BLOCKS:
+            continue  # the same call is in AIMessage.tool_calls
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(f"PatchKVChatModel reads text only: a {where} has a {kind!r} content block; supported "
+                             "content is a string or a list of strings and {'type': 'text', 'text': ...} blocks "
+                             "(tool calls go in AIMessage.tool_calls). Describe images/files/audio in text.")
     return "".join(parts)
 
 
@@ -147,25 +163,26 @@ def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
     Raises:
         TypeError: a message that is not a LangChain message.
+        ValueError: non-text content (images, audio, files ...).
     """
     out: list[dict[str, Any]] = []
     for m in messages:
         if isinstance(m, SystemMessage):
-            out.append({"role": "system", "content": _text(m.content)})
+            out.append({"role": "system", "content": _text(m.content, "SystemMessage")})
         elif isinstance(m, HumanMessage):
-            out.append({"role": "user", "content": _text(m.content)})
+            out.append({"role": "user", "content": _text(m.content, "HumanMessage")})
         elif isinstance(m, AIMessage):
-            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content)}
+            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content, "AIMessage", calls_ok=True)}
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "args": c.get("args", {})}
                                    for c in m.tool_calls]
             out.append(d)
         elif isinstance(m, ToolMessage):
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content)})
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, "ToolMessage")})
         elif isinstance(m, ChatMessage):
-            out.append({"role": m.role, "content": _text(m.content)})
+            out.append({"role": m.role, "content": _text(m.content, "ChatMessage")})
         elif isinstance(m, BaseMessage):
-            out.append({"role": m.type, "content": _text(m.content)})
+            out.append({"role": m.type, "content": _text(m.content, type(m).__name__)})
         else:
             raise TypeError(f"expected LangChain messages, got {type(m).__name__}")
     return out
@@ -173,8 +190,8 @@ def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- parser
 
-def _loads(blob: str) -> Any:
-    """JSON, else repaired partial JSON, else a Python literal; raises ValueError when none reads it."""
+def _loads(blob: str, repair: bool = True) -> Any:
+    """JSON, else (``repair``) repaired partial JSON, else a Python literal; ValueError when none reads it."""
     blob = blob.strip()
     fence = _FENCE.fullmatch(blob)
     if fence:
@@ -183,12 +200,13 @@ def _loads(blob: str) -> Any:
         return json.loads(blob)
     except ValueError:
         pass
-    try:
-        val = parse_partial_json(blob)
-        if val is not None:
-            return val
-    except Exception:
-        pass
+    if repair:
+        try:
+            val = parse_partial_json(blob)
+            if val is not None:
+                return val
+        except Exception:
+            pass
     try:
         return ast.literal_eval(blob)
     except Exception:
@@ -220,13 +238,15 @@ def _call_from(obj: Any) -> tuple[str | None, dict | None, str | None]:
     return name, args, None
 
 
-def _decode(blob: str, calls: list, invalid: list) -> None:
+def _decode(blob: str, calls: list, invalid: list, cut: str | None = None) -> None:
+    """Read one call blob into ``calls`` / ``invalid``. A blob that needs repairing (truncated JSON) is
+    never a call: it is an invalid call, with ``cut`` as the error when the output was cut off."""
     try:
-        obj = _loads(blob)
+        obj = _loads(blob, repair=False)
     except ValueError:
         m = _NAME.search(blob)
         invalid.append({"name": m.group(1) if m else None, "args": blob.strip(), "id": new_call_id(),
-                        "error": "tool call is not valid JSON", "type": "invalid_tool_call"})
+                        "error": cut or "tool call is not valid JSON", "type": "invalid_tool_call"})
         return
     for o in obj if isinstance(obj, list) else [obj]:
         name, args, err = _call_from(o)
@@ -238,7 +258,8 @@ def _decode(blob: str, calls: list, invalid: list) -> None:
 
 
 def _bare_calls(text: str, tool_names: set[str] | None) -> list[tuple[int, int, Any]]:
-    """Spans ``(start, end, obj)`` of bare JSON objects that look like calls (known names only, when given)."""
+    """Spans ``(start, end, obj)`` of bare JSON objects that look like calls (known names only, when given);
+    ``obj`` is None for an unterminated last one."""
     dec = json.JSONDecoder()
     spans, i = [], 0
     while (i := text.find("{", i)) >= 0:
@@ -250,12 +271,15 @@ def _bare_calls(text: str, tool_names: set[str] | None) -> list[tuple[int, int, 
                 i += 1
                 continue
             try:
-                obj, end = parse_partial_json(tail), len(text)
+                partial = parse_partial_json(tail)
             except Exception:
-                obj = None
-            if obj is None:
+                partial = None
+            name, _, _ = _call_from(partial)
+            if partial is None or name is None or (tool_names is not None and name not in tool_names):
                 i += 1
                 continue
+            spans.append((i, len(text), None))  # unterminated: an invalid call, never repaired
+            break
         name, _, _ = _call_from(obj)
         looks = isinstance(obj, dict) and name is not None and (
             any(k in obj for k in _ARG_KEYS) or "function" in obj or (tool_names is not None and name in tool_names))
@@ -267,15 +291,20 @@ def _bare_calls(text: str, tool_names: set[str] | None) -> list[tuple[int, int, 
     return spans
 
 
-def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None) -> ParsedOutput:
+def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None, *, bare: bool = True,
+                     truncated: bool = False) -> ParsedOutput:
     """Split model output into content and tool calls, tolerating malformed and absent calls.
 
-    Tagged calls (``<tool_call>...</tool_call>``) are read whatever their name; without tags, bare JSON
-    objects count as calls only when they carry a name (and, when ``tool_names`` is given, a known one).
+    Tagged calls (``<tool_call>...</tool_call>``) are read whatever their name; without tags (and with
+    ``bare``), bare JSON objects count as calls only when they carry a name (and, when ``tool_names`` is
+    given, a known one). Truncated JSON is never repaired into a call: it becomes an invalid call.
 
     Args:
         text: the decoded model output.
         tool_names: names of the bound tools (None: any name).
+        bare: also read untagged JSON calls (off under a grammar, which only admits tagged calls).
+        truncated: the output was cut off by the token limit: an unterminated last tagged call is an
+            invalid call saying so, even if its JSON happens to parse.
 
     Returns:
         A :class:`ParsedOutput`: ``content`` is the text without the call spans (stripped); calls carry
@@ -284,22 +313,37 @@ def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None) -> Pars
     names = set(tool_names) if tool_names is not None else None
     calls: list[dict] = []
     invalid: list[dict] = []
+    cut_msg = "tool call cut off by the token limit (raise max_tokens)"
     tagged = list(_TAGGED.finditer(text))
     if tagged:
         for m in tagged:
-            _decode(m.group(1), calls, invalid)
+            unterminated = not m.group(0).endswith(TOOL_CALL_CLOSE)
+            if unterminated and truncated:
+                nm = _NAME.search(m.group(1))
+                invalid.append({"name": nm.group(1) if nm else None, "args": m.group(1).strip(), "id": new_call_id(),
+                                "error": cut_msg, "type": "invalid_tool_call"})
+                continue
+            _decode(m.group(1), calls, invalid, cut_msg if (unterminated and truncated) else None)
         content = _TAGGED.sub("", text)
-    else:
+    elif bare:
         spans = _bare_calls(text, names)
         pieces, last = [], 0
         for start, end, obj in spans:
             pieces.append(text[last:start])
-            _decode(json.dumps(obj), calls, invalid)
+            if obj is None:  # an unterminated bare call
+                nm = _NAME.search(text[start:end])
+                invalid.append({"name": nm.group(1) if nm else None, "args": text[start:end].strip(),
+                                "id": new_call_id(), "error": cut_msg if truncated else "tool call is not valid JSON",
+                                "type": "invalid_tool_call"})
+            else:
+                _decode(json.dumps(obj), calls, invalid)
             last = end
         pieces.append(text[last:])
         content = "".join(pieces)
         if spans:
             content = re.sub(r"```(?:json)?\s*```", "", content)
+    else:
+        content = text
     return ParsedOutput(content=content.strip(), tool_calls=calls, invalid_tool_calls=invalid)
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from ..core.fallback import Fallback, FallbackKind
 from ..core.recovery import decode_step
+from ..core.sampling import Sampler
 from ..engine import PatchKVEngine, ResumeResult
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 
@@ -96,17 +97,20 @@ class _Thread:
 
 
 class TokenStream:
-    """Greedy decode of one resumed thread version, one token per ``next()``.
+    """Decode of one resumed thread version, one token per ``next()``.
 
     ``result`` is available at once (first-token logits, context, resume stats); ``result.output_ids``
-    grows as tokens are drawn. The stream ends at ``max_new_tokens`` or after an EOS token (included);
+    grows as tokens are drawn, each chosen by ``sampler`` (a :class:`~patchkv_agent.core.sampling.Sampler`:
+    greedy by default; sampling parameters and a logits processor such as a grammar). The stream ends at
+    ``max_new_tokens``, after an EOS token (included) or when the sampler's processor is done;
     :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
     decode step takes the registry's forward lock; the thread lock is not held between steps.
     """
 
     def __init__(self, registry: "ThreadRegistry", th: _Thread | None, version: int, result: ResumeResult,
-                 max_new_tokens: int):
+                 max_new_tokens: int, sampler: Sampler | None = None):
         self._registry, self._th, self._version = registry, th, version
+        self._sampler = sampler if sampler is not None else Sampler()
         self.result = result
         self.max_new_tokens = max_new_tokens
         self._cache = result.cache
@@ -126,17 +130,17 @@ class TokenStream:
     def __next__(self) -> int:
         out = self.result.output_ids
         eos = self._registry.engine.eos_ids
-        if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos):
+        if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos) or (out and self._sampler.done):
             self.close()
             raise StopIteration
         t0 = time.perf_counter()
         if not out:
-            tok = int(self.result.logits.argmax())
+            tok = self._sampler(self.result.logits)
         else:
             with self._registry.forward_lock:
                 logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
             self._pos += 1
-            tok = int(logits.argmax())
+            tok = self._sampler(logits)
         self._decode_s += time.perf_counter() - t0
         out.append(tok)
         return tok
@@ -334,14 +338,16 @@ class ThreadRegistry:
     # ---------------------------------------------------------------- resume
 
     def stream(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
-               **options) -> TokenStream:
-        """Resume ``key``'s next context version and return a greedy token stream over it.
+               sampler: Sampler | None = None, **options) -> TokenStream:
+        """Resume ``key``'s next context version and return a token stream over it (greedy unless ``sampler``).
 
         Args:
             key: the thread key (None: a one-off exact resume, nothing kept).
             token_ids: the new context version's ids.
             strategy: the strategy when the thread has KV (``exact`` always recomputes).
-            max_new_tokens: greedy tokens to draw.
+            max_new_tokens: tokens to draw at most.
+            sampler: a :class:`~patchkv_agent.core.sampling.Sampler` (sampling parameters, a logits processor
+                such as a grammar); None: greedy.
             **options: strategy options (``dirty_window=``, ``kappa=`` ...).
 
         Returns:
@@ -361,7 +367,7 @@ class ThreadRegistry:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
             res.stats.update(thread_id=None, checkpoint_ns=None, version=None, base_version=None, base="none",
                              requested_strategy=strategy, offload_wait_s=0.0, offload_on_path_s=0.0)
-            return TokenStream(self, None, 0, res, max_new_tokens)
+            return TokenStream(self, None, 0, res, max_new_tokens, sampler)
         th = self._thread(key)
         wait_s = self._wait_pending(th)
         with th.lock:
@@ -397,7 +403,7 @@ class ThreadRegistry:
         if res.stats.get("fallback") is None and fallback is not None:
             res.stats["fallback"] = fallback
         self._enforce_resident_budget(keep=key)
-        return TokenStream(self, th, version, res, max_new_tokens)
+        return TokenStream(self, th, version, res, max_new_tokens, sampler)
 
     def generate(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
                  **options) -> ResumeResult:

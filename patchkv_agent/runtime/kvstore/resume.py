@@ -73,8 +73,8 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         new_token_ids: ids of the new context version.
         strategy: the strategy when the checkpoint is usable (``exact`` never reads the store).
         max_new_tokens: greedy tokens to decode.
-        forward_lock: held around the engine's forward passes (not the store read) when several threads
-            share one engine; None: no lock.
+        forward_lock: an extra lock held around the engine call (not the store read); None: none. The
+            engine serialises its forward passes with its own ``forward_lock`` in any case.
         **options: strategy options (``dirty_window=``, ``kappa=`` ...).
 
     Returns:
