@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from .eval import transport_bench
-    from .eval.stress import add_stress_cli
+    from .eval.stress_cli import add_stress_cli
     from .eval.workloads import add_traces_cli
 
     from .calibration.cli import add_calibrate_cli

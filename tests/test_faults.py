@@ -457,7 +457,7 @@ def test_stress_16_threads_x_5_versions_equal_solo_runs(eng):
 def test_stress_cli_asyncio_disk(capsys, tmp_path):
     import argparse
 
-    from patchkv_agent.eval.stress import add_stress_cli
+    from patchkv_agent.eval.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
@@ -480,7 +480,7 @@ def test_stress_cli_asyncio_disk(capsys, tmp_path):
 def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
     import argparse
 
-    from patchkv_agent.eval.stress import add_stress_cli
+    from patchkv_agent.eval.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
@@ -546,7 +546,7 @@ def test_fault_stress_counts_lost_entries_and_escaped_exceptions(eng, monkeypatc
 def test_stress_cli_faults_checks_its_output_path_first(tmp_path):
     import argparse
 
-    from patchkv_agent.eval.stress import add_stress_cli
+    from patchkv_agent.eval.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))

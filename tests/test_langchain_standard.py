@@ -11,6 +11,7 @@ real model. Flags say what PatchKVChatModel supports; nothing is skipped to hide
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from pathlib import Path
 
@@ -112,13 +113,29 @@ _TINY_XFAIL = {"test_tool_calling": "random model: schema-valid call with input=
                "test_unicode_tool_call_integration": "random model: the name string repeats until max_tokens"}
 
 
-def _mark_tiny_xfails():
-    for name, reason in _TINY_XFAIL.items():
+def _mark_xfails(cls, expected: dict[str, str]) -> None:
+    """Mark ``expected`` tests of ``cls`` xfail (strict) without touching the shared base class.
+
+    ``pytest.mark.xfail(...)(f)`` stores the mark on ``f`` itself; applied to the inherited function it
+    would mark every subclass, the SmolLM2 one too. Each mark goes on a per-class wrapper instead.
+    """
+    for name, reason in expected.items():
         base = getattr(ChatModelIntegrationTests, name)
-        setattr(TestTinyIntegration, name, pytest.mark.xfail(reason=reason, strict=True)(base))
+
+        if inspect.iscoroutinefunction(base):
+            @functools.wraps(base)
+            async def wrapper(self, *args, _base=base, **kwargs):
+                return await _base(self, *args, **kwargs)
+        else:
+            @functools.wraps(base)
+            def wrapper(self, *args, _base=base, **kwargs):
+                return _base(self, *args, **kwargs)
+
+        wrapper.pytestmark = list(getattr(base, "pytestmark", []))  # own list: the parametrize marks
+        setattr(cls, name, pytest.mark.xfail(reason=reason, strict=True)(wrapper))
 
 
-_mark_tiny_xfails()
+_mark_xfails(TestTinyIntegration, _TINY_XFAIL)
 
 
 # ------------------------------------------------------------------------------------------ SmolLM2
@@ -143,3 +160,16 @@ class TestSmolLM2Integration(_Flags, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         return {"engine": _smollm2()}
+
+
+# Measured on SmolLM2-135M-Instruct (greedy, the suite's max_tokens): under the grammar every string stays
+# schema-valid, but the model's joke setup repeats ("The cat was a cat, and the cat was a cat, ...") until
+# the token limit, so the structured output is cut off and raises; under tool_choice="auto" it answers the
+# agent-loop prompt in prose and never calls the weather tool. The other 37 tests pass on this model,
+# tool calling with forced choice included.
+_SMOL_XFAIL = {name: "SmolLM2-135M: the joke setup repeats until max_tokens (cut off: raises)"
+               for name in ("test_structured_output", "test_structured_output_async",
+                            "test_structured_output_pydantic_2_v1", "test_structured_output_optional_param")}
+_SMOL_XFAIL["test_agent_loop"] = "SmolLM2-135M answers in prose under tool_choice=auto (never calls the tool)"
+
+_mark_xfails(TestSmolLM2Integration, _SMOL_XFAIL)

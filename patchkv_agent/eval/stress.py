@@ -20,11 +20,9 @@ Knows the engine, the stores and a tiny model config; nothing about LangGraph or
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import resource
-import shutil
 import tempfile
 import threading
 import time
@@ -252,93 +250,3 @@ def format_summary(s: dict[str, Any]) -> str:
 
         lines.append(format_properties(s["property"]))
     return "\n".join(lines)
-
-
-def add_stress_cli(subparsers) -> None:
-    """Register ``patchkv-agent stress`` on the CLI's subparsers."""
-    p = subparsers.add_parser("stress", help="concurrent threads x versions under a store budget; prints a summary")
-    p.add_argument("--threads", type=int, default=16)
-    p.add_argument("--versions", type=int, default=5)
-    p.add_argument("--budget-entries", type=float, default=None,
-                   help="store budget, in checkpoints (default 4; with --faults: half the threads, at least 8)")
-    p.add_argument("--tier", choices=["memory", "disk", "redis"], default="memory")
-    p.add_argument("--mode", choices=["threads", "asyncio"], default="threads")
-    p.add_argument("--root", default=None, help="disk tier directory (default: a temporary one)")
-    p.add_argument("--redis-url", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tool-s", type=float, default=0.02, help="seconds each thread waits for its tool between versions")
-    p.add_argument("--property-examples", type=int, default=1000,
-                   help="Hypothesis examples of the diff + plan + recover property check (0: skip; needs the "
-                        "test extra, pip install 'patchkv-agent[test]')")
-    p.add_argument("--json", default=None, help="also write the summary as JSON to this path (with --faults: "
-                   "default stress_faults.json)")
-    p.add_argument("--faults", action="store_true",
-                   help="fault mode: every tier (Redis when redis-server is installed) under bit flips in stored "
-                        "metadata and payloads, SIGKILLed writer processes, Redis pauses and restarts and budget "
-                        "pressure; checks results against solo runs, escaped exceptions and lost entries "
-                        "(patchkv_agent.eval.faults); no property check")
-    p.add_argument("--tiers", default=None, help="with --faults: comma-separated tiers (default memory,disk[,redis])")
-    p.add_argument("--writer-kills", type=int, default=4, help="with --faults: SIGKILLs of the disk writer process")
-    p.set_defaults(func=cmd_stress)
-
-
-def cmd_stress(args: argparse.Namespace) -> int:
-    if getattr(args, "faults", False):
-        return _cmd_faults(args)
-    examples = args.property_examples
-    if examples < 0:
-        raise SystemExit("patchkv-agent stress: --property-examples must be >= 0")
-    if examples:
-        try:
-            import hypothesis  # noqa: F401 - checked before the load test, not after it
-        except ImportError:
-            from .properties import HYPOTHESIS_HINT
-
-            raise SystemExit(f"patchkv-agent stress: {HYPOTHESIS_HINT}; or pass --property-examples 0 "
-                             "to run the load test alone") from None
-    engine = tiny_engine(args.seed)
-    budget = 4.0 if args.budget_entries is None else args.budget_entries
-    s = run_stress(threads=args.threads, versions=args.versions, budget_entries=budget, tier=args.tier,
-                   mode=args.mode, root=args.root, redis_url=args.redis_url, seed=args.seed,
-                   tool_s=args.tool_s, engine=engine)
-    if examples:
-        from .properties import run_properties
-
-        s["property"] = run_properties(engine, examples, seed=args.seed)
-    print(format_summary(s))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(s, f, indent=2)
-    ok = s["solo_match"] and (not examples or s["property"]["failures"] == 0)
-    return 0 if ok else 1
-
-
-def _cmd_faults(args: argparse.Namespace) -> int:
-    from .faults import format_fault_summary, run_fault_stress
-
-    if args.threads < 1 or args.versions < 2 or args.writer_kills < 0:
-        raise SystemExit("patchkv-agent stress --faults: need --threads >= 1, --versions >= 2, --writer-kills >= 0")
-    tiers = tuple(t.strip() for t in args.tiers.split(",") if t.strip()) if args.tiers else None
-    import logging
-
-    # every quarantine and unreachable-store event logs one warning line; the summary counts them instead
-    logging.getLogger("patchkv_agent.runtime").setLevel(logging.ERROR)
-    if tiers and "redis" in tiers and shutil.which("redis-server") is None:
-        raise SystemExit("patchkv-agent stress --faults: --tiers names redis but redis-server is not on PATH "
-                         "(Debian: apt-get install redis-server)")
-    out = args.json or "stress_faults.json"
-    try:
-        open(out, "a").close()  # writable before a long run, not after it
-    except OSError as e:
-        raise SystemExit(f"patchkv-agent stress --faults: cannot write the summary to {out}: {e}") from None
-    try:
-        s = run_fault_stress(threads=args.threads, versions=args.versions, tiers=tiers, seed=args.seed,
-                             tool_s=args.tool_s, writer_kills=args.writer_kills,
-                             budget_entries=args.budget_entries if args.budget_entries is not None
-                             else max(8.0, args.threads / 2))
-    except ValueError as e:
-        raise SystemExit(f"patchkv-agent stress --faults: {e}") from None
-    print(format_fault_summary(s))
-    with open(out, "w") as f:
-        json.dump(s, f, indent=2)
-    return 0 if s["ok"] else 1
