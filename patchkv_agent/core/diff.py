@@ -142,6 +142,8 @@ class Edit:
     prefix_len: int
     spans: tuple[EditedSpan, ...]
     segments: tuple[AlignedSegment, ...]
+    old_ids: np.ndarray | None = field(default=None, repr=False, compare=False)  # the diffed versions, when known
+    new_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
     new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
     suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
@@ -389,4 +391,5 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8) -> Edit:
         if size:
             segments.append(AlignedSegment(old_start=i, new_start=j, length=size))
         o, n = i + size, j + size
-    return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments))
+    return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments),
+                old_ids=_readonly(old.copy()), new_ids=_readonly(new.copy()))  # own copies: the caller's stay writable

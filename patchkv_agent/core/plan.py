@@ -8,7 +8,10 @@ Vocabulary (docs/DESIGN.md section 2): suffix blocks are ``block_size`` consecut
 aligned segment from that segment's start in new coordinates, so a block never straddles an edited
 span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix_distance < d_hat``),
 ``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored attention,
-``R = BlockRound(D | H)`` plus the block holding the last context token; ``F`` = the other blocks.
+``L`` = the *reader blocks* of the edit (:func:`lexical_reader_scores`: suffix blocks that share rare tokens
+with the tokens an edit removed or added; downstream tokens that mention what was edited carry notes of
+it, computed while the old version was in view), at most ``reader_budget`` of the suffix blocks,
+``R = BlockRound(D | H) | L`` plus the block holding the last context token; ``F`` = the other blocks.
 
 Per-span length features (shared with the calibration profiler through :func:`span_features`): for
 edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k| + |M_new_k|``,
@@ -36,6 +39,10 @@ __all__ = [
     "span_features",
     "suffix_blocks",
     "plan_suffix_blocks",
+    "lexical_reader_scores",
+    "DEFAULT_READER_BUDGET",
+    "READER_MAX_DF",
+    "READERS",
     "plan_blocks",
     "block_round",
     "plan_repair",
@@ -46,6 +53,10 @@ __all__ = [
 
 DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, transfer and precision tags
 DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
+
+READERS = ("none", "lexical")  # reader-block signals plan_repair knows
+DEFAULT_READER_BUDGET = 0.15  # at most this share of the suffix blocks is added as reader blocks
+READER_MAX_DF = 0.5  # a token counts as rare when at most this share of the context's blocks hold it
 
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
 
@@ -305,6 +316,7 @@ class RepairPlan:
     n_suffix: int = 0  # |S|
     n_dirty: int = 0  # |D|
     n_high: int = 0  # |H|
+    n_readers: int = 0  # reader blocks added beyond BlockRound(D | H)
 
     @property
     def n_recompute(self) -> int:
@@ -335,7 +347,8 @@ def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
 
 
 def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strategy: str, prefix_len: int,
-           d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0) -> RepairPlan:
+           d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0,
+           n_readers: int = 0) -> RepairPlan:
     """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
     new_len = edit.new_len
     tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
@@ -368,6 +381,7 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         n_suffix=int(blocks.new_positions.shape[0]),
         n_dirty=int(n_dirty),
         n_high=int(n_high),
+        n_readers=int(n_readers),
     )
 
 
@@ -378,9 +392,62 @@ def _prep(edit: Edit, block_size: int) -> tuple[int, SuffixBlocks]:
     return prefix_len, suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
 
 
+def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
+    """How strongly each suffix block mentions what the edit changed: the lexical reader signal.
+
+    The *changed tokens* are the token ids on exactly one side of the edited spans (in ``M_old`` or in
+    ``M_new``, not both). A changed token is *rare* when at most ``max_df`` of the new context's
+    ``block_size``-token blocks (cut from position 0) contain it; its weight is
+    ``log((1 + n_blocks) / (1 + df))``. A suffix block's score is the summed weight of the distinct rare
+    changed tokens it holds: a later tool result naming the entity an edit replaced (or introduced) scores
+    high, boilerplate shared by every record does not.
+
+    Args:
+        edit: the diff; needs ``edit.old_ids`` / ``edit.new_ids`` (set by
+            :func:`~patchkv_agent.core.diff.diff_versions`).
+        blocks: the suffix blocks of the plan.
+        max_df: rarity cut-off, a share of the context's blocks in ``(0, 1]``.
+    Returns:
+        float64 ``[n_blocks]`` scores (all zero without ids, spans or rare changed tokens).
+    Raises:
+        ValueError: ``max_df`` outside ``(0, 1]``.
+    """
+    if not 0.0 < max_df <= 1.0:
+        raise ValueError(f"max_df must be in (0, 1], got {max_df}")
+    out = np.zeros(blocks.n_blocks, dtype=np.float64)
+    old, new = edit.old_ids, edit.new_ids
+    if old is None or new is None or not edit.spans or blocks.n_blocks == 0 or new.shape[0] == 0:
+        return out
+    old_side = np.concatenate([old[s.old_start:s.old_end] for s in edit.spans] + [np.zeros(0, np.int64)])
+    new_side = np.concatenate([new[s.new_start:s.new_end] for s in edit.spans] + [np.zeros(0, np.int64)])
+    changed = np.setxor1d(np.unique(old_side), np.unique(new_side))
+    if changed.size == 0:
+        return out
+    size = blocks.block_size
+    n_ctx = -(-new.shape[0] // size)
+    in_changed = np.isin(new, changed)
+    pos = np.flatnonzero(in_changed)
+    tok, grid = new[pos], pos // size
+    # document frequency of each changed token over the context's blocks (distinct (block, token) pairs)
+    pairs = np.unique(np.stack([tok, grid], axis=1), axis=0) if pos.size else np.zeros((0, 2), np.int64)
+    df_tok, df = np.unique(pairs[:, 0], return_counts=True)
+    rare = df <= max(1.0, max_df * n_ctx)
+    weight = dict(zip(df_tok[rare].tolist(), np.log((1.0 + n_ctx) / (1.0 + df[rare])).tolist()))
+    if not weight:
+        return out
+    sfx_tok = new[blocks.new_positions]
+    hit = np.flatnonzero(np.isin(sfx_tok, np.fromiter(weight, dtype=np.int64)))
+    if hit.size == 0:
+        return out
+    uniq = np.unique(np.stack([blocks.token_block[hit], sfx_tok[hit]], axis=1), axis=0)
+    np.add.at(out, uniq[:, 0], np.asarray([weight[int(t)] for t in uniq[:, 1]], dtype=np.float64))
+    return out
+
+
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
-                block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan:
-    """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H)`` and the last token; restore ``F``.
+                block_size: int = DEFAULT_BLOCK_SIZE, readers: str = "none",
+                reader_budget: float = DEFAULT_READER_BUDGET) -> RepairPlan:
+    """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L`` and the last token; restore ``F``.
 
     Args:
         edit: diff of the checkpointed (old) and the new context version.
@@ -388,14 +455,21 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         length_model: gives ``d_hat`` per edited span.
         kappa: fraction of the suffix tokens outside ``D`` to add as high-attention tokens, in ``[0, 1]``.
         block_size: suffix tokens per block.
+        readers: ``"lexical"`` adds the reader blocks ``L`` (:func:`lexical_reader_scores`), ``"none"`` not.
+        reader_budget: at most this share of the suffix blocks (rounded up) joins as reader blocks, the
+            highest scores first (ties: the nearer block to the edit), in ``[0, 1]``.
     Returns:
-        The plan.
+        The plan (``n_readers``: the reader blocks added beyond ``D | H``).
     Raises:
-        ValueError: on an empty new context, ``kappa`` outside ``[0, 1]``, a bad ``block_size`` or a
-            ``scores`` array whose length is not ``edit.old_len``.
+        ValueError: on an empty new context, ``kappa`` or ``reader_budget`` outside ``[0, 1]``, an unknown
+            ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
     """
     if not 0.0 <= kappa <= 1.0:
         raise ValueError(f"kappa must be in [0, 1], got {kappa}")
+    if readers not in READERS:
+        raise ValueError(f"readers must be one of {READERS}, got {readers!r}")
+    if not 0.0 <= reader_budget <= 1.0:
+        raise ValueError(f"reader_budget must be in [0, 1], got {reader_budget}")
     prefix_len, blocks = _prep(edit, block_size)
     p, e, s = span_features(edit)
     d_hat = length_model.predict(p, e, s)
@@ -417,8 +491,17 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     repair[blocks.token_block[dirty | high]] = True
     if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
         repair[-1] = True  # the block holding the last context token
+    n_readers = 0
+    if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:
+        lex = lexical_reader_scores(edit, blocks)
+        cand = np.flatnonzero((lex > 0) & ~repair)
+        k = min(cand.size, int(math.ceil(reader_budget * blocks.n_blocks - 1e-9)))
+        if k:
+            order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
+            repair[cand[order[:k]]] = True
+            n_readers = k
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
-                  n_dirty=int(dirty.sum()), n_high=int(high.sum()))
+                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers)
 
 
 def plan_suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> SuffixBlocks:

@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
+from .plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, READERS, LengthModel
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
@@ -44,6 +44,10 @@ class RecoverySettings:
             block at its checkpoint tag).
         capture_window: final query positions the checkpoint pass records attention from, ``>= 1``.
         mixed_precision: checkpoints also carry mixed-precision runs (needed for ``"mixed"`` restores).
+        readers: the reader-block signal of the planner (``"lexical"``: suffix blocks that mention what an
+            edit changed are recomputed, see :func:`~patchkv_agent.core.plan.lexical_reader_scores`;
+            ``"none"``).
+        reader_budget: at most this share of the suffix blocks is added as reader blocks, in ``[0, 1]``.
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -56,6 +60,8 @@ class RecoverySettings:
     restore_precision: str = "fp16"
     capture_window: int = DEFAULT_CAPTURE_WINDOW
     mixed_precision: bool = True
+    readers: str = "lexical"
+    reader_budget: float = DEFAULT_READER_BUDGET
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -72,6 +78,12 @@ class RecoverySettings:
             raise ValueError(f"precision_policy must be a PrecisionPolicy, got {type(self.precision_policy).__name__}")
         if self.restore_precision not in RESTORE_PRECISIONS:
             raise ValueError(f"precision must be 'fp16' or 'mixed', got {self.restore_precision!r}")
+        if self.readers not in READERS:
+            raise ValueError(f"readers must be one of {READERS}, got {self.readers!r}")
+        if isinstance(self.reader_budget, bool) or not isinstance(self.reader_budget, (int, float)) or not (
+                math.isfinite(self.reader_budget) and 0.0 <= self.reader_budget <= 1.0):
+            raise ValueError(f"reader_budget must be a number in [0, 1], got {self.reader_budget!r}")
+        object.__setattr__(self, "reader_budget", float(self.reader_budget))
         if not isinstance(self.mixed_precision, bool):
             raise ValueError(f"mixed_precision must be a bool, got {self.mixed_precision!r}")
 

@@ -34,6 +34,8 @@ _COLUMNS = (  # (summary key, Markdown header, format)
     ("recompute_ratio_mean", "recompute ratio", ".3f"),
     ("payload_mib_mean", "payload MiB", ".2f"),
     ("f1_mean", "F1", ".3f"),
+    ("follow_rate", "follow", ".3f"),
+    ("stale_rate", "stale", ".3f"),
     ("top1_agree", "top-1 agree", ".3f"),
     ("tf_agree", "TF agree", ".3f"),
     ("exact_continuation", "exact cont.", ".3f"),
@@ -120,8 +122,28 @@ def _order(names: Iterable[str], canonical: Sequence[str]) -> list[str]:
     return [s for s in canonical if s in seen] + [s for s in seen if s not in canonical]
 
 
-def _group(rows: list[dict], prefix_ttft: float | None) -> dict[str, Any]:
+def _follow_rates(rows: list[dict], exact: dict[tuple, dict]) -> tuple[float | None, float | None, int, int]:
+    """Edit-following rates of ``rows`` against the exact rows of the same (id, version).
+
+    follow rate: among rows whose exact row follows (answers the version's gold), the share that follows;
+    stale rate: among rows whose exact row is not stale (does not answer the previous version's gold),
+    the share that answers the previous gold. Rows without the fields (no per-version gold) are ignored.
+    """
+    fol, sta = [], []
+    for r in rows:
+        ref = exact.get((r.get("id"), r.get("version")))
+        if ref is None or r.get("follows") is None or ref.get("follows") is None:
+            continue
+        if ref["follows"]:
+            fol.append(bool(r["follows"]))
+        if not ref["stale"]:
+            sta.append(bool(r["stale"]))
+    return (_mean(fol) if fol else None, _mean(sta) if sta else None, len(fol), len(sta))
+
+
+def _group(rows: list[dict], prefix_ttft: float | None, exact: dict[tuple, dict] | None = None) -> dict[str, Any]:
     ttft = statistics.median(float(r["ttft_s"]) for r in rows)
+    follow, stale, n_follow, n_stale = _follow_rates(rows, exact or {})
     payload = _mean(r.get("payload_bytes") for r in rows)
     return {
         "n": len(rows),
@@ -132,6 +154,11 @@ def _group(rows: list[dict], prefix_ttft: float | None) -> dict[str, Any]:
         "recompute_ratio_mean": _mean(r.get("recompute_ratio") for r in rows),
         "payload_mib_mean": None if payload is None else payload / 2**20,
         "f1_mean": _mean(r.get("f1") for r in rows),
+        "follow_rate": follow,
+        "stale_rate": stale,
+        "follow_n": n_follow,
+        "stale_n": n_stale,
+        "recompute_tokens_mean": _mean(r.get("recompute_tokens") for r in rows),
         "first_token_kl_mean": _mean(r.get("first_token_kl") for r in rows),
         "top1_agree": _mean(r.get("top1_agree") for r in rows),
         "tf_agree": _mean(r.get("tf_agree") for r in rows),
@@ -144,7 +171,8 @@ def _by_strategy(rows: list[dict], strategies: list[str]) -> dict[str, dict]:
     groups = {s: [r for r in rows if r["strategy"] == s] for s in strategies}
     prefix = groups.get("prefix")
     prefix_ttft = statistics.median(float(r["ttft_s"]) for r in prefix) if prefix else None
-    return {s: _group(rs, prefix_ttft) for s, rs in groups.items() if rs}
+    exact = {(r.get("id"), r.get("version")): r for r in groups.get("exact", [])}
+    return {s: _group(rs, prefix_ttft, exact) for s, rs in groups.items() if rs}
 
 
 def summarize(rows: Sequence[dict]) -> dict[str, Any]:
@@ -163,7 +191,11 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
         ``{"n_rows", "models", "workloads", "strategies", "by_workload": {workload: {strategy: {...}}}}``;
         each group holds ``n``, ``episodes``, ``ttft_s_median``, ``ttft_ms_median``,
         ``speedup_vs_prefix``, ``recompute_ratio_mean``, ``payload_mib_mean``, ``f1_mean``,
-        ``first_token_kl_mean``, ``top1_agree``, ``tf_agree``, ``exact_continuation``, ``fallbacks``.
+        ``first_token_kl_mean``, ``top1_agree``, ``tf_agree``, ``exact_continuation``, ``fallbacks``,
+        ``recompute_tokens_mean`` and, for edit-following rows (``follows`` / ``stale`` fields), ``follow_rate``
+        (answers the new gold, among the (episode, version) pairs where ``exact`` does), ``stale_rate``
+        (answers the previous version's gold, among the pairs where ``exact`` does not) and their
+        denominators ``follow_n`` / ``stale_n`` (None / 0 without such rows).
 
     Raises:
         KeyError: a row without ``strategy`` or ``ttft_s``.

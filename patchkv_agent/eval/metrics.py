@@ -1,7 +1,8 @@
 """Fidelity metrics of a resume against the exact reference, and answer F1 against gold answers.
 
 The fields of the result format (``docs/TRACES.md``): ``first_token_kl``, ``top1_agree``, ``tf_agree``,
-``exact_continuation`` (:func:`fidelity` computes all four) and ``f1`` (:func:`token_f1`). Used by the
+``exact_continuation`` (:func:`fidelity` computes all four), ``f1`` (:func:`token_f1`) and the edit-following
+fields ``follows`` / ``stale`` (:func:`answer_match` against a version's gold and the previous version's). Used by the
 trace replay, the benchmark, the transport benchmark and the calibration profiler and analysis, so that
 every number called "KL" or "agreement" in this project is computed one way.
 
@@ -20,7 +21,7 @@ import torch
 
 from ..core.recovery import to_dynamic_cache
 
-__all__ = ["normalize_answer", "token_f1", "first_token_kl", "top1_agree", "teacher_forced_agreement", "fidelity"]
+__all__ = ["normalize_answer", "token_f1", "answer_match", "ANSWER_WORDS", "first_token_kl", "top1_agree", "teacher_forced_agreement", "fidelity"]
 
 
 def normalize_answer(s: str) -> str:
@@ -63,6 +64,35 @@ def token_f1(prediction: str, answers: Iterable[str]) -> float:
             f1 = 2 * p * r / (p + r)
         best = max(best, f1)
     return best
+
+
+ANSWER_WORDS = 24  # answer_match looks at this many leading words of the output
+
+
+def answer_match(prediction: str, answers: Iterable[str], *, words: int = ANSWER_WORDS) -> bool:
+    """Whether the answer the model gave is one of ``answers``: some gold alias, normalised, occurs as a
+    whole-word run within the first ``words`` normalised words of the first non-empty line.
+
+    Used for the edit-following fields: a row *follows* when it matches its version's gold answers and is
+    *stale* when it matches the previous version's. Only the leading words count, so a model that states
+    the new value and then rambles about the old one still follows, and one that answers the old value
+    first is stale.
+
+    Args:
+        prediction: the model's text.
+        answers: gold answers (aliases); empty: never a match.
+        words: leading words considered, ``>= 1``.
+
+    Returns:
+        True on a match.
+    """
+    line = next((ln for ln in prediction.splitlines() if ln.strip()), "")
+    pred = normalize_answer(line).split()[:words]
+    for ans in answers:
+        gold = normalize_answer(ans).split()
+        if gold and any(pred[i:i + len(gold)] == gold for i in range(len(pred) - len(gold) + 1)):
+            return True
+    return False
 
 
 def first_token_kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:

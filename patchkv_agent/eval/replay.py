@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..engine import PatchKVEngine, ResumeResult
-from .metrics import fidelity, token_f1
+from .metrics import answer_match, fidelity, token_f1
 from .traces import RESULT_FIELDS, version_ids
 
 __all__ = ["RESULT_FIELDS", "replay_episode"]
@@ -52,7 +52,7 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
         ref = engine.resume(None, ids[k], strategy="exact", max_new_tokens=max_new_tokens)
         for s in strategies:
             res = ref if s == "exact" else engine.resume(chain[s], ids[k], strategy=s, max_new_tokens=max_new_tokens)
-            row = _row(engine, trace, k, s, res, ref, answers, model_name)
+            row = _row(engine, trace, k, s, res, ref, versions[k].get("answers") or answers, model_name)
             if s != "exact" and k < len(ids) - 1:  # the last version has no successor to resume
                 chain[s] = engine.checkpoint_from(res)
             yield row
@@ -78,6 +78,10 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
     else:
         row.update(fidelity(engine, res, ref))
     row["f1"] = token_f1(text, answers) if answers else None
+    gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
+    if gold and old:  # edit-following episodes carry a gold answer per version
+        row["follows"] = answer_match(text, gold)
+        row["stale"] = answer_match(text, old)
     row["fallback"] = st.get("fallback")
     for key, val in st.items():  # optional extras (docs/TRACES.md allows new fields): restore_tokens, cacheblend_*
         if key not in row and key != "strategy" and isinstance(val, (int, float, str, bool, list, type(None))):

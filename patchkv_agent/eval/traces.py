@@ -116,6 +116,9 @@ def validate_trace(trace: object, where: str = "trace") -> None:
         if "token_ids" in v and (not isinstance(v["token_ids"], list) or not v["token_ids"] or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v["token_ids"])):
             raise ValueError(f"{w}: 'token_ids' must be a non-empty list of non-negative integers")
+        va = v.get("answers")
+        if va is not None and (not isinstance(va, list) or not all(isinstance(a, str) for a in va)):
+            raise ValueError(f"{w}: 'answers' must be a list of strings")
     ans = trace.get("answers")
     if ans is not None and (not isinstance(ans, list) or not all(isinstance(a, str) for a in ans)):
         raise ValueError(f"{where}: 'answers' must be a list of strings")

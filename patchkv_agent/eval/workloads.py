@@ -442,9 +442,19 @@ def build_traces(workload: str, edit: str, *, n: int | None = None, split: str =
         ``padded_passages`` (added from other examples), ``dropped_passages`` (non-answer results
         dropped), and ``edits``: per version k >= 1 its ``kind`` and ``spans``, each ``{"old": [a, b],
         "new": [c, d]}``, the half-open message ranges that differ between versions k-1 and k.
+    The edit-following workloads (``follow-lookup``, ``follow-twohop``, ``follow-count``,
+    ``follow-retract``; :mod:`.follow`) are built here too: their episodes are templates with their own
+    fixed edit and length, so ``edit``, ``target_tokens`` and ``n_versions`` do not apply to them, and
+    ``n=None`` means 40.
+
     Raises:
         ValueError: unknown workload, edit or split, or n_versions < 2.
     """
+    from .follow import build_follow_traces, is_follow_workload
+
+    if is_follow_workload(workload):
+        return build_follow_traces(workload, n=40 if n is None else n, split=split, seed=seed,
+                                   count_tokens=count_tokens)
     return _build(workload, edit, n, split, target_tokens, n_versions, seed, count_tokens)[0]
 
 

@@ -4,7 +4,8 @@ plan that :func:`patchkv_agent.core.recovery.execute` runs.
 - ``exact``: full prefill of ``C_new`` (the oracle); ignores the checkpoint.
 - ``prefix``: reuse ``P``, recompute all of ``M_new + S`` (the Prefix Cache baseline; exact).
 - ``direct``: recompute ``X`` and the last token, restore all of ``S`` RoPE-corrected (stale history).
-- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H)`` and the last block; restore ``F``.
+- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L`` (``L``: the edit's reader blocks) and the last
+  block; restore ``F``.
 
 Knows plans and the recovery settings, not models or LangGraph.
 """
@@ -62,6 +63,8 @@ class PatchKVStrategy(Strategy):
         block_size: block size in tokens.
         precision: ``"mixed"`` (default: each restored block at its checkpoint tag; a checkpoint
             without mixed runs is restored as stored) or ``"fp16"``.
+        readers: ``"lexical"`` or ``"none"``: the reader-block signal (default: the settings').
+        reader_budget: the most suffix blocks (a share) added as reader blocks.
 
     Raises:
         ValueError: an option outside its range.
@@ -70,9 +73,11 @@ class PatchKVStrategy(Strategy):
     name = "patchkv"
 
     def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
-                 block_size: int | None = None, precision: str = "mixed"):
+                 block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
+                 reader_budget: float | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
-                           kappa=kappa, block_size=block_size, restore_precision=precision)
+                           kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
+                           reader_budget=reader_budget)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
@@ -83,4 +88,5 @@ class PatchKVStrategy(Strategy):
     def plan(self, settings, ckpt, edit):
         s = self.resolve(settings)
         scores = ckpt.scores if ckpt is not None else None
-        return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size)
+        return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
+                           readers=s.readers, reader_budget=s.reader_budget)

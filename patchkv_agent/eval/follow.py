@@ -1,0 +1,198 @@
+"""Edit-following workloads: agent threads whose correct answer changes because of an edit far from the question.
+
+The QA workloads (:mod:`.workloads`) measure fidelity to ``exact`` (KL, top-1, teacher-forced agreement),
+but their answers rarely depend on the edited span, so they cannot see whether a recovered cache makes
+the model *act on the new content*. Here every episode has two versions and a gold answer per version,
+known by construction; version 1 is version 0 with one early tool result replaced, and the question at
+the end asks something whose answer that replacement changes. Templates (one workload each):
+
+- ``follow-lookup`` (one hop): a record states a value (a locker code); the edit changes it; the question
+  asks for it directly.
+- ``follow-twohop`` (two hops): an early record says who someone reports to; a later record lists the
+  managers' rooms; the edit changes the manager; the question asks for the person's manager's room. The
+  later record is not edited, but its restored K/V were computed while the old relation was in view.
+- ``follow-count`` (aggregation): several ticket records with a status; the edit flips one; the question
+  asks how many are open.
+- ``follow-retract`` (retraction): a record states a value; the edit replaces the whole tool result by an
+  error; the question asks for the value or ``unknown``.
+
+Each episode is a thread of ``system``, ``user`` task, (assistant ``lookup`` call + tool result) per record,
+and the ``user`` question; unrelated filler records (other people, other tickets, notices) separate the
+edited record from the question, so the edit lies outside the dirty window and the last block.
+
+Trace format: ``docs/TRACES.md``; each version carries its own ``answers`` (the top-level ``answers`` are
+the last version's), and the replay scores a row as *following* (its output contains the version's gold)
+or *stale* (it contains the previous version's gold) with :func:`.metrics.answer_match`.
+
+Boundary: pure Python (no model, torch or tokenizer); deterministic in (workload, index, seed). The split
+(``calib`` / ``eval``) is by episode index parity of a hash, as for the QA workloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Callable
+
+__all__ = ["FOLLOW_WORKLOADS", "build_follow_traces", "is_follow_workload"]
+
+SYSTEM_PROMPT = "Answer the question using the tool results."
+
+_PEOPLE = ("Alice", "Brian", "Chloe", "Daniel", "Elena", "Farid", "Grace", "Hugo", "Irene", "Jonas", "Kavya",
+           "Liam", "Maya", "Nora", "Oscar", "Priya", "Rosa", "Samir", "Tara", "Wei")
+_MANAGERS = ("Helen", "Marcus", "Sofia", "Victor", "Nadia", "Oliver", "Ingrid", "Rafael", "Leila", "Tomas")
+_CITIES = ("Denver", "Lisbon", "Osaka", "Nairobi", "Oslo", "Lima", "Dublin", "Perth", "Cairo", "Quebec",
+           "Bergen", "Porto", "Seville", "Tallinn", "Geneva")
+_NOTICES = (
+    ("cafeteria", "The cafeteria opens at noon."),
+    ("weather", "It is sunny and warm today."),
+    ("parking", "The parking garage closes at ten."),
+    ("library", "The library is a quiet space."),
+    ("shuttle", "The shuttle leaves every twenty minutes."),
+    ("gym", "The gym is on the first floor."),
+    ("drill", "The fire drill is on Thursday."),
+    ("recycling", "Recycling is collected on Mondays."),
+)
+
+FOLLOW_WORKLOADS: dict[str, str] = {
+    "follow-lookup": "one hop: the edited value is asked directly",
+    "follow-twohop": "two hops: an edited relation, its attribute stated later",
+    "follow-count": "aggregation: a count over records, one of which is edited",
+    "follow-retract": "retraction: a tool result replaced by an error",
+}
+_N_WORDS = {0: "zero", 1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+
+
+def is_follow_workload(name: str) -> bool:
+    """True for the names in :data:`FOLLOW_WORKLOADS`."""
+    return name in FOLLOW_WORKLOADS
+
+
+class _Thread:
+    """Builds one version's messages: lookups, each an assistant call and its tool result."""
+
+    def __init__(self):
+        self.messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        self._n = 0
+
+    def lookup(self, query: str, result: str) -> int:
+        self._n += 1
+        cid = f"call_{self._n}"
+        self.messages.append({"role": "assistant", "content": "",
+                              "tool_calls": [{"id": cid, "name": "lookup", "args": {"query": query}}]})
+        self.messages.append({"role": "tool", "tool_call_id": cid, "content": result})
+        return len(self.messages) - 1  # index of the tool result
+
+    def ask(self, question: str) -> list[dict]:
+        self.messages.append({"role": "user", "content": question})
+        return self.messages
+
+
+def _episode(workload: str, rng: random.Random, n_fillers: int) -> tuple[list[list[dict]], list[list[str]]]:
+    """``(messages per version, answers per version)`` of one episode (two versions)."""
+    fillers = rng.sample(_NOTICES, k=min(n_fillers, len(_NOTICES)))
+    if workload == "follow-lookup":
+        people, cities = rng.sample(_PEOPLE, k=5), rng.sample(_CITIES, k=6)
+        k = rng.randrange(2)  # the asked person's record is the first or the second
+        olds = [cities[:5], cities[:k] + [cities[5]] + cities[k + 1:5]]
+        question, answers = f"Which city does {people[k]} live in?", [[cities[k]], [cities[5]]]
+
+        def records(v):
+            return [(p, f"{p} lives in {c}.") for p, c in zip(people, olds[v])]
+    elif workload == "follow-twohop":
+        person = rng.choice(_PEOPLE)
+        managers = rng.sample(_MANAGERS, k=3)
+        rooms = dict(zip(managers, (str(r) for r in rng.sample(range(10, 99), k=3))))
+        listed = rng.sample(managers, k=3)
+        question, answers = f"{person}'s boss works in which room?", [[rooms[managers[0]]], [rooms[managers[1]]]]
+        between, fillers = fillers[:1], fillers[1:]
+
+        def records(v):
+            return [("boss", f"{person}'s boss is {managers[v]}.")] + between + \
+                   [(m, f"{m} works in room {rooms[m]}.") for m in listed]
+    elif workload == "follow-count":
+        status = [rng.random() < 0.5 for _ in range(3)]
+        flipped = [not status[0]] + status[1:]
+        question = "Count the open tickets. Answer with a number."
+        answers = [[str(sum(st)), _N_WORDS[sum(st)]] for st in (status, flipped)]
+
+        def records(v):
+            return [(f"ticket {i + 1}", f"Ticket {i + 1}: {'open' if s else 'closed'}")
+                    for i, s in enumerate((status, flipped)[v])]
+    elif workload == "follow-retract":
+        city = rng.choice(_CITIES)
+        question = "Which city is the parcel in? If the tool found no record, answer unknown."
+        answers = [[city], ["unknown", "no record"]]
+
+        def records(v):
+            return [("parcel", (f"The parcel is in {city}.", "Error: no record found.")[v])]
+    else:
+        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {sorted(FOLLOW_WORKLOADS)}")
+    versions = []
+    for v in (0, 1):
+        t = _Thread()
+        for item in records(v) + fillers:
+            t.lookup(*item)
+        versions.append(t.ask(question))
+    return versions, answers
+
+
+def _split(workload: str, index: int) -> str:
+    h = int.from_bytes(hashlib.sha256(f"{workload}/{index}".encode()).digest()[:8], "big")
+    return "calib" if h % 10 < 3 else "eval"
+
+
+def _changed(a: list[dict], b: list[dict]) -> list[dict]:
+    lo = 0
+    while lo < min(len(a), len(b)) and a[lo] == b[lo]:
+        lo += 1
+    hi_a, hi_b = len(a), len(b)
+    while hi_a > lo and hi_b > lo and a[hi_a - 1] == b[hi_b - 1]:
+        hi_a, hi_b = hi_a - 1, hi_b - 1
+    return [{"old": [lo, hi_a], "new": [lo, hi_b]}]
+
+
+def build_follow_traces(workload: str, *, n: int = 40, split: str = "eval", seed: int = 0, n_fillers: int = 2,
+                        count_tokens: Callable[[list[dict]], int] | None = None) -> list[dict]:
+    """Build ``n`` edit-following episodes (two versions each) in the trace format.
+
+    Args:
+        workload: a name in :data:`FOLLOW_WORKLOADS`.
+        n: episodes to return (all of the requested split).
+        split: ``calib`` or ``eval`` (a hash of the episode index; about 30 % ``calib``).
+        seed: seed of names, values and record order.
+        n_fillers: unrelated records between the edited record and the question (>= 2).
+        count_tokens: ``messages -> token count`` for ``meta.tokens`` (None: not recorded).
+
+    Returns:
+        Trace dicts with ``id`` (``<workload>/<index>``), ``workload``, ``edit`` (``replace_tool_result``),
+        ``versions`` (each with ``messages`` and ``answers``), ``answers`` (the last version's) and ``meta``
+        (``source: "template"``, ``split``, ``seed``, ``index``, ``old_answers``, ``edits``, ``tokens``).
+
+    Raises:
+        ValueError: unknown workload or split, ``n < 0`` or ``n_fillers < 2``.
+    """
+    if workload not in FOLLOW_WORKLOADS:
+        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {sorted(FOLLOW_WORKLOADS)}")
+    if split not in ("calib", "eval"):
+        raise ValueError(f"split must be 'calib' or 'eval', got {split!r}")
+    if n < 0 or n_fillers < 2:
+        raise ValueError(f"need n >= 0 and n_fillers >= 2, got n={n}, n_fillers={n_fillers}")
+    out: list[dict] = []
+    index = 0
+    while len(out) < n:
+        index += 1
+        if _split(workload, index) != split:
+            continue
+        rng = random.Random(f"{seed}/{workload}/{index}")
+        versions, answers = _episode(workload, rng, n_fillers)
+        if answers[0][0] == answers[1][0]:  # the edit must change the answer (a count flip always does)
+            continue
+        meta = {"source": "template", "split": split, "seed": seed, "index": index, "old_answers": answers[0],
+                "edits": [{"version": 1, "kind": "replace_tool_result", "spans": _changed(*versions)}]}
+        if count_tokens is not None:
+            meta["tokens"] = [int(count_tokens(v)) for v in versions]
+        out.append({"id": f"{workload}/{index}", "workload": workload, "edit": "replace_tool_result",
+                    "versions": [{"messages": v, "answers": a} for v, a in zip(versions, answers)],
+                    "answers": answers[-1], "meta": meta})
+    return out

@@ -1,0 +1,180 @@
+"""Edit-following: the template workloads, answer matching, follow/stale rates, and the lexical reader blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.plan import LengthModel, lexical_reader_scores, plan_repair, plan_suffix_blocks
+from patchkv_agent.core.settings import RecoverySettings
+from patchkv_agent.eval.bench import summarize
+from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, build_follow_traces
+from patchkv_agent.eval.metrics import answer_match
+from patchkv_agent.eval.traces import validate_trace
+from patchkv_agent.eval.workloads import build_traces
+
+
+@pytest.mark.parametrize("workload", sorted(FOLLOW_WORKLOADS))
+def test_follow_episodes_change_their_gold_answer_through_one_early_edit(workload):
+    traces = build_follow_traces(workload, n=40)
+    assert len(traces) == 40 and len({t["id"] for t in traces}) == 40
+    for t in traces:
+        validate_trace(t)
+        v0, v1 = (v["messages"] for v in t["versions"])
+        a0, a1 = (v["answers"] for v in t["versions"])
+        assert not set(a0) & set(a1) and t["answers"] == a1 and t["meta"]["old_answers"] == a0
+        # one tool result differs, the question (last message) is the same and far from it
+        diff = [i for i, (x, y) in enumerate(zip(v0, v1)) if x != y]
+        assert len(v0) == len(v1) and len(diff) == 1 and v0[diff[0]]["role"] == "tool"
+        assert v0[-1] == v1[-1] and v0[-1]["role"] == "user" and len(v0) - diff[0] >= 5
+        assert t["meta"]["edits"][0]["spans"] == [{"old": [diff[0], diff[0] + 1], "new": [diff[0], diff[0] + 1]}]
+        # the gold of each version is stated in that version's tool results (retraction: v1 says no record)
+        tools0 = " ".join(m["content"] for m in v0 if m["role"] == "tool")
+        if workload in ("follow-lookup", "follow-twohop", "follow-retract"):
+            assert a0[0] in tools0
+    assert build_follow_traces(workload, n=40) == traces  # deterministic
+    assert build_traces(workload, "all", n=5) == traces[:5]  # reachable through the common builder
+    calib = build_follow_traces(workload, n=5, split="calib")
+    assert not {t["id"] for t in calib} & {t["id"] for t in traces}
+
+
+def test_follow_builder_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="unknown edit-following workload"):
+        build_follow_traces("follow-nothing")
+    with pytest.raises(ValueError, match="split"):
+        build_follow_traces("follow-lookup", split="test")
+    with pytest.raises(ValueError, match="n_fillers"):
+        build_follow_traces("follow-lookup", n_fillers=1)
+
+
+def test_two_hop_gold_follows_the_edited_relation():
+    for t in build_follow_traces("follow-twohop", n=10):
+        for v in t["versions"]:
+            boss = v["messages"][2]["content"].split(" is ")[1].rstrip(".")  # "<person>'s boss is <M>."
+            room = next(m["content"] for m in v["messages"] if m["role"] == "tool"
+                        and m["content"].startswith(f"{boss} works in room "))
+            assert room.endswith(f"room {v['answers'][0]}.")
+
+
+@pytest.mark.parametrize("text, answers, expected", [
+    ("Oscar lives in Nairobi.", ["Nairobi"], True),
+    ("The city is nairobi!", ["Nairobi"], True),
+    ("Nairobians are nice.", ["Nairobi"], False),  # whole words only
+    ("\n\nThe room is 63.", ["63"], True),
+    ("The room is 630.", ["63"], False),
+    ("There are two open tickets.", ["2", "two"], True),
+    ("The tool found no record for the parcel.", ["unknown", "no record"], True),
+    ("It is in Perth.\nNot in Oslo.", ["Oslo"], False),  # the first non-empty line only
+    ("", ["Oslo"], False),
+    ("Oslo", [], False),
+])
+def test_answer_match(text, answers, expected):
+    assert answer_match(text, answers) is expected
+
+
+def test_answer_match_looks_at_leading_words_only():
+    text = " ".join(["word"] * 30) + " Oslo"
+    assert not answer_match(text, ["Oslo"]) and answer_match(text, ["Oslo"], words=31)
+
+
+def _row(ep, strategy, follows, stale, ttft=0.1):
+    return {"id": ep, "version": 1, "workload": "follow-x", "strategy": strategy, "ttft_s": ttft,
+            "follows": follows, "stale": stale, "model": "m", "recompute_tokens": 10}
+
+
+def test_follow_and_stale_rates_are_conditioned_on_exact():
+    rows = [_row("a", "exact", True, False), _row("b", "exact", True, False), _row("c", "exact", False, True),
+            _row("d", "exact", False, False),
+            _row("a", "direct", False, True), _row("b", "direct", True, False), _row("c", "direct", False, True),
+            _row("d", "direct", False, True)]
+    g = summarize(rows)["by_workload"]["follow-x"]
+    # follow: among a, b (exact follows): direct follows b -> 1/2; stale: among a, b, d (exact not stale):
+    # direct is stale on a and d -> 2/3 (c does not count: exact itself gives the old answer there)
+    assert g["direct"]["follow_rate"] == pytest.approx(0.5) and g["direct"]["follow_n"] == 2
+    assert g["direct"]["stale_rate"] == pytest.approx(2 / 3) and g["direct"]["stale_n"] == 3
+    assert g["exact"]["follow_rate"] == 1.0 and g["exact"]["stale_rate"] == 0.0
+    qa = summarize([{"id": "a", "strategy": "exact", "ttft_s": 1.0, "workload": "w"}])["by_workload"]["w"]
+    assert qa["exact"]["follow_rate"] is None and qa["exact"]["follow_n"] == 0
+
+
+# ------------------------------------------------------------------------------------- lexical reader blocks
+
+def _context(n_blocks=8, size=4, edit_block=1, reader_block=5, rare=900, new_rare=901):
+    """A context of ``n_blocks`` blocks of ``size`` tokens; block ``edit_block`` holds the rare token that
+    the edit replaces; block ``reader_block`` mentions it too; every block holds common token 7."""
+    old = np.arange(n_blocks * size, dtype=np.int64) + 100
+    old[::size] = 7  # a token in every block: never rare
+    old[edit_block * size + 1] = rare
+    old[reader_block * size + 2] = rare
+    new = old.copy()
+    new[edit_block * size + 1] = new_rare
+    return old, new
+
+
+def test_lexical_readers_find_the_blocks_that_mention_the_edit():
+    old, new = _context()
+    edit = diff_versions(old, new, min_match=2)
+    blocks = plan_suffix_blocks(edit, block_size=4)
+    scores = lexical_reader_scores(edit, blocks)
+    reader = np.searchsorted(blocks.starts, 5 * 4 + 2, side="right") - 1
+    assert scores[reader] > 0 and np.count_nonzero(scores) == 1
+    plan0 = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="none")
+    plan1 = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical", reader_budget=1.0)
+    assert reader not in plan0.repair_blocks and reader in plan1.repair_blocks and plan1.n_readers == 1
+    assert set(plan1.recompute_positions) - set(plan0.recompute_positions) == set(range(blocks.starts[reader],
+                                                                                          blocks.ends[reader]))
+    # the plan still partitions the context
+    assert plan1.prefix_len + plan1.n_restore + plan1.n_recompute == len(new)
+
+
+def test_lexical_readers_an_inserted_entity_counts_as_well():
+    old, new = _context(rare=7)  # nothing rare removed ...
+    new[5 * 4 + 3] = 950  # ... but the reader block already names the entity the edit brings in
+    old[5 * 4 + 3] = 950
+    new[1 * 4 + 1] = 950
+    edit = diff_versions(old, new, min_match=2)
+    blocks = plan_suffix_blocks(edit, block_size=4)
+    scores = lexical_reader_scores(edit, blocks)
+    assert np.count_nonzero(scores) == 1 and scores[np.searchsorted(blocks.starts, 23, side="right") - 1] > 0
+
+
+def test_lexical_readers_budget_common_tokens_and_missing_ids():
+    old, new = _context(n_blocks=12)
+    for b in (3, 4, 6, 7, 9):  # many blocks mention the rare token
+        old[b * 4 + 3] = 900
+        new[b * 4 + 3] = 900
+    edit = diff_versions(old, new, min_match=2)
+    blocks = plan_suffix_blocks(edit, block_size=4)
+    assert np.count_nonzero(lexical_reader_scores(edit, blocks)) == 6
+    plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical", reader_budget=0.2)
+    assert plan.n_readers == int(np.ceil(0.2 * blocks.n_blocks))  # the budget caps them
+    # a token in more than READER_MAX_DF of the blocks is not rare: nothing is selected
+    assert np.count_nonzero(lexical_reader_scores(edit, blocks, max_df=0.1)) == 0
+    # an Edit built without ids has no lexical signal
+    bare = type(edit)(old_len=edit.old_len, new_len=edit.new_len, prefix_len=edit.prefix_len, spans=edit.spans,
+                      segments=edit.segments)
+    assert not lexical_reader_scores(bare, blocks).any()
+    with pytest.raises(ValueError, match="max_df"):
+        lexical_reader_scores(edit, blocks, max_df=0.0)
+    with pytest.raises(ValueError, match="readers"):
+        plan_repair(edit, length_model=LengthModel.fixed(0), readers="semantic")
+    with pytest.raises(ValueError, match="reader_budget"):
+        plan_repair(edit, length_model=LengthModel.fixed(0), reader_budget=1.5)
+
+
+def test_settings_validate_reader_fields():
+    assert RecoverySettings().readers == "lexical"
+    with pytest.raises(ValueError, match="readers"):
+        RecoverySettings(readers="attention")
+    with pytest.raises(ValueError, match="reader_budget"):
+        RecoverySettings(reader_budget=-0.1)
+    with pytest.raises(ValueError, match="reader_budget"):
+        RecoverySettings(reader_budget=True)
+
+
+def test_diff_keeps_the_callers_arrays_writable():
+    old, new = _context()
+    edit = diff_versions(old, new, min_match=2)
+    old[0] = 1  # still writable, and the edit keeps what was diffed
+    assert not edit.old_ids.flags.writeable and edit.old_ids[0] == 7 and np.array_equal(edit.new_ids, new)
