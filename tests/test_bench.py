@@ -63,10 +63,10 @@ def test_markdown_table_exact_text():
     md = markdown_table(summarize(ROWS))
     lines = md.splitlines()
     assert lines[0] == ("| workload | strategy | n | TTFT ms (median) | speedup vs prefix | recompute ratio | "
-                        "payload MiB | F1 | top-1 agree | TF agree | exact cont. |")
-    assert "| w1 | exact | 2 | 500.0 | 0.50x | 1.000 | 0.00 | 0.750 | - | - | - |" in lines
-    assert "| w1 | patchkv | 2 | 100.0 | 2.50x | 0.300 | 2.00 | 0.500 | 0.500 | 0.500 | 0.000 |" in lines
-    assert "| w2 | patchkv | 1 | 20.0 | 5.00x | 0.100 | 0.50 | - | 1.000 | 1.000 | 1.000 |" in lines
+                        "payload MiB | F1 | follow | stale | top-1 agree | TF agree | exact cont. |")
+    assert "| w1 | exact | 2 | 500.0 | 0.50x | 1.000 | 0.00 | 0.750 | - | - | - | - | - |" in lines
+    assert "| w1 | patchkv | 2 | 100.0 | 2.50x | 0.300 | 2.00 | 0.500 | - | - | 0.500 | 0.500 | 0.000 |" in lines
+    assert "| w2 | patchkv | 1 | 20.0 | 5.00x | 0.100 | 0.50 | - | - | - | 1.000 | 1.000 | 1.000 |" in lines
     assert len(lines) == 2 + 3 + 2 + 3  # header and rule, w1 x3, w2 x2, pooled "all" x3
 
 

@@ -27,7 +27,7 @@ def test_follow_episodes_change_their_gold_answer_through_one_early_edit(workloa
         # one tool result differs, the question (last message) is the same and far from it
         diff = [i for i, (x, y) in enumerate(zip(v0, v1)) if x != y]
         assert len(v0) == len(v1) and len(diff) == 1 and v0[diff[0]]["role"] == "tool"
-        assert v0[-1] == v1[-1] and v0[-1]["role"] == "user" and len(v0) - diff[0] >= 5
+        assert v0[-1] == v1[-1] and v0[-1]["role"] == "user" and len(v0) - diff[0] >= 6
         assert t["meta"]["edits"][0]["spans"] == [{"old": [diff[0], diff[0] + 1], "new": [diff[0], diff[0] + 1]}]
         # the gold of each version is stated in that version's tool results (retraction: v1 says no record)
         tools0 = " ".join(m["content"] for m in v0 if m["role"] == "tool")
@@ -140,17 +140,26 @@ def test_lexical_readers_an_inserted_entity_counts_as_well():
 
 
 def test_lexical_readers_budget_common_tokens_and_missing_ids():
-    old, new = _context(n_blocks=12)
-    for b in (3, 4, 6, 7, 9):  # many blocks mention the rare token
+    old, new = _context(n_blocks=40)
+    for b in (3, 4, 6):  # more blocks mention the rare token (df 5 <= 0.1 * 41 blocks ... or READER_MIN_DF)
         old[b * 4 + 3] = 900
         new[b * 4 + 3] = 900
     edit = diff_versions(old, new, min_match=2)
     blocks = plan_suffix_blocks(edit, block_size=4)
-    assert np.count_nonzero(lexical_reader_scores(edit, blocks)) == 6
-    plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical", reader_budget=0.2)
-    assert plan.n_readers == int(np.ceil(0.2 * blocks.n_blocks))  # the budget caps them
-    # a token in more than READER_MAX_DF of the blocks is not rare: nothing is selected
-    assert np.count_nonzero(lexical_reader_scores(edit, blocks, max_df=0.1)) == 0
+    assert np.count_nonzero(lexical_reader_scores(edit, blocks)) == 4
+    base = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4)
+    for budget in (0.25, 1.0):
+        plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
+                           reader_budget=budget)
+        # reader blocks add at most `budget` of the other recompute, in blocks, rounded up
+        assert plan.n_readers == min(4, int(np.ceil(budget * base.n_recompute / 4)))
+        assert plan.n_recompute - base.n_recompute == 4 * plan.n_readers
+    # a token in more than max_df of the blocks (and more than READER_MIN_DF blocks) is not rare
+    for b in (10, 12, 14, 16, 18):
+        old[b * 4 + 3] = 900
+        new[b * 4 + 3] = 900
+    edit = diff_versions(old, new, min_match=2)
+    assert np.count_nonzero(lexical_reader_scores(edit, plan_suffix_blocks(edit, block_size=4))) == 0
     # an Edit built without ids has no lexical signal
     bare = type(edit)(old_len=edit.old_len, new_len=edit.new_len, prefix_len=edit.prefix_len, spans=edit.spans,
                       segments=edit.segments)

@@ -10,7 +10,7 @@ span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix
 ``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored attention,
 ``L`` = the *reader blocks* of the edit (:func:`lexical_reader_scores`: suffix blocks that share rare tokens
 with the tokens an edit removed or added; downstream tokens that mention what was edited carry notes of
-it, computed while the old version was in view), at most ``reader_budget`` of the suffix blocks,
+it, computed while the old version was in view), adding at most ``reader_budget`` to the recompute,
 ``R = BlockRound(D | H) | L`` plus the block holding the last context token; ``F`` = the other blocks.
 
 Per-span length features (shared with the calibration profiler through :func:`span_features`): for
@@ -55,8 +55,9 @@ DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, trans
 DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
 
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
-DEFAULT_READER_BUDGET = 0.15  # at most this share of the suffix blocks is added as reader blocks
-READER_MAX_DF = 0.5  # a token counts as rare when at most this share of the context's blocks hold it
+DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks)
+READER_MAX_DF = 0.1  # a token counts as rare when at most this share of the context's blocks hold it ...
+READER_MIN_DF = 3  # ... or at most this many blocks (short contexts)
 
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
 
@@ -398,7 +399,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     The *changed tokens* are the token ids on exactly one side of the edited spans (in ``M_old`` or in
     ``M_new``, not both). A changed token is *rare* when at most ``max_df`` of the new context's
     ``block_size``-token blocks (cut from position 0) contain it; its weight is
-    ``log((1 + n_blocks) / (1 + df))``. A suffix block's score is the summed weight of the distinct rare
+    ``log((1 + n_blocks) / (1 + df))``. (Rare: ``df <= max(READER_MIN_DF, max_df * n_blocks)``.) A suffix block's score is the summed weight of the distinct rare
     changed tokens it holds: a later tool result naming the entity an edit replaced (or introduced) scores
     high, boilerplate shared by every record does not.
 
@@ -431,7 +432,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     # document frequency of each changed token over the context's blocks (distinct (block, token) pairs)
     pairs = np.unique(np.stack([tok, grid], axis=1), axis=0) if pos.size else np.zeros((0, 2), np.int64)
     df_tok, df = np.unique(pairs[:, 0], return_counts=True)
-    rare = df <= max(1.0, max_df * n_ctx)
+    rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)
     weight = dict(zip(df_tok[rare].tolist(), np.log((1.0 + n_ctx) / (1.0 + df[rare])).tolist()))
     if not weight:
         return out
@@ -456,8 +457,10 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         kappa: fraction of the suffix tokens outside ``D`` to add as high-attention tokens, in ``[0, 1]``.
         block_size: suffix tokens per block.
         readers: ``"lexical"`` adds the reader blocks ``L`` (:func:`lexical_reader_scores`), ``"none"`` not.
-        reader_budget: at most this share of the suffix blocks (rounded up) joins as reader blocks, the
-            highest scores first (ties: the nearer block to the edit), in ``[0, 1]``.
+        reader_budget: reader blocks add at most this share of the plan's other recompute tokens, counted in
+            blocks and rounded up (so at least one block when any reader exists), the highest scores first
+            (ties: the earlier block), in ``[0, 1]``. A cost bound: the TTFT of a resume grows about
+            linearly in recomputed tokens.
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``).
     Raises:
@@ -495,7 +498,8 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:
         lex = lexical_reader_scores(edit, blocks)
         cand = np.flatnonzero((lex > 0) & ~repair)
-        k = min(cand.size, int(math.ceil(reader_budget * blocks.n_blocks - 1e-9)))
+        base = _x_positions(edit).shape[0] + int((blocks.ends - blocks.starts)[repair].sum())
+        k = min(cand.size, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9)))
         if k:
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
             repair[cand[order[:k]]] = True

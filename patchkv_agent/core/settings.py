@@ -47,7 +47,8 @@ class RecoverySettings:
         readers: the reader-block signal of the planner (``"lexical"``: suffix blocks that mention what an
             edit changed are recomputed, see :func:`~patchkv_agent.core.plan.lexical_reader_scores`;
             ``"none"``).
-        reader_budget: at most this share of the suffix blocks is added as reader blocks, in ``[0, 1]``.
+        reader_budget: reader blocks add at most this share of the plan's other recompute (in blocks,
+            rounded up), in ``[0, 1]``.
 
     Raises:
         ValueError: a field outside its range (the message names it).

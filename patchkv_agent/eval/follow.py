@@ -16,9 +16,10 @@ the end asks something whose answer that replacement changes. Templates (one wor
 - ``follow-retract`` (retraction): a record states a value; the edit replaces the whole tool result by an
   error; the question asks for the value or ``unknown``.
 
-Each episode is a thread of ``system``, ``user`` task, (assistant ``lookup`` call + tool result) per record,
-and the ``user`` question; unrelated filler records (other people, other tickets, notices) separate the
-edited record from the question, so the edit lies outside the dirty window and the last block.
+Each episode is a thread of ``system``, (assistant ``lookup`` call + tool result) per record, and the ``user``
+question: the edited record comes first, then unrelated notices, then the template's later records, so the
+edit lies outside the dirty window and the last block. The texts are short and plain so that a 135M
+model's ``exact`` answers them often; the rates count only the episodes where ``exact`` follows.
 
 Trace format: ``docs/TRACES.md``; each version carries its own ``answers`` (the top-level ``answers`` are
 the last version's), and the replay scores a row as *following* (its output contains the version's gold)
@@ -91,6 +92,7 @@ class _Thread:
 def _episode(workload: str, rng: random.Random, n_fillers: int) -> tuple[list[list[dict]], list[list[str]]]:
     """``(messages per version, answers per version)`` of one episode (two versions)."""
     fillers = rng.sample(_NOTICES, k=min(n_fillers, len(_NOTICES)))
+    # each template: (edited record and what precedes it, later records); fillers go between the two
     if workload == "follow-lookup":
         people, cities = rng.sample(_PEOPLE, k=5), rng.sample(_CITIES, k=6)
         k = rng.randrange(2)  # the asked person's record is the first or the second
@@ -98,18 +100,18 @@ def _episode(workload: str, rng: random.Random, n_fillers: int) -> tuple[list[li
         question, answers = f"Which city does {people[k]} live in?", [[cities[k]], [cities[5]]]
 
         def records(v):
-            return [(p, f"{p} lives in {c}.") for p, c in zip(people, olds[v])]
+            recs = [(p, f"{p} lives in {c}.") for p, c in zip(people, olds[v])]
+            return recs[:2], recs[2:]
     elif workload == "follow-twohop":
         person = rng.choice(_PEOPLE)
         managers = rng.sample(_MANAGERS, k=3)
         rooms = dict(zip(managers, (str(r) for r in rng.sample(range(10, 99), k=3))))
         listed = rng.sample(managers, k=3)
         question, answers = f"{person}'s boss works in which room?", [[rooms[managers[0]]], [rooms[managers[1]]]]
-        between, fillers = fillers[:1], fillers[1:]
 
         def records(v):
-            return [("boss", f"{person}'s boss is {managers[v]}.")] + between + \
-                   [(m, f"{m} works in room {rooms[m]}.") for m in listed]
+            return [("boss", f"{person}'s boss is {managers[v]}.")], [(m, f"{m} works in room {rooms[m]}.")
+                                                                        for m in listed]
     elif workload == "follow-count":
         status = [rng.random() < 0.5 for _ in range(3)]
         flipped = [not status[0]] + status[1:]
@@ -117,21 +119,26 @@ def _episode(workload: str, rng: random.Random, n_fillers: int) -> tuple[list[li
         answers = [[str(sum(st)), _N_WORDS[sum(st)]] for st in (status, flipped)]
 
         def records(v):
-            return [(f"ticket {i + 1}", f"Ticket {i + 1}: {'open' if s else 'closed'}")
+            recs = [(f"ticket {i + 1}", f"Ticket {i + 1}: {'open' if s else 'closed'}")
                     for i, s in enumerate((status, flipped)[v])]
+            return recs[:1], recs[1:]
     elif workload == "follow-retract":
-        city = rng.choice(_CITIES)
-        question = "Which city is the parcel in? If the tool found no record, answer unknown."
-        answers = [[city], ["unknown", "no record"]]
+        cities = rng.sample(_CITIES, k=3)
+        parcels = [f"{c}{rng.randint(10, 99)}" for c in rng.sample("ABCDEFHKLMNPRSTW", k=3)]
+        question = f"Which city is parcel {parcels[0]} in? If the tool found no record, answer unknown."
+        answers = [[cities[0]], ["unknown", "no record"]]
 
         def records(v):
-            return [("parcel", (f"The parcel is in {city}.", "Error: no record found.")[v])]
+            first = (f"Parcel {parcels[0]} is in {cities[0]}.", f"Error: no record found for parcel {parcels[0]}.")[v]
+            return [(f"parcel {parcels[0]}", first)], [(f"parcel {p}", f"Parcel {p} is in {c}.")
+                                                       for p, c in zip(parcels[1:], cities[1:])]
     else:
         raise ValueError(f"unknown edit-following workload {workload!r}; choose from {sorted(FOLLOW_WORKLOADS)}")
     versions = []
     for v in (0, 1):
         t = _Thread()
-        for item in records(v) + fillers:
+        head, tail = records(v)
+        for item in head + fillers + tail:
             t.lookup(*item)
         versions.append(t.ask(question))
     return versions, answers
