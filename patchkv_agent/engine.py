@@ -15,6 +15,8 @@ Knows models, diff, plan, strategies and recovery; knows nothing about the runti
 
 from __future__ import annotations
 
+import contextlib
+
 import threading
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -128,6 +130,10 @@ class ResumeResult:
         edit: the diff of the checkpoint's version against ``C_new``.
         fingerprint: the model fingerprint the K/V were computed under (None: unknown, taken as the
             engine's current one).
+        scores: float32 ``[len(C_new)]`` attention statistics taken during the resume's own forward (the
+            last ``capture_window`` recomputed query rows, which end with the last context token), or None;
+            :meth:`PatchKVEngine.checkpoint_from` and :meth:`PatchKVEngine.as_checkpoint` use them
+            instead of a second pass.
     """
 
     logits: torch.Tensor
@@ -139,6 +145,21 @@ class ResumeResult:
     values: list[torch.Tensor] = field(repr=False)
     edit: Edit | None = None
     fingerprint: str | None = None
+    scores: np.ndarray | None = field(default=None, repr=False)
+
+
+def _scores_for(result: ResumeResult) -> np.ndarray | None:
+    """``result.scores`` over ``result.context_ids`` (positions past the resumed context, e.g. decoded
+    tokens a runtime appended, score 0), or None when the resume took none."""
+    sc = result.scores
+    n = len(result.context_ids)
+    if sc is None or len(sc) > n:
+        return None
+    if len(sc) == n:
+        return sc
+    out = np.zeros(n, dtype=np.float32)
+    out[: len(sc)] = sc
+    return out
 
 
 class PatchKVEngine:
@@ -477,56 +498,67 @@ class PatchKVEngine:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
                                 block_size=settings.block_size, policy=settings.precision_policy)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
-        quantize_s = time.perf_counter() - t0
-        return Checkpoint(
+        t1 = time.perf_counter()
+        ckpt = Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
             keys=[_host(k[0].detach()) for k in keys],
             values=[_host(v[0].detach()) for v in values],
             fingerprint=fp,
             scores=scores,
             mixed=mixed,
-            stats={"quantize_s": quantize_s},
+            stats={"quantize_s": t1 - t0},
         )
+        ckpt.stats["copy_s"] = time.perf_counter() - t1
+        return ckpt
 
     @torch.no_grad()
     def checkpoint_from(self, result: ResumeResult) -> Checkpoint:
         """Offload a resumed state as the base version for the next edit of its thread.
 
-        Attention statistics are re-taken by rerunning the last ``capture_window`` positions over the
-        resumed KV (the resumed K/V themselves are kept as they were). Holds :attr:`forward_lock`. The
-        checkpoint carries the fingerprint ``result`` was computed under, so a checkpoint of a result
+        The attention statistics are those the resume took during its own forward (``result.scores``), so
+        no forward runs and :attr:`forward_lock` is not taken: the offload is quantization and copies only,
+        and it never delays another caller's forward. A result without statistics (e.g. one built by hand)
+        gets them by rerunning its last ``capture_window`` positions over its KV, under the forward lock.
+        The checkpoint carries the fingerprint ``result`` was computed under, so a checkpoint of a result
         from before a weight change resumes exactly.
 
         Args:
             result: a :class:`ResumeResult` of this engine.
 
         Returns:
-            A :class:`Checkpoint` of ``result.context_ids``.
+            A :class:`Checkpoint` of ``result.context_ids``; ``stats`` has ``offload_s``, ``stats_s`` (0.0
+            when the resume's statistics were reused), ``quantize_s``, ``copy_s`` and ``source``.
         """
         ids = result.context_ids
         n = len(ids)
-        with self.forward_lock:
-            fp = result.fingerprint or self.refresh_fingerprint()
-            t0 = time.perf_counter()
-            scores = None
-            cap = self._capture()
-            if cap is not None:
-                w = min(self.settings.capture_window, n)
-                plan = _TailPlan(new_len=n, tail=w)
-                with cap:  # execute writes into fresh tensors: result's K/V stay as they were
-                    execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                            [v[0] for v in result.values])
-                scores = cap.scores()
-            ckpt = self._offload(ids, result.keys, result.values, scores, fp)
-        ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=getattr(cap, "elapsed_s", None),
-                          source="resume")
+        scores = _scores_for(result)
+        t0 = time.perf_counter()
+        stats_s = 0.0
+        if scores is None or result.fingerprint is None:
+            with self.forward_lock:
+                fp = result.fingerprint or self.refresh_fingerprint()
+                if scores is None:
+                    cap = self._capture()
+                    if cap is not None:
+                        w = min(self.settings.capture_window, n)
+                        plan = _TailPlan(new_len=n, tail=w)
+                        with cap:  # execute writes into fresh tensors: result's K/V stay as they were
+                            execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
+                                    [v[0] for v in result.values])
+                        scores = cap.scores()
+                    stats_s = time.perf_counter() - t0
+        else:
+            fp = result.fingerprint
+        ckpt = self._offload(ids, result.keys, result.values, scores, fp)
+        ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume")
         return ckpt
 
     def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
-        """A zero-copy checkpoint view of a resident result (no statistics, no mixed-precision runs).
+        """A zero-copy checkpoint view of a resident result (full precision, no mixed-precision runs).
 
-        Resuming from it skips the offload pass entirely (the KV never left the device); ``patchkv``
-        then restores at full precision and picks no attention blocks (there are no scores).
+        Resuming from it skips the offload entirely (the KV never left the device); ``patchkv`` then
+        restores at full precision, with the statistics the resume took (``result.scores``) for its
+        attention blocks.
 
         Args:
             result: a :class:`ResumeResult` of this engine.
@@ -536,7 +568,8 @@ class PatchKVEngine:
         """
         return Checkpoint(token_ids=np.asarray(result.context_ids, dtype=np.int64),
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
-                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=None, mixed=None,
+                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
+                          mixed=None,
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
 
     # ---------------------------------------------------------------- resume
@@ -608,16 +641,26 @@ class PatchKVEngine:
 
         t1 = time.perf_counter()
         out = None
-        if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
-            try:
-                out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
-            except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
-                fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
-                plan = plan_full(edit, block_size=settings.block_size)
-        if out is None:
-            out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
+        # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
+        # rows end with the last context token): checkpoint_from then needs no second pass
+        cap = self._capture()
+        with cap if cap is not None else contextlib.nullcontext():
+            if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
+                try:
+                    out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
+                except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
+                    fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
+                    plan = plan_full(edit, block_size=settings.block_size)
+                    if cap is not None:
+                        cap.reset()
+            if out is None:
+                out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
         ttft = time.perf_counter() - t1
+        scores = None
+        if cap is not None and cap.n_records:
+            scores = cap.scores()
+            scores = scores[: len(new)] if len(scores) >= len(new) else None
         cache = to_dynamic_cache(self.model, out.keys, out.values)
         output_ids = greedy_decode(self.model, cache, out.logits, len(new), max_new_tokens, self.eos_ids)
         assert not output_ids or output_ids[0] == first
@@ -645,7 +688,8 @@ class PatchKVEngine:
             extras=dict(out.stats),  # strategy-specific extras (named fields win)
         )
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
-                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp)
+                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
+                            scores=scores)
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)

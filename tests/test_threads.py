@@ -45,7 +45,7 @@ def test_new_thread_is_exact_then_middle_edit_takes_patchkv(engine):
     st = r1.stats
     assert st["strategy"] == "patchkv" and st["version"] == 2 and st["base_version"] == 1
     assert st["prefix_tokens"] == 80 and st["restore_tokens"] > 0 and st["recompute_tokens"] < len(c0)
-    assert st["base"] == "on_path" and st["offload_on_path_s"] > 0  # no pause signal: offload on the path
+    assert st["base"] == "resident" and st["offload_on_path_s"] == 0  # no offload: the resident KV, nothing written
 
 
 def test_prefix_strategy_through_registry_equals_exact(engine):
@@ -71,23 +71,62 @@ def test_decoded_tokens_join_the_resident_version(engine):
     torch.testing.assert_close(r1.logits, ref.logits, atol=1e-4, rtol=1e-4)
 
 
-def test_background_offload_is_waited_for_and_used(engine):
+def test_resident_thread_resumes_without_its_offload_and_a_released_one_reads_the_checkpoint(engine):
     reg = ThreadRegistry(engine)
     c0 = ctx(4)
     reg.generate(A, c0, max_new_tokens=2)
     fut = reg.offload_async(A)
     assert fut is not None and reg.offload_async(A) in (fut, None)
-    r1 = reg.generate(A, edited(c0), max_new_tokens=3)  # may run before the offload ends: it waits
-    assert fut.done()
-    assert r1.stats["base"] == "background" and r1.stats["offload_on_path_s"] == 0.0
-    assert r1.stats["offload_wait_s"] >= 0.0 and r1.stats["strategy"] == "patchkv"
-    # the same resume after a synchronous offload gives the same result (offload timing changes nothing)
+    r1 = reg.generate(A, edited(c0), max_new_tokens=3)  # the resident KV: no wait, nothing written
+    assert r1.stats["base"] == "resident" and r1.stats["offload_on_path_s"] == 0.0
+    assert r1.stats["offload_wait_s"] == 0.0 and r1.stats["strategy"] == "patchkv"
+    # the same resume from a fresh registry (no offload at all) is the same: offload timing changes nothing
+    solo = ThreadRegistry(engine)
+    solo.generate(A, c0, max_new_tokens=2)
+    _same(solo.generate(A, edited(c0), max_new_tokens=3), r1)
+    # a released offload drops the resident KV: the next resume reads the checkpoint
     reg2 = ThreadRegistry(engine)
     reg2.generate(A, c0, max_new_tokens=2)
-    assert reg2.offload(A) > 0 and reg2.handle(A)["kv"] == "offloaded"
+    assert reg2.offload(A, release=True) > 0 and reg2.handle(A)["kv"] == "offloaded"
     r2 = reg2.generate(A, edited(c0), max_new_tokens=3)
-    assert r2.output_ids == r1.output_ids
-    torch.testing.assert_close(r2.logits, r1.logits)
+    assert r2.stats["base"] == "background" and r2.stats["strategy"] == "patchkv" and r2.stats["fallback"] is None
+    reg3 = ThreadRegistry(engine)
+    reg3.generate(A, c0, max_new_tokens=2)
+    reg3.offload(A, release=True)
+    _same(reg3.generate(A, edited(c0), max_new_tokens=3), r2)
+    reg.close()
+
+
+def test_a_resume_does_not_wait_for_an_offload_in_flight(engine, monkeypatch):
+    """Deterministic: the offload blocks inside checkpoint_from until released; the resume completes first."""
+    reg = ThreadRegistry(engine)
+    c0 = ctx(5)
+    reg.generate(A, c0, max_new_tokens=2)
+    entered, release = threading.Event(), threading.Event()
+    real = engine.checkpoint_from
+
+    def blocked(result):
+        entered.set()
+        assert release.wait(30), "the test never released the offload"
+        return real(result)
+
+    monkeypatch.setattr(engine, "checkpoint_from", blocked)
+    fut = reg.offload_async(A)
+    assert entered.wait(30) and not fut.done()
+    done = []
+    t = threading.Thread(target=lambda: done.append(reg.generate(A, edited(c0), max_new_tokens=3)))
+    t.start()
+    t.join(60)
+    assert done and not fut.done(), "the resume waited for the blocked offload"
+    r = done[0]
+    assert r.stats["base"] == "resident" and r.stats["offload_wait_s"] == 0.0 and r.stats["fallback"] is None
+    release.set()
+    assert fut.result(30) is None  # the thread moved on: the stale checkpoint is discarded, not installed
+    assert any(e["event"] == "offload_discarded" for e in reg.events) and reg.handle(A)["kv"] == "resident"
+    monkeypatch.setattr(engine, "checkpoint_from", real)
+    solo = ThreadRegistry(engine)
+    solo.generate(A, c0, max_new_tokens=2)
+    _same(solo.generate(A, edited(c0), max_new_tokens=3), r)
     reg.close()
 
 
@@ -157,9 +196,9 @@ def test_lru_eviction_beyond_resident_budget(engine, policy):
 def test_offload_budget_drops_checkpoints_and_says_so(engine):
     reg = ThreadRegistry(engine, offload_budget_bytes=1)
     reg.generate(A, ctx(40), max_new_tokens=2)
-    reg.offload(A)
+    reg.offload(A, release=True)
     reg.generate(B, ctx(41), max_new_tokens=2)
-    reg.offload(B)  # over budget: A's checkpoint (least recently used) is dropped
+    reg.offload(B, release=True)  # over budget: A's checkpoint (least recently used) is dropped
     r = reg.generate(A, edited(ctx(40)), max_new_tokens=2)
     assert r.stats["strategy"] == "exact" and "offload budget" in r.stats["fallback"]
 
@@ -225,11 +264,12 @@ def test_fork_starts_a_thread_from_another_threads_kv(engine):
 
 
 def _episode(reg, key, versions, n=3):
-    """Resume each version, then offload it (the agent waits for a tool)."""
+    """Resume each version, then offload it and release the resident KV (the thread idles), so that the next
+    resume reads the store."""
     out = []
     for v in versions:
         out.append(reg.generate(key, v, max_new_tokens=n))
-        reg.offload(key)
+        reg.offload(key, release=True)
     return out
 
 

@@ -17,12 +17,18 @@ two places:
 
 :meth:`ThreadRegistry.stream` / :meth:`ThreadRegistry.generate` resume a thread's next version: no KV
 -> ``exact`` (and, when the KV existed once but is gone, ``stats["fallback"]`` says why); KV ->
-``engine.resume(checkpoint, ids, strategy)``. A resume waits for a pending offload of its thread. Resident
-KV beyond ``resident_budget_bytes`` is evicted least-recently-used first: offloaded, or dropped with the
-reason recorded for the next resume.
+``engine.resume(checkpoint, ids, strategy)``. A thread whose KV is still resident resumes from it directly
+(:meth:`~patchkv_agent.engine.PatchKVEngine.as_checkpoint`: full precision, the statistics its last resume
+took), never waiting for an offload: an offload exists for memory pressure, other processes and restarts,
+not for the next call of a live thread, so a pending one finishes later for those (or is discarded when
+the thread has moved on). Resident KV beyond ``resident_budget_bytes`` is evicted least-recently-used
+first (never a thread with an open stream): offloaded, or dropped with the reason recorded for the next
+resume. An offload needs no forward (the statistics come from the resume), so it runs outside the forward
+lock and never delays another thread's resume.
 
-Locking: one lock per thread (state transitions of that thread), the engine's ``forward_lock`` for the
-model forward (one forward at a time per model, shared with every other registry and direct caller of
+Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its
+snapshot and to install the result, not while it quantizes and copies), the engine's ``forward_lock`` for
+the model forward (one forward at a time per model, shared with every other registry and direct caller of
 that engine), one short registry lock for the tables. A thread lock may be held while
 taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
 checkpoint.
@@ -93,6 +99,7 @@ class _Thread:
     store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
     store_version: int = 0                 # the context version that entry holds
     store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
+    streams: int = 0                       # open TokenStreams: their commit is pending, so no eviction
     last_used: float = 0.0
 
 
@@ -369,7 +376,10 @@ class ThreadRegistry:
                              requested_strategy=strategy, offload_wait_s=0.0, offload_on_path_s=0.0)
             return TokenStream(self, None, 0, res, max_new_tokens, sampler)
         th = self._thread(key)
-        wait_s = self._wait_pending(th)
+        with th.lock:
+            resident = th.resident is not None
+        # a resident thread resumes from its resident KV: a pending offload is not waited for
+        wait_s = 0.0 if resident and strategy != "exact" else self._wait_pending(th)
         with th.lock:
             if strategy == "exact":  # no base needed: do not write one
                 base, base_version, source, on_path, skey = None, None, "none", 0.0, None
@@ -395,6 +405,7 @@ class ThreadRegistry:
             stale = th.store_key
             th.store_key = None
             version = th.version
+            th.streams += 1  # until the stream's commit: see TokenStream.close
         if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
             self._submit_delete(stale)
         res.stats.update(thread_id=key[0], checkpoint_ns=key[1], version=version, base_version=base_version,
@@ -426,17 +437,14 @@ class ThreadRegistry:
     def _base(self, th: _Thread):
         """Where to resume ``th`` from: ``(checkpoint, version, source, on_path_s, store_key)``.
 
-        A checkpoint in this process (written on the critical path if only resident KV exists), else the
-        thread's store entry of its current version (``checkpoint`` None, ``store_key`` set), else nothing.
+        The resident KV when it is still there (a zero-copy full-precision view, nothing written on the
+        critical path: ``on_path_s`` is 0), else a checkpoint in this process, else the thread's store
+        entry of its current version (``checkpoint`` None, ``store_key`` set), else nothing.
         """
-        if th.checkpoint is not None and (th.resident is None or th.checkpoint_version == th.version):
-            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0, None
         if th.resident is not None:
-            t0 = time.perf_counter()
-            with self.forward_lock:
-                ckpt = self.engine.checkpoint_from(th.resident)
-            th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, th.version, "on_path"
-            return ckpt, th.version, "on_path", time.perf_counter() - t0, None
+            return self.engine.as_checkpoint(th.resident), th.version, "resident", 0.0, None
+        if th.checkpoint is not None:
+            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0, None
         if th.store_key is not None and th.store_version == th.version:
             return None, th.version, th.store_source, 0.0, th.store_key
         return None, None, "none", 0.0, None
@@ -501,6 +509,7 @@ class ThreadRegistry:
                 keys, values = ks, vs
                 ids = np.concatenate([ids, np.asarray(out[:-1], dtype=np.int64)])
         with th.lock:
+            th.streams = max(0, th.streams - 1)
             if th.version != version or th.resident is None:
                 return
             th.resident = dataclasses.replace(res, cache=None, output_ids=[], context_ids=ids, keys=keys,
@@ -509,14 +518,18 @@ class ThreadRegistry:
 
     # --------------------------------------------------------------- offload
 
-    def offload_async(self, key: ThreadKey | None) -> Future | None:
-        """Start writing the thread's resident KV to a checkpoint in the background worker.
+    def offload_async(self, key: ThreadKey | None, *, release: bool = False) -> Future | None:
+        """Start writing the thread's resident KV to a checkpoint (or its store entry) in the background worker.
 
-        A later resume of this thread waits for it. Nothing happens for an unknown thread, a thread
-        without resident KV, or one whose offload is already pending (that future is returned).
+        The resident KV stays: a later resume of this thread starts from it at once and never waits for
+        the offload, which serves eviction, restarts and other processes (a thread that has moved on by
+        the time the checkpoint is ready gets nothing installed). Nothing happens for an unknown thread, a
+        thread without resident KV, or one whose offload is already pending (that future is returned).
 
         Args:
             key: the thread key.
+            release: also drop the resident KV once the checkpoint is installed (a thread that will idle
+                for long: a human in the loop, a slow job); its next resume then reads the checkpoint.
 
         Returns:
             The offload's future (its result: the offload seconds, or None when there was nothing to do),
@@ -532,17 +545,17 @@ class ThreadRegistry:
                 return th.pending
             if th.resident is None:
                 return None
-            th.pending = self._executor.submit(self._offload_job, th, th.version, "background")
+            th.pending = self._executor.submit(self._offload_job, th, th.version, "background", release)
             return th.pending
 
-    def offload(self, key: ThreadKey | None) -> float | None:
+    def offload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
         """Synchronous :meth:`offload_async`: returns the offload seconds (None when nothing to do)."""
-        fut = self.offload_async(key)
+        fut = self.offload_async(key, release=release)
         return fut.result() if fut is not None else None
 
-    async def aoffload(self, key: ThreadKey | None) -> float | None:
+    async def aoffload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
         """Async twin of :meth:`offload`."""
-        fut = self.offload_async(key)
+        fut = self.offload_async(key, release=release)
         return await asyncio.wrap_future(fut) if fut is not None else None
 
     def wait(self, key: ThreadKey | None) -> float:
@@ -561,18 +574,28 @@ class ThreadRegistry:
             log.exception("background offload of thread %s failed", th.key)
         return time.perf_counter() - t0
 
-    def _offload_job(self, th: _Thread, version: int, source: str) -> float | None:
+    def _offload_job(self, th: _Thread, version: int, source: str, release: bool = False) -> float | None:
+        """Write ``version``'s resident KV as a checkpoint: a snapshot under the thread lock, the checkpoint
+        (quantization, copies; no forward, so no forward lock) outside it, then installed only if the
+        thread still holds that state. ``"evicted"`` (and ``release``) offloads then drop the resident KV;
+        the others keep it (the next resume uses it), the checkpoint serving restarts, other processes and
+        eviction."""
         with th.lock:
             if th.version != version or th.resident is None:
                 return None
-            t0 = time.perf_counter()
-            with self.forward_lock:
-                ckpt = self.engine.checkpoint_from(th.resident)
+            snap = th.resident
+        t0 = time.perf_counter()
+        ckpt = self.engine.checkpoint_from(snap)
+        with th.lock:
+            if th.version != version or th.resident is not snap:  # the thread moved on: nothing to install
+                self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
+                return None
             if self.store is None:
                 th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
             else:
                 self._put_store(th, ckpt, version, source)
-            th.resident = None
+            if source == "evicted" or release:
+                th.resident = None
             dt = time.perf_counter() - t0
         self._enforce_offload_budget(keep=th.key)
         return dt
@@ -594,7 +617,7 @@ class ThreadRegistry:
             if th.resident is None or not th.lock.acquire(blocking=False):
                 continue
             try:
-                if th.resident is None or (th.pending is not None and not th.pending.done()):
+                if th.resident is None or th.streams or (th.pending is not None and not th.pending.done()):
                     continue
                 total -= _kv_bytes(th.resident)
                 if self.on_evict == "offload":
