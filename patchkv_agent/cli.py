@@ -1,4 +1,4 @@
-"""The `patchkv-agent` command line: demo, replay, bench, bench-transport, stress, traces, calibrate.
+"""The `patchkv-agent` command line: demo, replay, bench, bench-loop, bench-transport, stress, traces, calibrate.
 
 Knows the engine, replay and workload builder through their public functions; prints tables and
 writes JSON Lines, nothing more.
@@ -258,6 +258,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_loop(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .eval.loop_bench import format_loop, plot_loop, run_loop_bench
+    from .eval.workloads import build_traces
+
+    try:
+        lats = [float(x) for x in args.tool_latencies.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"patchkv-agent bench-loop: --tool-latencies takes numbers, got {args.tool_latencies!r}") from None
+    if not lats or min(lats) < 0 or args.versions < 2:
+        raise SystemExit("patchkv-agent bench-loop: need tool latencies >= 0 and --versions >= 2")
+    strategies = _check_strategies(args.strategies)
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loop.json").touch()
+    except OSError as e:
+        raise SystemExit(f"patchkv-agent bench-loop: cannot write to {out}: {e}") from None
+    eng = _engine(args)
+    count = _count_tokens(eng)
+    traces = []
+    for wl in args.workloads.split(","):
+        traces += build_traces(wl, args.edit, n=args.n, split="eval", target_tokens=args.target_tokens,
+                               n_versions=args.versions, seed=args.seed, count_tokens=count)
+    summary = run_loop_bench(eng, traces, strategies=strategies, tool_latencies=lats,
+                             max_new_tokens=args.max_new_tokens, threads=args.agents,
+                             threads_tool_s=args.agents_tool_s)
+    summary["model"] = args.model
+    (out / "loop.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_loop(summary, out / "loop_ttft.png")
+    print(format_loop(summary))
+    print(f"wrote {out / 'loop.json'}, {out / 'loop_ttft.png'}", file=sys.stderr)
+    return 0
+
+
 def _non_negative(text: str) -> int:
     """argparse type: an integer >= 0."""
     try:
@@ -328,6 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summarize", metavar="RESULTS", nargs="+", default=None,
                    help="only summarize these results.jsonl files (merged) into --out-dir (no model is loaded)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-loop", help="the agent loop: call -> tool sleep L -> edited call; end-to-end TTFT vs L, "
+                                          "patchkv vs prefix (JSON + plot)")
+    _common(p)
+    p.set_defaults(strategies="patchkv,prefix")
+    p.add_argument("--workloads", default="hotpotqa-e")
+    p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
+    p.add_argument("--n", type=_non_negative, default=3, help="episodes per workload")
+    p.add_argument("--versions", type=int, default=3, help="context versions per episode (model calls per loop)")
+    p.add_argument("--target-tokens", type=int, default=1200)
+    p.add_argument("--tool-latencies", default="0,0.1,0.5,1.5", help="comma-separated tool seconds L")
+    p.add_argument("--agents", type=_non_negative, default=0,
+                   help="also run this many agent threads concurrently (throughput, p50/p95 end-to-end TTFT)")
+    p.add_argument("--agents-tool-s", type=float, default=0.1, help="tool latency of the concurrent phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench_loop_out")
+    p.set_defaults(func=cmd_bench_loop)
 
     from .eval import transport_bench
     from .eval.stress_cli import add_stress_cli

@@ -273,13 +273,13 @@ def test_registry_generate_survives_damaged_metadata(eng, pair, exact, tmp_path)
     reg = ThreadRegistry(eng, store=store)
     k = thread_key("t")
     reg.generate(k, pair[0], strategy="exact", max_new_tokens=0)
-    reg.offload(k)
+    reg.offload(k, release=True)
     (skey,) = store.keys()
     _flip_meta_bit(store, skey)
     res = reg.generate(k, pair[1], max_new_tokens=4)
     assert res.stats["strategy"] == "exact" and "corrupt checkpoint" in res.stats["fallback"]
     assert res.output_ids == exact.output_ids
-    reg.offload(k)
+    reg.offload(k, release=True)
     res2 = reg.generate(k, pair[0], max_new_tokens=2)  # the next version resumes from a fresh entry
     assert res2.stats["fallback"] is None and res2.stats["strategy"] == "patchkv"
     reg.close()

@@ -101,7 +101,7 @@ def test_middle_edit_resumes_with_patchkv_in_a_graph(engine):
     assert st["strategy"] == "patchkv" and st["version"] == 2 and st["fallback"] is None
     assert st["prefix_tokens"] > 0 and st["restore_tokens"] > 0 and st["suffix_tokens"] > st["restore_tokens"] > 0
     assert st["recompute_tokens"] < st["prompt_tokens"] - st["prefix_tokens"]
-    assert st["base"] == "background"  # patchkv_node offloaded after turn 1
+    assert st["base"] == "resident"  # patchkv_node offloaded after turn 1, the resume did not wait for it
     handle = g.get_state(cfg("t")).metadata["patchkv"]["threads"][0]
     assert handle["version"] == 2 and handle["checkpoint_ns"] == ""
 
@@ -276,7 +276,7 @@ def test_create_agent_with_middleware_end_to_end_and_recorder(engine):
     assert out["messages"][2].content == PASSAGE_B and out["messages"][-1].content == "It is in Paris."
     st = out["messages"][-1].response_metadata["patchkv"]
     assert st["strategy"] == "patchkv" and st["version"] == 2 and st["prefix_tokens"] > 0
-    assert st["base"] == "background" and st["tool_s"] >= 0.3 and 0.0 <= st["offload_hidden_share"] <= 1.0
+    assert st["base"] == "resident" and st["offload_wait_s"] == 0.0 and st["tool_s"] >= 0.3 and 0.0 <= st["offload_hidden_share"] <= 1.0
     # the recorder saw both versions exactly as the model did
     (trace,) = rec.episodes()
     validate_trace(trace)
@@ -286,7 +286,7 @@ def test_create_agent_with_middleware_end_to_end_and_recorder(engine):
     # async agent: same result
     aout = asyncio.run(_agent(engine).ainvoke({"messages": [HumanMessage("Where is the Eiffel Tower?")]}, cfg("y")))
     assert [m.content for m in aout["messages"]] == [m.content for m in out["messages"]]
-    assert aout["messages"][-1].response_metadata["patchkv"]["base"] == "background"
+    assert aout["messages"][-1].response_metadata["patchkv"]["base"] == "resident"
 
 
 def test_middleware_rejects_a_model_of_another_registry(engine):

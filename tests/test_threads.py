@@ -376,3 +376,35 @@ def test_disk_store_survives_a_restart_and_damage_falls_back(engine, tmp_path):
     assert rc.stats["version"] == 6
     fresh.close()
     after.close()
+
+
+# ------------------------------------------------------------------ the agent-loop benchmark
+
+
+def test_loop_bench_rows_and_summary(engine, tmp_path):
+    from patchkv_agent.eval.loop_bench import format_loop, plot_loop, run_loop_bench
+
+    c0 = ctx(90)
+    traces = [{"id": "e0", "versions": [{"token_ids": c0}, {"token_ids": edited(c0)},
+                                        {"token_ids": edited(edited(c0), at=150)}]}]
+    s = run_loop_bench(engine, traces, strategies=("patchkv", "prefix"), tool_latencies=(0.0, 0.02),
+                       max_new_tokens=2, threads=2, threads_tool_s=0.0, progress=False)
+    assert len(s["rows"]) == 2 * 2 * 2  # latencies x strategies x calls after the first
+    for r in s["rows"]:
+        # a resident thread never waits for its offload: the caller's wait is the resume (plus the lookup)
+        assert r["base"] == "resident" and r["offload_wait_s"] == 0.0 and r["fallback"] is None
+        assert r["e2e_ttft_s"] >= r["ttft_s"] > 0 and r["strategy"] == r["requested"]
+    g = s["by"]["patchkv"]["0.0"]
+    assert g["n"] == 2 and g["e2e_over_resume"] >= 1.0 and g["speedup_vs_prefix"] > 0
+    assert s["by"]["prefix"]["0.02"]["speedup_vs_prefix"] == pytest.approx(1.0)
+    c = s["concurrent"]["patchkv"]
+    assert c["threads"] == 2 and c["calls"] == 6 and c["e2e_p95_s"] >= c["e2e_p50_s"] > 0
+    assert "| patchkv | 0.02 | 2 |" in format_loop(s)
+    plot_loop(s, tmp_path / "loop.png")
+    assert (tmp_path / "loop.png").stat().st_size > 0
+    # the prefix rows recompute everything after the prefix, the patchkv rows less
+    pk = [r["recompute_tokens"] for r in s["rows"] if r["requested"] == "patchkv"]
+    pf = [r["recompute_tokens"] for r in s["rows"] if r["requested"] == "prefix"]
+    assert max(pk) < min(pf)
+    with pytest.raises(ValueError, match="two versions"):
+        run_loop_bench(engine, [{"id": "x", "versions": [{"token_ids": c0}]}], progress=False)

@@ -2,9 +2,10 @@
 
 - ``wrap_model_call``: runs the model call under the graph thread's key, so the
   :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` resumes that thread's previous context
-  version (diff, plan, restore, recompute; waiting first for a pending offload of the thread). When the
-  response asks for tools, the thread's KV is offloaded in the registry's background worker at once, so
-  the checkpoint work runs while the tools run.
+  version (diff, plan, restore, recompute; from the thread's resident KV when it is still there, so it
+  never waits for an offload). When the response asks for tools, the thread's KV is offloaded in the
+  registry's background worker at once (for eviction, restarts and other processes; the resident KV
+  stays), so the checkpoint work runs while the tools run, outside the model's forward lock.
 - ``wrap_tool_call``: makes sure the offload has started (idempotent) and times the tool, so the next
   response's ``response_metadata["patchkv"]`` reports ``tool_s`` beside ``offload_s`` /
   ``offload_wait_s`` (``offload_hidden_share``: the part of the offload that the tools hid).
@@ -47,7 +48,9 @@ def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
     if tool_s is not None:
         st["tool_s"] = tool_s
     off, wait = st.get("offload_s"), st.get("offload_wait_s") or 0.0
-    if st.get("base") == "background" and off:
+    if st.get("base") == "resident":  # resumed from the resident KV: nothing of the offload was waited for
+        st["offload_hidden_share"] = 1.0
+    elif st.get("base") == "background" and off:
         st["offload_hidden_share"] = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
 
 
