@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from patchkv_agent.core.diff import diff_versions
-from patchkv_agent.core.plan import LengthModel, lexical_reader_scores, plan_repair, plan_suffix_blocks
+from patchkv_agent.core.plan import (READER_MIN_BLOCKS, LengthModel, lexical_reader_scores, plan_repair,
+                                     plan_suffix_blocks)
 from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.eval.bench import summarize
 from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, build_follow_traces
@@ -151,9 +152,13 @@ def test_lexical_readers_budget_common_tokens_and_missing_ids():
     for budget in (0.25, 1.0):
         plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
                            reader_budget=budget)
-        # reader blocks add at most `budget` of the other recompute, in blocks, rounded up
-        assert plan.n_readers == min(4, int(np.ceil(budget * base.n_recompute / 4)))
-        assert plan.n_recompute - base.n_recompute == 4 * plan.n_readers
+        # reader blocks add at most `budget` of the other recompute (in blocks, rounded up) or
+        # READER_MIN_BLOCKS blocks, whichever is more
+        want = min(4, max(READER_MIN_BLOCKS, int(np.ceil(budget * base.n_recompute / 4))))
+        assert plan.n_readers == want and plan.n_recompute - base.n_recompute == 4 * plan.n_readers
+    assert READER_MIN_BLOCKS < 4  # the floor, not the candidates, bounded the first case
+    assert plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
+                       reader_budget=0.0).n_readers == 0
     # a token in more than max_df of the blocks (and more than READER_MIN_DF blocks) is not rare
     for b in (10, 12, 14, 16, 18):
         old[b * 4 + 3] = 900

@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_READER_BUDGET",
     "READER_MAX_DF",
     "READERS",
+    "READER_MIN_BLOCKS",
     "plan_blocks",
     "block_round",
     "plan_repair",
@@ -55,7 +56,8 @@ DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, trans
 DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
 
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
-DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks)
+DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks) ...
+READER_MIN_BLOCKS = 3  # ... or this many blocks, whichever is more
 READER_MAX_DF = 0.1  # a token counts as rare when at most this share of the context's blocks hold it ...
 READER_MIN_DF = 3  # ... or at most this many blocks (short contexts)
 
@@ -458,9 +460,9 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         block_size: suffix tokens per block.
         readers: ``"lexical"`` adds the reader blocks ``L`` (:func:`lexical_reader_scores`), ``"none"`` not.
         reader_budget: reader blocks add at most this share of the plan's other recompute tokens, counted in
-            blocks and rounded up (so at least one block when any reader exists), the highest scores first
-            (ties: the earlier block), in ``[0, 1]``. A cost bound: the TTFT of a resume grows about
-            linearly in recomputed tokens.
+            blocks and rounded up, or :data:`READER_MIN_BLOCKS` blocks if that is more, the highest scores
+            first (ties: the earlier block), in ``[0, 1]`` (0 adds none). A cost bound: the TTFT of a resume
+            grows about linearly in recomputed tokens.
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``).
     Raises:
@@ -495,11 +497,11 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
         repair[-1] = True  # the block holding the last context token
     n_readers = 0
-    if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:
+    if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
         cand = np.flatnonzero((lex > 0) & ~repair)
         base = _x_positions(edit).shape[0] + int((blocks.ends - blocks.starts)[repair].sum())
-        k = min(cand.size, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9)))
+        k = min(cand.size, max(READER_MIN_BLOCKS, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
             repair[cand[order[:k]]] = True
