@@ -138,6 +138,13 @@ def test_selectors_pick_the_blocks_they_promise(engine, shifted):
     np.testing.assert_allclose(block_scores(blocks, scores)[cand], [per_block[b] for b in cand])
     # distance: the three blocks right after D (one edited span)
     assert sel["extra"]["distance"] == [int(b) for b in cand[:3]]
+    # readers: highest lexical reader score first, then the nearest
+    from patchkv_agent.core.plan import lexical_reader_scores
+
+    lex = lexical_reader_scores(e, blocks)
+    dist = {b: blocks.distance[blocks.token_block == b].min() for b in cand}
+    want = sorted(cand, key=lambda b: (-lex[b], dist[b], b))[:3]
+    assert sel["extra"]["readers"] == sorted(int(b) for b in want)
     again = selection_masks(e, scores, window=16, block_size=16, budget_blocks=3, seed=5)
     assert again["extra"]["random"] == sel["extra"]["random"] and set(sel["extra"]["random"]) <= set(cand.tolist())
     for name in SELECTORS:

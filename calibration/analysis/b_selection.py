@@ -1,12 +1,14 @@
-"""Figure (b): which extra blocks to recompute after the dirty window: attention vs distance vs random.
+"""Figure (b): which extra blocks to recompute after the dirty window: attention vs readers vs distance vs random.
 
 ``D`` = the first ``window`` suffix tokens after each edited span, block-rounded as
 :func:`patchkv_agent.core.plan.plan_repair` does with kappa 0 (new tokens and the block of the last
 token always recomputed). Each selector adds the same budget of ``B`` blocks outside ``D``:
 ``attention`` (highest stored score per block: its maximum token score, i.e. the blocks the top tokens
-of ``H`` hit first), ``distance`` (the blocks nearest to an edit after ``D``), ``random`` (seeded),
-``low-attention`` (lowest score); ``D-only`` is the reference. Scored against exact: exact continuation
-(greedy tokens equal), teacher-forced agreement, first-token KL. The block sets plug into the engine
+of ``H`` hit first), ``readers`` (the edit's reader blocks: highest
+:func:`~patchkv_agent.core.plan.lexical_reader_scores`, then the nearest), ``distance`` (the blocks nearest
+to an edit after ``D``), ``random`` (seeded), ``low-attention`` (lowest score); ``D-only`` is the
+reference. Scored against exact: exact continuation (greedy tokens equal), teacher-forced agreement,
+first-token KL, and on edit-following contexts whether the answer follows the edit or stays stale. The block sets plug into the engine
 through :class:`BlockSetStrategy` (no library module is patched).
 """
 
@@ -19,7 +21,7 @@ import torch
 
 from patchkv_agent.core.diff import Edit
 from patchkv_agent.core.plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, RepairPlan, SuffixBlocks,
-                                     plan_blocks, plan_repair, plan_suffix_blocks)
+                                     lexical_reader_scores, plan_blocks, plan_repair, plan_suffix_blocks)
 from patchkv_agent.strategies import Strategy
 
 from .inputs import SELECTORS, PreparedContext, _mean, _score
@@ -125,10 +127,12 @@ def selection_masks(edit: Edit, scores: np.ndarray | None, *, window: int, block
                          "take the checkpoint with engine.checkpoint() (attention capture)")
     sc = block_scores(blocks, scores)[cand]
     dist = _block_distance(blocks)[cand]
+    lex = lexical_reader_scores(edit, blocks)[cand]
     rng = np.random.default_rng(seed)
     extra = {
         "D-only": np.zeros(0, dtype=np.int64),
         "attention": cand[np.lexsort((cand, -sc))[:b]],
+        "readers": cand[np.lexsort((cand, dist, -lex))[:b]],
         "distance": cand[np.lexsort((cand, dist))[:b]],
         "random": np.sort(rng.choice(cand, size=b, replace=False)) if b else np.zeros(0, dtype=np.int64),
         "low-attention": cand[np.lexsort((cand, sc))[:b]],
@@ -172,7 +176,7 @@ def evaluate_selection(engine, prep: PreparedContext, *, window: int = DEFAULT_D
         rows.append({"context": prep.context.id, "selector": name, "n_blocks": sel["n_blocks"],
                      "n_dirty_blocks": sel["n_dirty_blocks"], "budget_blocks": sel["budget_blocks"],
                      "repair_blocks": int(sel["masks"][name].sum()), "extra_blocks": sel["extra"][name],
-                     **_score(engine, prep.ref, res)})
+                     **_score(engine, prep.ref, res, prep.context)})
         del res
         if bar is not None:
             bar.update(1)
@@ -181,7 +185,8 @@ def evaluate_selection(engine, prep: PreparedContext, *, window: int = DEFAULT_D
 
 def summarize_selection(rows: Sequence[dict]) -> dict[str, dict[str, Any]]:
     """Per selector: ``n``, ``exact_continuation`` rate, mean ``tf_agree``, mean and median first-token KL,
-    mean recompute ratio, median TTFT.
+    mean recompute ratio, median TTFT, and on edit-following contexts ``follow_rate`` (among contexts where
+    exact follows) / ``stale_rate`` (among contexts where exact is not stale) with their counts.
 
     Args:
         rows: rows of :func:`evaluate_selection`.
@@ -194,7 +199,11 @@ def summarize_selection(rows: Sequence[dict]) -> dict[str, dict[str, Any]]:
         if not r:
             continue
         kl = [x["first_token_kl"] for x in r]
+        fol = [float(x["follows"]) for x in r if x.get("exact_follows")]
+        sta = [float(x["stale"]) for x in r if "exact_stale" in x and not x["exact_stale"]]
         out[name] = {"n": len(r), "exact_continuation": _mean([float(x["exact_continuation"]) for x in r]),
+                     "follow_rate": _mean(fol) if fol else None, "follow_n": len(fol),
+                     "stale_rate": _mean(sta) if sta else None, "stale_n": len(sta),
                      "tf_agree": _mean([x["tf_agree"] for x in r]), "first_token_kl": _mean(kl),
                      "first_token_kl_median": float(np.median(kl)),
                      "recompute_ratio": _mean([x["recompute_ratio"] for x in r]),

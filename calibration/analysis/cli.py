@@ -115,8 +115,10 @@ def _print_summary(data: dict) -> None:
                   f"{s['key_raw']['p50'][j]:.4f}, key corrected {s['key_corrected']['p50'][j]:.4f} "
                   f"({s['n_spans'][j]} spans)")
     for name, r in data.get("selection", {}).get("summary", {}).items():
+        follow = "" if r.get("follow_rate") is None else (f", follows {r['follow_rate']:.2f} of {r['follow_n']}, "
+                                                          f"stale {r['stale_rate'] or 0:.2f} of {r['stale_n']}")
         print(f"(b) {name:>13}: exact cont. {r['exact_continuation']:.2f}, TF {r['tf_agree']:.3f}, "
-              f"KL {r['first_token_kl']:.4g}, recompute ratio {r['recompute_ratio']:.3f}")
+              f"KL {r['first_token_kl']:.4g}, recompute ratio {r['recompute_ratio']:.3f}{follow}")
     if "precision" in data:
         s = data["precision"]["summary"]
         for c, w in zip(s["per_context"], s["per_context_without_last"]):

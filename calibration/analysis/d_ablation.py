@@ -1,5 +1,8 @@
 """Figure (d): ``patchkv`` with a fixed dirty window over a ``kappa x block size`` grid.
 
+The reader blocks are off here (``readers="none"``), so the grid isolates what ``kappa`` and the block
+size do; figure (b) compares the reader signal with the others at equal budget.
+
 Per grid point: mean recompute ratio, teacher-forced agreement, first-token KL, median TTFT and the
 exact-continuation rate, all against the exact reference of :mod:`.inputs`.
 """
@@ -37,7 +40,7 @@ def ablation_grid(engine, prep: PreparedContext, *, kappas: Sequence[float], blo
         for k in kappas:
             res = engine.resume(prep.ckpt, list(prep.context.new_ids), strategy="patchkv",
                                 max_new_tokens=max_new_tokens, dirty_window=int(window), kappa=float(k),
-                                block_size=int(b), precision=precision)
+                                block_size=int(b), precision=precision, readers="none")
             rows.append({"context": prep.context.id, "kappa": float(k), "block_size": int(b), "window": int(window),
                          **_score(engine, prep.ref, res)})
             del res

@@ -25,7 +25,7 @@ DESCRIPTION = ("Analysis figures: drift by distance, block selection, per-block 
 
 FIGURES = ("a", "b", "c", "d")
 FIGURE_NAMES = {"a": "drift", "b": "selection", "c": "precision", "d": "ablation"}
-SELECTORS = ("D-only", "attention", "distance", "random", "low-attention")
+SELECTORS = ("D-only", "attention", "readers", "distance", "random", "low-attention")
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 _PCT = (10, 50, 90)
 
@@ -38,6 +38,7 @@ class Context:
         id: unique id (a trace id).
         workload, edit: provenance labels.
         old_ids, new_ids: token ids of version 0 and version 1.
+        old_answers, new_answers: the gold answers of each version (edit-following contexts), or None.
     """
 
     id: str
@@ -45,6 +46,8 @@ class Context:
     edit: str = ""
     old_ids: tuple[int, ...]
     new_ids: tuple[int, ...]
+    old_answers: tuple[str, ...] | None = None
+    new_answers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,11 +150,21 @@ def prepare_context(engine, context: Context, *, max_new_tokens: int = 16, mixed
     return PreparedContext(context=context, ckpt=ckpt, ref=ref, edit=edit)
 
 
-def _score(engine, ref, res) -> dict[str, Any]:
+def _score(engine, ref, res, context: Context | None = None) -> dict[str, Any]:
     """Fidelity of one resume against the exact reference (:func:`patchkv_agent.eval.metrics.fidelity`),
-    plus its cost fields."""
+    plus its cost fields and, for an edit-following context, ``follows`` / ``stale`` of the resume and of
+    the reference (``exact_follows``, ``exact_stale``)."""
     f = fidelity(engine, res, ref)
-    return {
+    extra: dict[str, Any] = {}
+    if context is not None and context.new_answers and context.old_answers and engine.tokenizer is not None:
+        from patchkv_agent.eval.metrics import answer_match
+
+        text = engine.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+        ref_text = engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
+        extra = {"follows": answer_match(text, context.new_answers), "stale": answer_match(text, context.old_answers),
+                 "exact_follows": answer_match(ref_text, context.new_answers),
+                 "exact_stale": answer_match(ref_text, context.old_answers)}
+    return {**extra,
         "exact_continuation": f["exact_continuation"],
         "tf_agree": float(f["tf_agree"]),
         "first_token_kl": float(f["first_token_kl"]),
@@ -178,7 +191,9 @@ def build_contexts(engine, n: int, *, workloads: Sequence[str] = DEFAULT_WORKLOA
 
     Context ``i`` is of workload ``workloads[i % len(workloads)]`` and edit kind
     ``EDITS[i % len(EDITS)]``: the first example of that workload's evaluation split that takes the kind
-    and is not already used (:func:`patchkv_agent.eval.workloads.build_traces`, two versions).
+    and is not already used (:func:`patchkv_agent.eval.workloads.build_traces`, two versions). The
+    edit-following workloads (``follow-*``) have one edit kind of their own and carry each version's gold
+    answers into the context.
 
     Args:
         engine: the engine (its tokenizer renders and counts the chat messages).
@@ -209,7 +224,7 @@ def build_contexts(engine, n: int, *, workloads: Sequence[str] = DEFAULT_WORKLOA
         for want in (len(used[wl]) + 1, len(used[wl]) + 8):
             for t in build_traces(wl, kind, n=want, split="eval", target_tokens=target_tokens, n_versions=2,
                                   seed=seed, count_tokens=count):
-                if t["meta"]["source_id"] not in used[wl]:
+                if t["meta"].get("source_id", t["id"]) not in used[wl]:
                     got = t
                     break
             if got is not None:
@@ -217,8 +232,10 @@ def build_contexts(engine, n: int, *, workloads: Sequence[str] = DEFAULT_WORKLOA
         if got is None:
             print(f"no further {wl} example takes {kind} at {target_tokens} tokens", file=sys.stderr)
             continue
-        used[wl].add(got["meta"]["source_id"])
-        out.append(Context(id=got["id"], workload=wl, edit=kind,
-                           old_ids=tuple(version_ids(engine, got["versions"][0])),
-                           new_ids=tuple(version_ids(engine, got["versions"][1]))))
+        used[wl].add(got["meta"].get("source_id", got["id"]))
+        v0, v1 = got["versions"][0], got["versions"][1]
+        out.append(Context(id=got["id"], workload=wl, edit=got.get("edit") or kind,
+                           old_ids=tuple(version_ids(engine, v0)), new_ids=tuple(version_ids(engine, v1)),
+                           old_answers=tuple(v0["answers"]) if v0.get("answers") else None,
+                           new_answers=tuple(v1["answers"]) if v1.get("answers") else None))
     return out

@@ -87,10 +87,21 @@ def plot_selection(data: dict, path: str | Path | None = None):
     summ = sec["summary"]
     names = [n for n in SELECTORS if n in summ]
     rows = sec["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    for ax, key, label in ((axes[0], "exact_continuation", "exact continuation rate"),
-                           (axes[1], "tf_agree", "teacher-forced agreement"),
-                           (axes[2], "first_token_kl", "first-token KL (nats), mean")):
+    panels = [("exact_continuation", "exact continuation rate"), ("tf_agree", "teacher-forced agreement"),
+              ("first_token_kl", "first-token KL (nats), mean")]
+    if any(summ[n].get("follow_rate") is not None for n in names):  # edit-following contexts
+        panels.append(("follows", "follows the edit (where exact does)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 4))
+    for ax, (key, label) in zip(axes, panels):
+        if key == "follows":
+            vals = [summ[n].get("follow_rate") or 0.0 for n in names]
+            ax.bar(range(len(names)), vals, color=[f"C{i}" for i in range(len(names))])
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+            ax.set_ylim(0, 1.05)
+            ax.set_title(f"{label}, n={max(summ[n].get('follow_n', 0) for n in names)}", fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            continue
         vals = [summ[n][key] for n in names]
         ax.bar(range(len(names)), vals, color=[f"C{i}" for i in range(len(names))])
         for i, n in enumerate(names):  # individual contexts
