@@ -216,3 +216,53 @@ def test_store_foreign_model_kind(eng, pair):
     key = dataclasses.replace(store.key_for(ckpt, thread_id="t", version=1), fingerprint="other:" + "0" * 24)
     _, reason = load_for_resume(eng, store, key)
     assert reason.kind is FallbackKind.FOREIGN_MODEL and "another model" in reason
+
+
+# ------------------------------------------------------------- statistics from the resume's own forward
+
+
+def test_exact_resume_takes_the_checkpoint_passes_statistics(eng, pair):
+    """Oracle: the checkpoint-creation pass over the same ids (the same last query rows, the same keys)."""
+    _, new = pair
+    res = eng.resume(None, new, strategy="exact", max_new_tokens=2)
+    ckpt = eng.checkpoint(new)
+    assert res.scores is not None and res.scores.shape == (len(new),)
+    np.testing.assert_allclose(res.scores, ckpt.scores, rtol=1e-5, atol=1e-7)
+
+
+def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(eng, pair):
+    import threading
+
+    old, new = pair
+    res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
+    assert res.scores is not None and res.scores.sum() == pytest.approx(1.0, abs=1e-5)
+    got = []
+    holder_has_lock, done = threading.Event(), threading.Event()
+
+    def hold():  # another caller's forward holds the model the whole time
+        with eng.forward_lock:
+            holder_has_lock.set()
+            done.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert holder_has_lock.wait(10)
+    worker = threading.Thread(target=lambda: got.append(eng.checkpoint_from(res)))
+    worker.start()
+    worker.join(30)
+    done.set()
+    t.join()
+    assert got, "checkpoint_from waited for the forward lock although it needs no forward"
+    ck = got[0]
+    assert ck.stats["stats_s"] == 0.0 and ck.stats["quantize_s"] >= 0 and "copy_s" in ck.stats
+    np.testing.assert_array_equal(ck.scores, res.scores)
+    # a result without statistics still gets them (the tail pass, under the lock)
+    import dataclasses
+
+    bare = dataclasses.replace(res, scores=None)
+    ck2 = eng.checkpoint_from(bare)
+    assert ck2.scores is not None and ck2.stats["stats_s"] > 0
+    # the zero-copy resident view carries the statistics, padded for tokens decoded after the resume
+    longer = dataclasses.replace(res, context_ids=np.concatenate([res.context_ids, [5, 6]]))
+    view = eng.as_checkpoint(longer)
+    assert view.scores.shape == (len(new) + 2,) and view.scores[-2:].tolist() == [0.0, 0.0]
