@@ -192,3 +192,19 @@ def test_diff_keeps_the_callers_arrays_writable():
     edit = diff_versions(old, new, min_match=2)
     old[0] = 1  # still writable, and the edit keeps what was diffed
     assert not edit.old_ids.flags.writeable and edit.old_ids[0] == 7 and np.array_equal(edit.new_ids, new)
+
+
+def test_a_block_sharing_one_word_with_a_replaced_passage_is_not_a_reader():
+    """A bulk replacement (a passage of many rare tokens): one shared token is a small share of the edit's
+    signature, so the block stays restored; the entity swap of the same block is a reader."""
+    old, new = _context(n_blocks=40)
+    span = slice(1 * 4, 3 * 4)  # the edit replaces two whole blocks with tokens seen nowhere else ...
+    new = np.concatenate([new[:span.start], np.arange(2000, 2030), new[span.stop:]])
+    old[5 * 4 + 3] = 2005  # ... and one later block of the old context already held one of them
+    new[5 * 4 + 3 + 22] = 2005
+    edit = diff_versions(old, new, min_match=2)
+    blocks = plan_suffix_blocks(edit, block_size=4)
+    scores = lexical_reader_scores(edit, blocks)
+    assert 0 < scores.max() < 0.1  # the shared token is 1 of ~40 rare changed tokens
+    plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    assert plan.n_readers == 0

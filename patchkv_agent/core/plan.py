@@ -44,6 +44,7 @@ __all__ = [
     "READER_MAX_DF",
     "READERS",
     "READER_MIN_BLOCKS",
+    "READER_MIN_SHARE",
     "plan_blocks",
     "block_round",
     "plan_repair",
@@ -58,6 +59,7 @@ DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a cal
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
 DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks) ...
 READER_MIN_BLOCKS = 3  # ... or this many blocks, whichever is more
+READER_MIN_SHARE = 0.1  # a reader block holds at least this share of the weight of the edit's rare changed tokens
 READER_MAX_DF = 0.1  # a token counts as rare when at most this share of the context's blocks hold it ...
 READER_MIN_DF = 3  # ... or at most this many blocks (short contexts)
 
@@ -402,8 +404,10 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     ``M_new``, not both). A changed token is *rare* when at most ``max_df`` of the new context's
     ``block_size``-token blocks (cut from position 0) contain it; its weight is
     ``log((1 + n_blocks) / (1 + df))``. (Rare: ``df <= max(READER_MIN_DF, max_df * n_blocks)``.) A suffix block's score is the summed weight of the distinct rare
-    changed tokens it holds: a later tool result naming the entity an edit replaced (or introduced) scores
-    high, boilerplate shared by every record does not.
+    changed tokens it holds, divided by the summed weight of all rare changed tokens: the share of the
+    edit's signature the block mentions. A later tool result naming the entity an edit replaced (or
+    introduced) scores high; boilerplate shared by every record scores 0; a block sharing a few words with
+    a replaced passage of hundreds of tokens scores low.
 
     Args:
         edit: the diff; needs ``edit.old_ids`` / ``edit.new_ids`` (set by
@@ -411,7 +415,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         blocks: the suffix blocks of the plan.
         max_df: rarity cut-off, a share of the context's blocks in ``(0, 1]``.
     Returns:
-        float64 ``[n_blocks]`` scores (all zero without ids, spans or rare changed tokens).
+        float64 ``[n_blocks]`` scores in ``[0, 1]`` (all zero without ids, spans or rare changed tokens).
     Raises:
         ValueError: ``max_df`` outside ``(0, 1]``.
     """
@@ -436,7 +440,11 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     df_tok, df = np.unique(pairs[:, 0], return_counts=True)
     rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)
     weight = dict(zip(df_tok[rare].tolist(), np.log((1.0 + n_ctx) / (1.0 + df[rare])).tolist()))
-    if not weight:
+    # changed tokens absent from the new context (removed by the edit) are rare too: df 0
+    for t in np.setdiff1d(changed, df_tok).tolist():
+        weight[int(t)] = float(np.log(1.0 + n_ctx))
+    total = float(sum(weight.values()))
+    if not weight or total <= 0:
         return out
     sfx_tok = new[blocks.new_positions]
     hit = np.flatnonzero(np.isin(sfx_tok, np.fromiter(weight, dtype=np.int64)))
@@ -444,7 +452,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         return out
     uniq = np.unique(np.stack([blocks.token_block[hit], sfx_tok[hit]], axis=1), axis=0)
     np.add.at(out, uniq[:, 0], np.asarray([weight[int(t)] for t in uniq[:, 1]], dtype=np.float64))
-    return out
+    return out / total
 
 
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
@@ -499,7 +507,7 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     n_readers = 0
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
-        cand = np.flatnonzero((lex > 0) & ~repair)
+        cand = np.flatnonzero((lex >= READER_MIN_SHARE) & ~repair)
         base = _x_positions(edit).shape[0] + int((blocks.ends - blocks.starts)[repair].sum())
         k = min(cand.size, max(READER_MIN_BLOCKS, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
