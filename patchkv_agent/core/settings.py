@@ -69,10 +69,11 @@ class RecoverySettings:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
             raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
-        if isinstance(self.kappa, bool) or not isinstance(self.kappa, (int, float)) or not (
-                math.isfinite(self.kappa) and 0.0 <= self.kappa <= 1.0):
-            raise ValueError(f"kappa must be a number in [0, 1], got {self.kappa!r}")
-        object.__setattr__(self, "kappa", float(self.kappa))
+        for name in ("kappa", "reader_budget"):  # shares in [0, 1], stored as floats
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+            object.__setattr__(self, name, float(v))
         if not isinstance(self.length_model, LengthModel):
             raise ValueError(f"length_model must be a LengthModel, got {type(self.length_model).__name__}")
         if not isinstance(self.precision_policy, PrecisionPolicy):
@@ -81,10 +82,6 @@ class RecoverySettings:
             raise ValueError(f"precision must be 'fp16' or 'mixed', got {self.restore_precision!r}")
         if self.readers not in READERS:
             raise ValueError(f"readers must be one of {READERS}, got {self.readers!r}")
-        if isinstance(self.reader_budget, bool) or not isinstance(self.reader_budget, (int, float)) or not (
-                math.isfinite(self.reader_budget) and 0.0 <= self.reader_budget <= 1.0):
-            raise ValueError(f"reader_budget must be a number in [0, 1], got {self.reader_budget!r}")
-        object.__setattr__(self, "reader_budget", float(self.reader_budget))
         if not isinstance(self.mixed_precision, bool):
             raise ValueError(f"mixed_precision must be a bool, got {self.mixed_precision!r}")
 
