@@ -408,3 +408,21 @@ def test_loop_bench_rows_and_summary(engine, tmp_path):
     assert max(pk) < min(pf)
     with pytest.raises(ValueError, match="two versions"):
         run_loop_bench(engine, [{"id": "x", "versions": [{"token_ids": c0}]}], progress=False)
+
+
+def test_an_open_stream_pins_its_thread_against_eviction(engine):
+    """Finding (issue 13): an eviction during an open stream offloaded context-only KV and dropped the
+    stream's commit. Now the thread is skipped by eviction until its stream closes."""
+    reg = ThreadRegistry(engine, resident_budget_bytes=1)
+    ca, cb = ctx(100), ctx(101)
+    with reg.stream(A, ca, max_new_tokens=4) as sa:
+        next(sa)
+        reg.generate(B, cb, max_new_tokens=2)  # over budget: A would be the victim, but its stream is open
+        assert reg.handle(A)["kv"] == "resident" and not [e for e in reg.events if e["key"] == A]
+        toks = [next(sa)] + list(sa)
+    assert reg._thread(A).streams == 0
+    # the commit kept the decoded tokens: the next version that appends to them reuses them as a prefix
+    nxt = ca + sa.result.output_ids[:2] + [9, 9]
+    r = reg.generate(A, nxt, strategy="prefix", max_new_tokens=1)
+    assert r.stats["prefix_tokens"] == len(ca) + 2 and toks
+    reg.close()

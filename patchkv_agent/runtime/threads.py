@@ -111,7 +111,9 @@ class TokenStream:
     greedy by default; sampling parameters and a logits processor such as a grammar). The stream ends at
     ``max_new_tokens``, after an EOS token (included) or when the sampler's processor is done;
     :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
-    decode step takes the registry's forward lock; the thread lock is not held between steps.
+    decode step takes the registry's forward lock; the thread lock is not held between steps. Until it is
+    closed (or exhausted) the stream pins its thread's resident KV against eviction, so close streams you
+    stop reading: ``with registry.stream(...) as s:`` does.
     """
 
     def __init__(self, registry: "ThreadRegistry", th: _Thread | None, version: int, result: ResumeResult,
@@ -151,6 +153,12 @@ class TokenStream:
         self._decode_s += time.perf_counter() - t0
         out.append(tok)
         return tok
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """End the stream early (or after exhaustion) and commit the thread's resident state."""
