@@ -45,6 +45,7 @@ __all__ = [
     "READERS",
     "READER_MIN_BLOCKS",
     "READER_MIN_SHARE",
+    "READER_ATTENTION_BLOCKS",
     "plan_blocks",
     "block_round",
     "plan_repair",
@@ -60,6 +61,7 @@ READERS = ("none", "lexical")  # reader-block signals plan_repair knows
 DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks) ...
 READER_MIN_BLOCKS = 3  # ... or this many blocks, whichever is more
 READER_MIN_SHARE = 0.1  # a reader block holds at least this share of the weight of the edit's rare changed tokens
+READER_ATTENTION_BLOCKS = 2  # an edit with reader blocks also recomputes this many top stored-attention blocks
 READER_MAX_DF = 0.1  # a token counts as rare when at most this share of the context's blocks hold it ...
 READER_MIN_DF = 3  # ... or at most this many blocks (short contexts)
 
@@ -472,7 +474,8 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             first (ties: the earlier block), in ``[0, 1]`` (0 adds none). A cost bound: the TTFT of a resume
             grows about linearly in recomputed tokens.
     Returns:
-        The plan (``n_readers``: the reader blocks added beyond ``D | H``).
+        The plan (``n_readers``: the reader blocks added beyond ``D | H``; when there are any and ``scores``
+        is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention).
     Raises:
         ValueError: on an empty new context, ``kappa`` or ``reader_budget`` outside ``[0, 1]``, an unknown
             ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
@@ -514,6 +517,18 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
             repair[cand[order[:k]]] = True
             n_readers = k
+        if n_readers and scores is not None and READER_ATTENTION_BLOCKS:
+            # an edit with readers also refreshes the blocks the old question read most (the old answer's
+            # evidence and reasoning): the top blocks by stored attention (block maximum), not yet repaired
+            sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
+            if sc.shape[0] != edit.old_len:
+                raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
+            bmax = np.full(blocks.n_blocks, -np.inf)
+            np.maximum.at(bmax, blocks.token_block, sc[blocks.old_positions])
+            rest = np.flatnonzero(~repair)
+            top = rest[np.lexsort((rest, -bmax[rest]))[:READER_ATTENTION_BLOCKS]]
+            repair[top] = True
+            n_readers += int(top.size)
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
                   n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers)
 
