@@ -208,3 +208,29 @@ def test_a_block_sharing_one_word_with_a_replaced_passage_is_not_a_reader():
     assert 0 < scores.max() < 0.1  # the shared token is 1 of ~40 rare changed tokens
     plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
     assert plan.n_readers == 0
+
+
+def test_an_edit_with_readers_also_refreshes_the_top_attention_blocks():
+    from patchkv_agent.core.plan import READER_ATTENTION_BLOCKS
+
+    old, new = _context(n_blocks=20)
+    edit = diff_versions(old, new, min_match=2)
+    blocks = plan_suffix_blocks(edit, block_size=4)
+    scores = np.zeros(len(old), dtype=np.float32)
+    scores[[9 * 4 + 1, 13 * 4 + 2, 16 * 4]] = [0.3, 0.5, 0.2]  # old positions in blocks 9, 13, 16
+    base = plan_repair(edit, scores, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    no_scores = plan_repair(edit, None, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    assert base.n_readers == no_scores.n_readers + READER_ATTENTION_BLOCKS
+    added = set(base.recompute_positions) - set(no_scores.recompute_positions)
+    top = {int(blocks.token_block[np.searchsorted(blocks.old_positions, p)]) for p in (13 * 4 + 2, 9 * 4 + 1)}
+    want = set()
+    for b in top:
+        want |= set(range(blocks.starts[b], blocks.ends[b]))
+    assert added == want  # the two highest-attention blocks, not the third
+    # no reader, no top-up: an edit whose changed tokens appear nowhere else
+    lone_old = np.arange(80, dtype=np.int64) + 100
+    lone_new = lone_old.copy()
+    lone_new[5] = 999
+    e2 = diff_versions(lone_old, lone_new, min_match=2)
+    p2 = plan_repair(e2, scores, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    assert p2.n_readers == 0
