@@ -404,7 +404,8 @@ def test_property_runner_counts_examples_and_covers_every_edit_kind(eng):
     assert sum(p["kinds"].values()) == 40 and p["restoring_examples"] > 0 and p["max_full_diff"] <= TOL
     seen = set()
 
-    @settings(max_examples=300, deadline=None, database=None)
+    # derandomize: the same 300 draws every run (a random run missed "insert" once in CI)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)
     @given(edit_pairs())
     def draw(case):  # the strategy reaches every kind (drawn without running the model)
         kind, old, new = case
