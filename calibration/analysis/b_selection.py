@@ -21,7 +21,8 @@ import torch
 
 from patchkv_agent.core.diff import Edit
 from patchkv_agent.core.plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, RepairPlan, SuffixBlocks,
-                                     lexical_reader_scores, plan_blocks, plan_repair, plan_suffix_blocks)
+                                     block_attention, lexical_reader_scores, plan_blocks, plan_repair,
+                                     plan_suffix_blocks)
 from patchkv_agent.strategies import Strategy
 
 from .inputs import SELECTORS, PreparedContext, _mean, _score
@@ -75,7 +76,8 @@ def block_scores(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
     """Stored attention per suffix block: the maximum score of its tokens (at their old positions).
 
     Ranking blocks by it is what :func:`patchkv_agent.core.plan.plan_repair`'s ``H`` does when its top tokens
-    are taken one at a time until ``B`` distinct blocks are hit.
+    are taken one at a time until ``B`` distinct blocks are hit; it is the planner's own
+    :func:`~patchkv_agent.core.plan.block_attention`.
 
     Args:
         blocks: the suffix blocks.
@@ -83,10 +85,7 @@ def block_scores(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
     Returns:
         float64 ``[n_blocks]``.
     """
-    sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
-    out = np.full(blocks.n_blocks, -np.inf)
-    np.maximum.at(out, blocks.token_block, sc[blocks.old_positions])
-    return out
+    return block_attention(blocks, scores)
 
 
 def _block_distance(blocks: SuffixBlocks) -> np.ndarray:

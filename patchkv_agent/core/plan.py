@@ -40,6 +40,7 @@ __all__ = [
     "suffix_blocks",
     "plan_suffix_blocks",
     "lexical_reader_scores",
+    "block_attention",
     "DEFAULT_READER_BUDGET",
     "READER_MAX_DF",
     "READERS",
@@ -399,17 +400,33 @@ def _prep(edit: Edit, block_size: int) -> tuple[int, SuffixBlocks]:
     return prefix_len, suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
 
 
+def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
+    """Stored attention per suffix block: the maximum score of its tokens (at their old positions).
+
+    Args:
+        blocks: the suffix blocks.
+        scores: per old position ``[N_old]`` (NaN counts as 0).
+    Returns:
+        float64 ``[n_blocks]`` (``-inf`` for an empty block).
+    """
+    sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
+    out = np.full(blocks.n_blocks, -np.inf)
+    np.maximum.at(out, blocks.token_block, sc[blocks.old_positions])
+    return out
+
+
 def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
     """How strongly each suffix block mentions what the edit changed: the lexical reader signal.
 
     The *changed tokens* are the token ids on exactly one side of the edited spans (in ``M_old`` or in
     ``M_new``, not both). A changed token is *rare* when at most ``max_df`` of the new context's
     ``block_size``-token blocks (cut from position 0) contain it; its weight is
-    ``log((1 + n_blocks) / (1 + df))``. (Rare: ``df <= max(READER_MIN_DF, max_df * n_blocks)``.) A suffix block's score is the summed weight of the distinct rare
-    changed tokens it holds, divided by the summed weight of all rare changed tokens: the share of the
-    edit's signature the block mentions. A later tool result naming the entity an edit replaced (or
-    introduced) scores high; boilerplate shared by every record scores 0; a block sharing a few words with
-    a replaced passage of hundreds of tokens scores low.
+    ``log((1 + n_blocks) / (1 + df))`` (rare: ``df <= max(READER_MIN_DF, max_df * n_blocks)``; a changed
+    token absent from the new context counts with ``df = 0``). A suffix block's score is the summed weight
+    of the distinct rare changed tokens it holds, divided by the summed weight of all rare changed tokens:
+    the share of the edit's signature the block mentions. A later tool result naming the entity an edit
+    replaced (or introduced) scores high; boilerplate shared by every record scores 0; a block sharing a
+    few words with a replaced passage of hundreds of tokens scores low.
 
     Args:
         edit: the diff; needs ``edit.old_ids`` / ``edit.new_ids`` (set by
@@ -495,13 +512,14 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     dirty = blocks.distance < d_hat[tok_span] if d_hat.size else np.zeros(blocks.distance.shape, dtype=bool)
 
     high = np.zeros_like(dirty)
-    if scores is not None and kappa > 0:
-        sc = np.asarray(scores, dtype=np.float64).ravel()
+    sc = None
+    if scores is not None:
+        sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
         if sc.shape[0] != edit.old_len:
             raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
+    if sc is not None and kappa > 0:
         outside = np.flatnonzero(~dirty)
-        vals = np.nan_to_num(sc[blocks.old_positions[outside]], nan=0.0)
-        high[outside[_top_fraction(vals, kappa)]] = True
+        high[outside[_top_fraction(sc[blocks.old_positions[outside]], kappa)]] = True
 
     repair = np.zeros(blocks.n_blocks, dtype=bool)
     repair[blocks.token_block[dirty | high]] = True
@@ -517,14 +535,10 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
             repair[cand[order[:k]]] = True
             n_readers = k
-        if n_readers and scores is not None and READER_ATTENTION_BLOCKS:
+        if n_readers and sc is not None and READER_ATTENTION_BLOCKS:
             # an edit with readers also refreshes the blocks the old question read most (the old answer's
             # evidence and reasoning): the top blocks by stored attention (block maximum), not yet repaired
-            sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
-            if sc.shape[0] != edit.old_len:
-                raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
-            bmax = np.full(blocks.n_blocks, -np.inf)
-            np.maximum.at(bmax, blocks.token_block, sc[blocks.old_positions])
+            bmax = block_attention(blocks, sc)
             rest = np.flatnonzero(~repair)
             top = rest[np.lexsort((rest, -bmax[rest]))[:READER_ATTENTION_BLOCKS]]
             repair[top] = True
