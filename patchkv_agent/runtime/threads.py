@@ -93,7 +93,7 @@ class _Thread:
     resident: ResumeResult | None = None   # KV of `version` (context + decoded tokens), cache dropped
     checkpoint: Any = None                 # offloaded KV of `checkpoint_version`
     checkpoint_version: int = 0
-    checkpoint_source: str = ""            # "background", "on_path", "evicted"
+    checkpoint_source: str = ""            # "background", "evicted"
     pending: Future | None = None
     lost: Fallback | None = None           # why the KV of `version` is gone (next resume says so)
     store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
@@ -390,10 +390,10 @@ class ThreadRegistry:
         wait_s = 0.0 if resident and strategy != "exact" else self._wait_pending(th)
         with th.lock:
             if strategy == "exact":  # no base needed: do not write one
-                base, base_version, source, on_path, skey = None, None, "none", 0.0, None
+                base, base_version, source, skey = None, None, "none", None
                 fallback = None
             else:
-                base, base_version, source, on_path, skey = self._base(th)
+                base, base_version, source, skey = self._base(th)
                 fallback = th.lost if base is None and skey is None else None
             if skey is not None:  # the store read runs outside the forward lock
                 res = resume_from_store(self.engine, self.store, skey, ids, strategy=strategy, max_new_tokens=0,
@@ -418,7 +418,7 @@ class ThreadRegistry:
             self._submit_delete(stale)
         res.stats.update(thread_id=key[0], checkpoint_ns=key[1], version=version, base_version=base_version,
                          base=source, requested_strategy=strategy, offload_wait_s=wait_s,
-                         offload_on_path_s=on_path)
+                         offload_on_path_s=0.0)  # kept for readers of the field: no offload runs on the path
         if res.stats.get("fallback") is None and fallback is not None:
             res.stats["fallback"] = fallback
         self._enforce_resident_budget(keep=key)
@@ -443,19 +443,19 @@ class ThreadRegistry:
         return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, **kwargs))
 
     def _base(self, th: _Thread):
-        """Where to resume ``th`` from: ``(checkpoint, version, source, on_path_s, store_key)``.
+        """Where to resume ``th`` from: ``(checkpoint, version, source, store_key)``.
 
-        The resident KV when it is still there (a zero-copy full-precision view, nothing written on the
-        critical path: ``on_path_s`` is 0), else a checkpoint in this process, else the thread's store
-        entry of its current version (``checkpoint`` None, ``store_key`` set), else nothing.
+        The resident KV when it is still there (a zero-copy full-precision view: nothing is ever written
+        on the critical path), else a checkpoint in this process, else the thread's store entry of its
+        current version (``checkpoint`` None, ``store_key`` set), else nothing.
         """
         if th.resident is not None:
-            return self.engine.as_checkpoint(th.resident), th.version, "resident", 0.0, None
+            return self.engine.as_checkpoint(th.resident), th.version, "resident", None
         if th.checkpoint is not None:
-            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, 0.0, None
+            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, None
         if th.store_key is not None and th.store_version == th.version:
-            return None, th.version, th.store_source, 0.0, th.store_key
-        return None, None, "none", 0.0, None
+            return None, th.version, th.store_source, th.store_key
+        return None, None, "none", None
 
     # ----------------------------------------------------------------- store
 
