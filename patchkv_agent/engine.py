@@ -27,6 +27,7 @@ import torch
 
 from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
 from .core.diff import Edit, diff_versions
+from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
 from .core.models import DEFAULT_MODEL, ModelSpec, fingerprint, load_model, model_spec
@@ -215,6 +216,9 @@ class PatchKVEngine:
         check_attn_implementation(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # the lexical reader signal compares words, not token ids (None without a tokenizer: token ids)
+        self.words: WordIndex | None = (WordIndex.from_tokenizer(tokenizer)
+                                        if hasattr(tokenizer, "convert_ids_to_tokens") else None)
         self.spec: ModelSpec = model_spec(model, tokenizer)
         self.profile_path: str | None = None
         base = settings if settings is not None else self._profile_settings(profile, RecoverySettings())
@@ -629,7 +633,7 @@ class PatchKVEngine:
         settings = self.settings  # one snapshot for the whole resume
         t0 = time.perf_counter()
         old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
-        edit = diff_versions(old, new)
+        edit = diff_versions(old, new, words=self.words)
         plan = strat.plan(settings, ckpt, edit)
         restore_new = np.asarray(plan.restore_new_positions)
         if len(restore_new) and not self.spec.rope_supported:

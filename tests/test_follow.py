@@ -234,3 +234,63 @@ def test_an_edit_with_readers_also_refreshes_the_top_attention_blocks():
     e2 = diff_versions(lone_old, lone_new, min_match=2)
     p2 = plan_repair(e2, scores, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
     assert p2.n_readers == 0
+
+
+# ---------------------------------------------------------------- words, not token ids
+
+_PIECES = {0: "ĠSofia", 1: "S", 2: "of", 3: "ia", 4: "Ġworks", 5: ".", 6: '"', 7: "Marc", 8: "us", 9: "ĠMarcus",
+           10: "Ġroom", 11: "Ġ", 12: "9", 13: "6", 14: "ĠSOFIA", 15: "ila", 16: 'ia"', 17: "▁Sofia", 18: "Ċ"}
+
+
+def test_word_index_gives_one_id_per_word_whatever_its_tokenization():
+    from patchkv_agent.core.lexicon import WordIndex
+
+    w = WordIndex(_PIECES.__getitem__)
+    ids = np.asarray([0, 18, 1, 2, 3, 4, 6, 7, 8, 6, 9, 5, 11, 12, 13, 14, 17], dtype=np.int64)
+    got = w(ids)
+    sofia = got[0]
+    # " Sofia" (one token), "S" "of" "ia" after a newline, " SOFIA", "▁Sofia": one word, every position of it
+    assert sofia >= 0 and got[2] == got[3] == got[4] == got[15] == got[16] == sofia
+    assert got[7] == got[8] == got[10] != sofia  # "Marc" "us" inside quotes == " Marcus"
+    assert len({got[5], sofia, got[7]}) == 3
+    assert got[1] == got[6] == got[9] == got[11] == got[12] == -1  # newline, quotes, period, a bare space
+    assert got[13] == got[14] and got[13] >= 0  # "9" "6" is the number 96
+    assert np.array_equal(w(ids), got)  # deterministic (cached pieces)
+    # a token that ends in punctuation closes its word: 'ia"' then "Marc" are two words
+    w2 = w(np.asarray([1, 2, 16, 7, 8], dtype=np.int64))
+    assert w2[0] == w2[2] == sofia and w2[3] == w2[4] == got[7]
+    assert w(np.zeros(0, dtype=np.int64)).shape == (0,)
+    with pytest.raises(TypeError, match="callable"):
+        WordIndex("not a function")
+    with pytest.raises(TypeError, match="convert_ids_to_tokens"):
+        WordIndex.from_tokenizer(object())
+
+
+def test_lexical_readers_compare_words_so_a_name_respelled_later_is_found():
+    """The edit swaps " Sofia" for " Marcus" (single tokens after a space); later records spell the names
+    "S" "of" "ia" and "Marc" "us". Token ids miss both readers, words find both."""
+    from patchkv_agent.core.lexicon import WordIndex
+
+    w = WordIndex(_PIECES.__getitem__)
+    filler = [10, 4, 5] * 12  # " room works ." boilerplate
+    old = np.asarray([4, 10, 0, 5] + filler + [1, 2, 3, 4, 10, 12, 13, 5] + filler + [7, 8, 4, 10, 13, 12, 5]
+                     + filler, dtype=np.int64)
+    new = old.copy()
+    new[2] = 9
+    for kw in ({}, {"words": w}):
+        edit = diff_versions(old, new, min_match=2, **kw)
+        blocks = plan_suffix_blocks(edit, block_size=4)
+        scores = lexical_reader_scores(edit, blocks)
+        hit = {int(blocks.starts[b]) for b in np.flatnonzero(scores)}
+        if not kw:
+            assert not hit and edit.old_words is None
+        else:
+            s_at, m_at = 4 + 36, 4 + 36 + 8 + 36  # the respelled Sofia, the respelled Marcus
+            want = {int(blocks.starts[np.searchsorted(blocks.starts, p, side="right") - 1]) for p in
+                    (s_at, s_at + 2, m_at, m_at + 1)}
+            assert hit == want
+            assert not edit.new_words.flags.writeable
+            plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+            assert plan.n_readers == len(want)
+    with pytest.raises(ValueError, match="one word id per position"):
+        diff_versions(old, new, words=lambda ids: np.zeros(3, dtype=np.int64))

@@ -114,7 +114,7 @@ class PreparedContext:
         context: the :class:`Context`.
         ckpt: ``engine.checkpoint(old_ids)`` (attention scores included).
         ref: ``engine.resume(None, new_ids, strategy="exact")``: logits, greedy output, K/V of version 1.
-        edit: ``diff_versions(old_ids, new_ids)``.
+        edit: ``diff_versions(old_ids, new_ids, words=engine.words)`` (as a resume diffs).
     """
 
     context: Context
@@ -144,7 +144,7 @@ def prepare_context(engine, context: Context, *, max_new_tokens: int = 16, mixed
     finally:
         engine.mixed_precision = saved
     ref = engine.resume(None, list(context.new_ids), strategy="exact", max_new_tokens=max_new_tokens)
-    edit = diff_versions(ckpt.token_ids, ref.context_ids)
+    edit = diff_versions(ckpt.token_ids, ref.context_ids, words=getattr(engine, "words", None))
     if edit.identical:
         raise ValueError(f"context {context.id!r}: the two versions are identical")
     return PreparedContext(context=context, ckpt=ckpt, ref=ref, edit=edit)

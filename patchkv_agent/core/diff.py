@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -144,6 +144,8 @@ class Edit:
     segments: tuple[AlignedSegment, ...]
     old_ids: np.ndarray | None = field(default=None, repr=False, compare=False)  # the diffed versions, when known
     new_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
+    old_words: np.ndarray | None = field(default=None, repr=False, compare=False)  # word id per position, when known
+    new_words: np.ndarray | None = field(default=None, repr=False, compare=False)
     old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
     new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
     suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
@@ -352,7 +354,8 @@ class _Aligner:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8) -> Edit:
+def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
+                  words: Callable[[np.ndarray], np.ndarray] | None = None) -> Edit:
     """Diff two context versions of one thread into prefix, edited spans and aligned suffix segments.
 
     Args:
@@ -361,10 +364,14 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8) -> Edit:
         new_ids: token ids of ``C_new``, same forms.
         min_match: shortest identical run inside the middle region that becomes an aligned segment
             (shorter runs stay inside an edited span). ``P`` and the tail segment have no minimum.
+        words: ``ids -> word id per position`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`), or
+            None. When given, ``Edit.old_words`` / ``new_words`` hold its output for both versions (the
+            lexical reader signal then compares words, not token ids); the diff itself is on token ids.
     Returns:
         The :class:`Edit`.
     Raises:
-        ValueError: if an input is not 1-D, holds non-integer values, or ``min_match < 1``.
+        ValueError: if an input is not 1-D, holds non-integer values, ``min_match < 1``, or ``words``
+            returns an array of another length.
     """
     if isinstance(min_match, bool) or not isinstance(min_match, (int, np.integer)) or min_match < 1:
         raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
@@ -391,5 +398,12 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8) -> Edit:
         if size:
             segments.append(AlignedSegment(old_start=i, new_start=j, length=size))
         o, n = i + size, j + size
+    old_words = new_words = None
+    if words is not None and spans:
+        old_words, new_words = (_readonly(np.asarray(words(x), dtype=np.int64).ravel()) for x in (old, new))
+        if old_words.shape != old.shape or new_words.shape != new.shape:
+            raise ValueError(f"words returned {old_words.shape[0]} / {new_words.shape[0]} ids for "
+                             f"{n_old} / {n_new} tokens; it must return one word id per position")
     return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments),
-                old_ids=_readonly(old.copy()), new_ids=_readonly(new.copy()))  # own copies: the caller's stay writable
+                old_ids=_readonly(old.copy()), new_ids=_readonly(new.copy()),  # own copies: the caller's stay writable
+                old_words=old_words, new_words=new_words)

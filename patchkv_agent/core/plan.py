@@ -418,9 +418,14 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
 def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
     """How strongly each suffix block mentions what the edit changed: the lexical reader signal.
 
-    The *changed tokens* are the token ids on exactly one side of the edited spans (in ``M_old`` or in
-    ``M_new``, not both). A changed token is *rare* when at most ``max_df`` of the new context's
-    ``block_size``-token blocks (cut from position 0) contain it; its weight is
+    The *changed tokens* are the words (``edit.old_words`` / ``new_words``, from a
+    :class:`~patchkv_agent.core.lexicon.WordIndex`; the token ids when the edit has no words) on exactly
+    one side of the edited spans (in ``M_old`` or in ``M_new``, not both). Words, because a tokenizer
+    spells one name differently by where it stands (``" Sofia"`` after a space, ``"S" "of" "ia"`` at the
+    start of a line), and a later record naming the entity rarely puts it after a space as the edited
+    sentence did. A changed token is *rare* when at most ``max_df`` of the new context's
+    ``block_size``-token blocks (cut from position 0) contain it (a word spanning two blocks counts in the
+    block of its first token); its weight is
     ``log((1 + n_blocks) / (1 + df))`` (rare: ``df <= max(READER_MIN_DF, max_df * n_blocks)``; a changed
     token absent from the new context counts with ``df = 0``). A suffix block's score is the summed weight
     of the distinct rare changed tokens it holds, divided by the summed weight of all rare changed tokens:
@@ -429,7 +434,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     few words with a replaced passage of hundreds of tokens scores low.
 
     Args:
-        edit: the diff; needs ``edit.old_ids`` / ``edit.new_ids`` (set by
+        edit: the diff; needs ``edit.old_words`` / ``new_words`` or ``edit.old_ids`` / ``new_ids`` (set by
             :func:`~patchkv_agent.core.diff.diff_versions`).
         blocks: the suffix blocks of the plan.
         max_df: rarity cut-off, a share of the context's blocks in ``(0, 1]``.
@@ -441,17 +446,22 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     if not 0.0 < max_df <= 1.0:
         raise ValueError(f"max_df must be in (0, 1], got {max_df}")
     out = np.zeros(blocks.n_blocks, dtype=np.float64)
-    old, new = edit.old_ids, edit.new_ids
+    if edit.old_words is not None and edit.new_words is not None:
+        old, new = edit.old_words, edit.new_words
+    else:
+        old, new = edit.old_ids, edit.new_ids
     if old is None or new is None or not edit.spans or blocks.n_blocks == 0 or new.shape[0] == 0:
         return out
     old_side = np.concatenate([old[s.old_start:s.old_end] for s in edit.spans] + [np.zeros(0, np.int64)])
     new_side = np.concatenate([new[s.new_start:s.new_end] for s in edit.spans] + [np.zeros(0, np.int64)])
     changed = np.setxor1d(np.unique(old_side), np.unique(new_side))
+    changed = changed[changed >= 0]  # -1: a position without a word
     if changed.size == 0:
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
     in_changed = np.isin(new, changed)
+    in_changed[1:] &= new[1:] != new[:-1]  # one occurrence per word: the block of its first token
     pos = np.flatnonzero(in_changed)
     tok, grid = new[pos], pos // size
     # document frequency of each changed token over the context's blocks (distinct (block, token) pairs)
