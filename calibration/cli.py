@@ -60,6 +60,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=_ints, default=(32, 64, 128),
                    help="block sizes to try (16 is allowed; it doubles key-scale overhead and fragments the "
                         "mixed-precision runs: see docs/calibration.md)")
+    p.add_argument("--readers", default="none,lexical",
+                   help="reader-block signals to try in the grid (comma-separated: none, lexical)")
+    p.add_argument("--follow-workloads", default="follow-lookup,follow-twohop,follow-count,follow-retract",
+                   help="edit-following workloads whose follow rate the selection must keep (comma-separated, "
+                        "or 'none')")
+    p.add_argument("--follow-n", type=int, default=8, help="calibration episodes per edit-following workload")
+    p.add_argument("--follow-target", default="0.95",
+                   help="least follow rate (answers the new gold where exact does) of the chosen configuration, "
+                        "or 'none'")
     p.add_argument("--quality", default="kl", choices=["kl", "tf"], help="loss for the minimax rule")
     p.add_argument("--tol-rel", type=float, default=0.1, help="relative tolerance on the worst gap")
     p.add_argument("--tol-abs", type=float, default=1e-3, help="absolute tolerance on the worst gap")
@@ -230,19 +239,38 @@ def calibrate_main(args: argparse.Namespace) -> int:
         if len(got) < args.n:
             print(f"{w}: only {len(got)} calibration episodes at {tt} tokens", file=sys.stderr)
         traces += got
+    follow = [] if args.follow_workloads.strip() in ("", "none") else [
+        w.strip() for w in args.follow_workloads.split(",") if w.strip()]
+    if follow and args.follow_n > 0:
+        from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, build_follow_traces
+
+        unknown = sorted(set(follow) - set(FOLLOW_WORKLOADS))
+        if unknown:
+            raise SystemExit(f"--follow-workloads: unknown {unknown}; choose from {sorted(FOLLOW_WORKLOADS)} or 'none'")
+        for w in follow:
+            traces += build_follow_traces(w, n=args.follow_n, split="calib", seed=args.seed, count_tokens=count)
+        workloads += follow
     if not traces:
         raise SystemExit("no calibration episodes could be built; check --workload/--edit/--n")
+    readers = tuple(r.strip() for r in args.readers.split(",") if r.strip())
+    from patchkv_agent.core.plan import READERS
+
+    if not readers or set(readers) - set(READERS):
+        raise SystemExit(f"--readers must list some of {READERS}, got {args.readers!r}")
+    follow_target = None if args.follow_target == "none" else float(args.follow_target)
     episodes = episodes_from_traces(eng, traces)
     cfg = CalibConfig(metric=args.metric, profile_block=args.profile_block, tau_v=args.tau_v[0],
                       tau_grid=tuple(args.tau_v) if len(args.tau_v) > 1 else (), gamma=args.gamma,
                       quantile=args.quantile, ridge=args.ridge, shift=args.shift, val_share=args.val_share,
-                      kappas=tuple(args.kappas), blocks=tuple(args.blocks), quality=args.quality,
+                      kappas=tuple(args.kappas), blocks=tuple(args.blocks), readers=readers, quality=args.quality,
+                      follow_target=follow_target,
                       tol_abs=args.tol_abs, tol_rel=args.tol_rel, z=args.z, target=_target(args.target),
                       precision_target=None if args.precision_target == "none" else float(args.precision_target),
                       policy_grid=_policy_grid(args.policy_grid),
                       ref_tokens=args.ref_tokens, grid_max_pairs=args.grid_max_pairs)
     data = {"workloads": workloads, "edit": args.edit, "n_per_workload": args.n, "versions": args.versions,
-            "target_tokens": targets, "seed": args.seed, "threads": args.threads, "trace_split": "calib"}
+            "target_tokens": targets, "seed": args.seed, "threads": args.threads, "trace_split": "calib",
+            "follow_workloads": follow, "follow_n": args.follow_n if follow else 0}
     try:
         profile, pairs = run_calibration(eng, episodes, cfg, model_name=args.model, command=command, data=data,
                                          progress=not args.no_progress)
@@ -257,8 +285,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
     print(f"  length model q={cfg.quantile}: validation coverage {fit['validation']['coverage']:.3f} over "
           f"{fit['validation']['n_spans']} spans (calibration {fit['calib']['coverage']:.3f} over "
           f"{fit['calib']['n_spans']})")
+    chosen = profile["selection"]["chosen"]
+    fr = chosen.get("follow_rate")
     print(f"  tau_V={profile['tau_v']} kappa={profile['kappa']} block_size={profile['block_size']} "
-          f"(worst-workload {cfg.quality} gap {profile['selection']['chosen']['worst_gap']:.4g})")
+          f"readers={profile['readers']} (worst-workload {cfg.quality} gap {chosen['worst_gap']:.4g}"
+          + ("" if fr is None else f", follow rate {fr:.3f}") + ")")
     print(f"  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
                                             for x in profile["d_hat_examples"]))
     print(f"  wall time {profile['timing']['wall_s']:.0f}s")

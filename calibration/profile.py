@@ -40,6 +40,7 @@ from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, Le
 from patchkv_agent.kernels import value_residual_4bit
 from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags
 from patchkv_agent.core.checkpoint import quantize_mixed
+from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.profiles import PROFILE_SCHEMA
 from patchkv_agent.eval.metrics import first_token_kl, teacher_forced_agreement, top1_agree
 from patchkv_agent.eval.traces import version_ids
@@ -55,6 +56,7 @@ __all__ = ["Episode", "CalibConfig", "PairProfile", "ResumeConfig", "episodes_fr
 
 DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and KV heads (see docs/calibration.md)
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
+_GRID_KEYS = ("kappa", "block_size", "readers")
 DEFAULT_POLICY_GRID = tuple((tl, th) for th in (4.0, 8.0) for tl in (0.1, 0.25, 0.5, 1.0))  # (tau_L, tau_H)
 _TAG_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
 
@@ -68,16 +70,23 @@ class Episode:
         task: group id for the split: all episodes of one task stay on one side.
         workload: workload name (the unit of the minimax rule).
         versions: token ids per version, in order.
+        answers: gold answers per version (edit-following episodes, :mod:`patchkv_agent.eval.follow`), or
+            None; with them every pair also scores whether a resume answers the new gold (``follows``)
+            or the previous one (``stale``).
     """
 
     id: str
     task: str
     workload: str
     versions: tuple[tuple[int, ...], ...]
+    answers: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.versions) < 2:
             raise ValueError(f"episode {self.id!r} needs at least two versions")
+        if self.answers is not None and len(self.answers) != len(self.versions):
+            raise ValueError(f"episode {self.id!r} has {len(self.answers)} answer lists for "
+                             f"{len(self.versions)} versions; give one per version or None")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,8 +104,13 @@ class CalibConfig:
         quantile: target quantile of the length model.
         ridge, shift: see :func:`.fit.fit_length_model`.
         val_share: share of tasks held out for validation.
-        kappas, blocks: the selection grid.
+        kappas, blocks, readers: the selection grid (``readers``: the reader-block signals to try,
+            ``"none"`` / ``"lexical"``; see :func:`patchkv_agent.core.plan.plan_repair`).
         quality, tol_abs, tol_rel, z: see :func:`.select.select_config`.
+        follow_target: the least follow rate (edit-following pairs: answers the new gold where ``exact``
+            does) a grid configuration needs, or None; see :func:`.select.select_config`.
+        follow_tokens: greedy tokens decoded per edit-following resume (and its exact reference) to read
+            the answer.
         target: quality target on the worst per-workload loss: a number, ``"default"`` (the worst loss of
             the engine's built-in setting, measured on the same pairs, plus the tolerance: the profile must be
             no worse than running without one, at the least cost) or None (the minimax rule alone).
@@ -123,10 +137,13 @@ class CalibConfig:
     val_share: float = 0.3
     kappas: tuple[float, ...] = (0.0, 0.01, 0.02, 0.03)
     blocks: tuple[int, ...] = (32, 64, 128)
+    readers: tuple[str, ...] = ("none", "lexical")
     quality: str = "kl"
     tol_abs: float = 1e-3
     tol_rel: float = 0.1
     z: float = 1.0
+    follow_target: float | None = 0.95
+    follow_tokens: int = 12
     target: float | str | None = "default"
     policy_grid: tuple[tuple[float, float], ...] = DEFAULT_POLICY_GRID
     precision_target: float | None = 0.2
@@ -145,6 +162,8 @@ class PairProfile:
         new_ids: ids of the new version.
         ckpt, ref_logits, ref_output_ids: old-version checkpoint and the exact reference of the new
             version; kept only for pairs the grid evaluates, else None.
+        answers, old_answers: the new and the previous version's gold (edit-following pairs), or None.
+        exact_follows, exact_stale: whether the exact reference answers them (None without answers).
     """
 
     pair_id: str
@@ -155,6 +174,18 @@ class PairProfile:
     ckpt: Any = None
     ref_logits: torch.Tensor | None = None
     ref_output_ids: list[int] = field(default_factory=list)
+    answers: tuple[str, ...] | None = None
+    old_answers: tuple[str, ...] | None = None
+    exact_follows: bool | None = None
+    exact_stale: bool | None = None
+
+
+def _answered(engine, output_ids: Sequence[int], gold: Sequence[str] | None) -> bool | None:
+    from patchkv_agent.eval.metrics import answer_match
+
+    if gold is None or engine.tokenizer is None:
+        return None
+    return bool(answer_match(engine.tokenizer.decode(list(output_ids), skip_special_tokens=True), list(gold)))
 
 
 def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
@@ -165,14 +196,17 @@ def episodes_from_traces(engine, traces: Sequence[dict]) -> list[Episode]:
         traces: trace dicts (e.g. :func:`patchkv_agent.eval.workloads.build_traces`).
     Returns:
         One :class:`Episode` per trace; ``task`` = ``<workload>/<source id>`` (from ``meta.source_id``,
-        else the trace id without its edit kind), so edit kinds of one example share a task.
+        else the trace id without its edit kind), so edit kinds of one example share a task; ``answers``
+        from the versions' own ``answers`` when every version has them (edit-following traces).
     """
     out = []
     for t in traces:
         meta = t.get("meta") or {}
         wl = str(t.get("workload") or "default")
         task = f"{wl}/{meta['source_id']}" if "source_id" in meta else str(t["id"]).rsplit("/", 1)[0]
-        out.append(Episode(id=str(t["id"]), task=task, workload=wl,
+        per = [v.get("answers") for v in t["versions"]]
+        answers = tuple(tuple(str(a) for a in g) for g in per) if all(per) else None
+        out.append(Episode(id=str(t["id"]), task=task, workload=wl, answers=answers,
                            versions=tuple(tuple(version_ids(engine, v)) for v in t["versions"])))
     return out
 
@@ -201,17 +235,21 @@ def profile_episodes(engine, episodes: Sequence[Episode], cfg: CalibConfig, keep
     out = []
     for ep in episodes:
         prev_ckpt = None
+        n_ref = cfg.ref_tokens if ep.answers is None else max(cfg.ref_tokens, cfg.follow_tokens)
         for k, ids in enumerate(ep.versions):
-            res = engine.resume(None, list(ids), strategy="exact", max_new_tokens=cfg.ref_tokens)
+            res = engine.resume(None, list(ids), strategy="exact", max_new_tokens=n_ref)
             if prev_ckpt is not None:
                 edit = diff_versions(prev_ckpt.token_ids, res.context_ids)
                 spans = span_drift(edit, prev_ckpt.values, res.values, layers=layers, metric=cfg.metric)
                 keep = ep.task in keep_tasks
+                gold, old = (None, None) if ep.answers is None else (ep.answers[k], ep.answers[k - 1])
                 out.append(PairProfile(
                     pair_id=f"{ep.id}#v{k}", task=ep.task, workload=ep.workload, spans=spans,
                     new_ids=np.asarray(ids, dtype=np.int64), ckpt=prev_ckpt if keep else None,
                     ref_logits=res.logits.detach().cpu() if keep else None,
-                    ref_output_ids=list(res.output_ids) if keep else []))
+                    ref_output_ids=list(res.output_ids) if keep else [], answers=gold, old_answers=old,
+                    exact_follows=_answered(engine, res.output_ids, gold),
+                    exact_stale=_answered(engine, res.output_ids, old)))
             prev_ckpt = engine.checkpoint_from(res) if k + 1 < len(ep.versions) else None
             del res
             if bar is not None:
@@ -254,7 +292,8 @@ class ResumeConfig:
 
 
 @torch.no_grad()
-def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[ResumeConfig], bar=None) -> list[dict]:
+def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[ResumeConfig], bar=None, *,
+                     follow_tokens: int = 12) -> list[dict]:
     """Resume every kept pair under every configuration and score it against the exact reference.
 
     Args:
@@ -262,9 +301,12 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
         pairs: pairs (those without a kept checkpoint are skipped).
         configs: the configurations.
         bar: optional progress bar (``update(1)`` per resume).
+        follow_tokens: greedy tokens per edit-following resume.
     Returns:
         One row per pair and configuration: the config's ``tags`` plus ``pair, workload, strategy,
-        first_token_kl, top1_agree, tf_agree, recompute_tokens, prefix_recompute_tokens, ttft_s``.
+        first_token_kl, top1_agree, tf_agree, recompute_tokens, prefix_recompute_tokens, ttft_s``; rows of
+        edit-following pairs also ``follows, stale, exact_follows, exact_stale`` (the resume decodes
+        ``follow_tokens`` greedy tokens, default 12, to read its answer).
     """
     saved = engine.length_model
     rows = []
@@ -275,13 +317,19 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
             full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=DEFAULT_BLOCK_SIZE).n_recompute
             for c in configs:
                 engine.length_model = c.length_model if c.length_model is not None else saved
-                r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=1, **c.options)
-                rows.append({**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
-                             "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
-                             "top1_agree": top1_agree(p.ref_logits, r.logits),
-                             "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
-                             "recompute_tokens": int(r.stats["recompute_tokens"]),
-                             "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])})
+                n_new = 1 if p.answers is None else follow_tokens
+                r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=n_new, **c.options)
+                row = {**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
+                       "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
+                       "top1_agree": top1_agree(p.ref_logits, r.logits),
+                       "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
+                       "recompute_tokens": int(r.stats["recompute_tokens"]),
+                       "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])}
+                if p.answers is not None:
+                    row.update(follows=_answered(engine, r.output_ids, p.answers),
+                               stale=_answered(engine, r.output_ids, p.old_answers),
+                               exact_follows=p.exact_follows, exact_stale=p.exact_stale)
+                rows.append(row)
                 if bar is not None:
                     bar.update(1)
     finally:
@@ -289,40 +337,44 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
     return rows
 
 
-def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None) -> list[dict]:
+def evaluate_references(engine, pairs: Sequence[PairProfile], bar=None, *, follow_tokens: int = 12) -> list[dict]:
     """The two reference strategies on the grid pairs: ``direct`` and ``patchkv-default`` (fixed
-    ``DEFAULT_DIRTY_WINDOW``-token window, kappa 0, block 32: the engine's setting without a profile).
+    ``DEFAULT_DIRTY_WINDOW``-token window, kappa 0, block 32, the built-in reader rule: the engine's
+    setting without a profile).
 
     Args:
         engine: the engine.
         pairs: pairs with a kept checkpoint and reference.
         bar: optional progress bar.
+        follow_tokens: greedy tokens per edit-following resume.
     Returns:
         Rows as :func:`evaluate_configs` with ``strategy`` set to the reference's name.
     """
     refs = [ResumeConfig(strategy="direct", tags={"reference": "direct"}),
-            ResumeConfig(options={"dirty_window": DEFAULT_DIRTY_WINDOW, "kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE},
+            ResumeConfig(options={"dirty_window": DEFAULT_DIRTY_WINDOW, "kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE,
+                                  "readers": RecoverySettings().readers},
                          tags={"reference": "patchkv-default"})]
-    rows = evaluate_configs(engine, pairs, refs, bar)
+    rows = evaluate_configs(engine, pairs, refs, bar, follow_tokens=follow_tokens)
     return [{**{k: v for k, v in r.items() if k != "reference"}, "strategy": r["reference"]} for r in rows]
 
 
 def evaluate_grid(engine, pairs: Sequence[PairProfile], length_model: LengthModel, cfg: CalibConfig,
                   bar=None) -> list[dict]:
-    """Real ``patchkv`` resumes over the ``(kappa, block)`` grid under one length model.
+    """Real ``patchkv`` resumes over the ``(kappa, block, readers)`` grid under one length model.
 
     Args:
         engine: the engine.
         pairs: pairs with a kept checkpoint and reference.
         length_model: the fitted length model (used for every grid resume).
-        cfg: ``kappas``, ``blocks``.
+        cfg: ``kappas``, ``blocks``, ``readers``, ``follow_tokens``.
         bar: optional progress bar.
     Returns:
-        Rows as :func:`evaluate_configs`, tagged ``kappa, block_size``.
+        Rows as :func:`evaluate_configs`, tagged ``kappa, block_size, readers``.
     """
-    grid_cfgs = [ResumeConfig(options={"kappa": float(k), "block_size": int(b)}, length_model=length_model,
-                              tags={"kappa": float(k), "block_size": int(b)}) for k in cfg.kappas for b in cfg.blocks]
-    return evaluate_configs(engine, pairs, grid_cfgs, bar)
+    grid_cfgs = [ResumeConfig(options={"kappa": float(k), "block_size": int(b), "readers": rd},
+                              length_model=length_model, tags={"kappa": float(k), "block_size": int(b), "readers": rd})
+                 for k in cfg.kappas for b in cfg.blocks for rd in cfg.readers]
+    return evaluate_configs(engine, pairs, grid_cfgs, bar, follow_tokens=cfg.follow_tokens)
 
 
 def _d_hat_examples(lm: LengthModel) -> list[dict[str, int]]:
@@ -400,7 +452,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     n_val_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in val_tasks)
     keep_tasks = _grid_tasks(episodes, val_tasks, n_val_pairs if cfg.grid_max_pairs is None else cfg.grid_max_pairs)
     taus = tuple(cfg.tau_grid) if len(cfg.tau_grid) > 1 else (cfg.tau_grid[0] if cfg.tau_grid else cfg.tau_v,)
-    per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) + 2  # + 2 references
+    per_pair = (len(taus) if len(taus) > 1 else 0) + len(cfg.kappas) * len(cfg.blocks) * len(cfg.readers) + 2
     n_keep_pairs = sum(len(ep.versions) - 1 for ep in episodes if ep.task in keep_tasks)
     policies = [PrecisionPolicy(tau_L=tl, tau_H=th) for tl, th in cfg.policy_grid] if cfg.precision_target is not None else []
     per_pair += len(policies) + 1 if policies else 0
@@ -413,15 +465,16 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         fits = {t: _fit_for_tau(pairs, dataclasses.replace(cfg, tau_v=t), val_tasks) for t in taus}
         t_fit = time.perf_counter()
         bar.set_postfix_str("references")
-        refs = evaluate_references(engine, kept, bar)
+        refs = evaluate_references(engine, kept, bar, follow_tokens=cfg.follow_tokens)
         target = _resolve_target(cfg, refs)
         rule = {"quality": cfg.quality, "tol_abs": cfg.tol_abs, "tol_rel": cfg.tol_rel, "z": cfg.z}
         if len(taus) > 1:
             bar.set_postfix_str("tau_V")
             configs = [ResumeConfig(options={"kappa": 0.0, "block_size": DEFAULT_BLOCK_SIZE}, length_model=fits[t][1],
                                     tags={"tau_v": t}) for t in taus]
-            rows_window = evaluate_configs(engine, kept, configs, bar)
-            window = select_config(rows_window, **rule, target=target, keys=("tau_v",), prefer=(1,))
+            rows_window = evaluate_configs(engine, kept, configs, bar, follow_tokens=cfg.follow_tokens)
+            window = select_config(rows_window, **rule, target=target, keys=("tau_v",), prefer=(1,),
+                                   follow_target=cfg.follow_target)
             for s_ in window["summary"]:
                 lab, lm_t = fits[s_["tau_v"]]
                 val_t = [r for r in lab if r["split"] == "validation"]
@@ -431,12 +484,12 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         labels, lm = fits[tau]
         bar.set_postfix_str("grid")
         grid = evaluate_grid(engine, kept, lm, cfg, bar)
-        sel = select_config(grid, **rule, target=target)
+        sel = select_config(grid, **rule, target=target, keys=_GRID_KEYS, follow_target=cfg.follow_target)
         if policies:
             bar.set_postfix_str("precision")
             rows_prec = evaluate_precision(engine, kept, policies, block_size=int(sel["block_size"]), bar=bar)
             prec = select_policy(rows_prec, cfg.precision_target)
-    pure = select_config(grid, **rule)  # the minimax rule without a target, for comparison
+    pure = select_config(grid, **rule, keys=_GRID_KEYS)  # the minimax rule without targets, for comparison
     cal = [r for r in labels if r["split"] == "calib"]
     val = [r for r in labels if r["split"] == "validation"]
     spec = engine.spec
@@ -451,6 +504,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "length_model": lm.to_dict(),
         "kappa": float(sel["kappa"]),
         "block_size": int(sel["block_size"]),
+        "readers": str(sel["readers"]),
         "precision_policy": (
             {**dataclasses.asdict(PrecisionPolicy()), "calibrated": False,
              "note": "library defaults (precision stage skipped)"} if prec is None else
@@ -480,10 +534,13 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
                               "the smallest worst loss (minimax)",
                       **rule, "target": cfg.target, "target_value": target,
                       "grid_kappas": list(cfg.kappas), "grid_blocks": list(cfg.blocks),
+                      "grid_readers": list(cfg.readers), "follow_target": cfg.follow_target,
                       "n_pairs": len({r["pair"] for r in grid}),
-                      "chosen": {k: sel[k] for k in ("kappa", "block_size", "worst_gap", "best_worst_gap",
-                                                     "tolerance", "target_met")},
-                      "minimax_without_target": {k: pure[k] for k in ("kappa", "block_size", "worst_gap")},
+                      "n_follow_pairs": len({r["pair"] for r in grid if r.get("follows") is not None}),
+                      "chosen": {k: sel[k] for k in ("kappa", "block_size", "readers", "worst_gap", "best_worst_gap",
+                                                     "tolerance", "target_met", "follow_rate", "follow_target_met")},
+                      "minimax_without_target": {k: pure[k] for k in ("kappa", "block_size", "readers", "worst_gap",
+                                                                      "follow_rate")},
                       "summary": sel["summary"],
                       "reference": {n: _means([r for r in refs if r["strategy"] == n])
                                     for n in ("direct", "patchkv-default") if any(r["strategy"] == n for r in refs)}},

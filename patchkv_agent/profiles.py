@@ -203,8 +203,8 @@ def _planner_fields(profile: dict) -> tuple[LengthModel, float, int]:
 
 
 def profile_settings(profile: dict, base: "RecoverySettings | None" = None) -> "RecoverySettings":
-    """The recovery settings a profile describes: ``base`` with its length model, ``kappa``, block size
-    and (when calibrated) precision policy.
+    """The recovery settings a profile describes: ``base`` with its length model, ``kappa``, block size,
+    reader signal (``readers``, when the profile has one) and (when calibrated) precision policy.
 
     Args:
         profile: a profile dict (e.g. from :func:`load_profile`).
@@ -212,13 +212,16 @@ def profile_settings(profile: dict, base: "RecoverySettings | None" = None) -> "
     Returns:
         A :class:`~patchkv_agent.core.settings.RecoverySettings`.
     Raises:
-        ValueError: the profile is malformed (bad length model, kappa outside ``[0, 1]``, block < 1).
+        ValueError: the profile is malformed (bad length model, kappa outside ``[0, 1]``, block < 1, an
+            unknown ``readers``).
     """
     from .core.precision import PrecisionPolicy
     from .core.settings import RecoverySettings
 
     lm, kappa, block = _planner_fields(profile)
     change: dict[str, Any] = {"length_model": lm, "kappa": kappa, "block_size": block}
+    if "readers" in profile:  # calibrated since the reader stage; older profiles keep the settings' own
+        change["readers"] = profile["readers"]
     pol = profile.get("precision_policy")
     if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
         change["precision_policy"] = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
@@ -227,7 +230,8 @@ def profile_settings(profile: dict, base: "RecoverySettings | None" = None) -> "
 
 
 def apply_profile(engine: Any, profile: dict) -> None:
-    """Set an engine's planner settings from a profile: ``length_model``, ``kappa``, ``block_size``.
+    """Set an engine's planner settings from a profile: ``length_model``, ``kappa``, ``block_size`` (and
+    ``readers`` on an engine with ``settings``, when the profile has one).
 
     Also records the profile's path as ``engine.profile_path`` (None when unknown). The precision
     policy is left to the caller (``profile["precision_policy"]``) until the engine quantizes.
@@ -240,4 +244,6 @@ def apply_profile(engine: Any, profile: dict) -> None:
     """
     lm, kappa, block = _planner_fields(profile)
     engine.length_model, engine.kappa, engine.block_size = lm, kappa, block
+    if "readers" in profile and hasattr(engine, "settings"):
+        engine.settings = engine.settings.replace(readers=profile["readers"])
     engine.profile_path = (profile.get("_source") or {}).get("path")

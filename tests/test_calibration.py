@@ -210,6 +210,54 @@ def test_minimax_z_treats_differences_within_noise_as_ties():
     assert cheap["worst_workload"] == "a" and cheap["worst_se"] == pytest.approx(0.05)
 
 
+def _frow(kappa, readers, kl, rec, follows, exact_follows=True, stale=False):
+    return {**_row(kappa, 32, "follow-twohop", kl, rec), "readers": readers, "follows": follows,
+            "exact_follows": exact_follows, "stale": stale, "exact_stale": False}
+
+
+def test_selection_keeps_the_follow_rate_not_only_the_kl():
+    """The cheap configuration has the lower KL but answers the old gold in half the pairs: with a follow
+    target it is not admissible; without one it wins."""
+    keys = ("kappa", "block_size", "readers")
+    rows = ([_frow(0.0, "none", 0.004, 60, f, stale=not f) for f in (True, False, True, False)]
+            + [_frow(0.0, "lexical", 0.005, 150, True) for _ in range(4)]
+            + [_frow(0.02, "none", 0.005, 150, True) for _ in range(3)] + [_frow(0.02, "none", 0.005, 150, False)]
+            + [_frow(0.0, "none", 0.004, 60, False, exact_follows=False)])  # exact misses: not counted
+    plain = select_config(rows, keys=keys, z=0.0, tol_abs=0.0, tol_rel=0.5)
+    assert (plain["readers"], plain["follow_target_met"]) == ("none", None) and plain["follow_rate"] == 0.5
+    sel = select_config(rows, keys=keys, z=0.0, tol_abs=0.0, tol_rel=0.5, follow_target=0.95)
+    assert (sel["kappa"], sel["readers"], sel["follow_target_met"], sel["follow_rate"]) == (0.0, "lexical", True, 1.0)
+    summ = {(s["kappa"], s["readers"]): s for s in sel["summary"]}
+    # stale rate over the 5 rows whose exact is not stale (the exact-miss row too): 2 of 5
+    assert summ[(0.0, "none")]["follow_n"] == 4 and summ[(0.0, "none")]["stale_rate"] == pytest.approx(0.4)
+    assert summ[(0.02, "none")]["follow_rate"] == 0.75
+    # nobody meets the target: the best followers stay, and the miss is reported
+    worse = [r for r in rows if r["readers"] != "lexical"]
+    missed = select_config(worse, keys=keys, z=0.0, tol_abs=0.0, tol_rel=0.5, follow_target=0.95)
+    assert (missed["kappa"], missed["follow_target_met"], missed["follow_rate"]) == (0.02, False, 0.75)
+    # equal cost and loss: the reader rule stays on (it found nothing to add on these pairs)
+    tie = [_frow(0.0, rd, 0.004, 60, True) for rd in ("none", "lexical")]
+    assert select_config(tie, keys=keys, follow_target=0.95)["readers"] == "lexical"
+    with pytest.raises(ValueError, match="follow_target"):
+        select_config(rows, keys=keys, follow_target=1.5)
+
+
+def test_profile_readers_reach_the_settings_and_episodes_check_their_answers():
+    from patchkv_agent.calibration.profile import Episode
+    from patchkv_agent.core.settings import RecoverySettings
+    from patchkv_agent.profiles import profile_settings
+
+    shipped = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "profiles"
+                          / "smollm2-135m.json").read_text())
+    assert profile_settings({**shipped, "readers": "none"}).readers == "none"
+    assert profile_settings({k: v for k, v in shipped.items() if k != "readers"},
+                            RecoverySettings(readers="none")).readers == "none"  # an older profile keeps the base's
+    with pytest.raises(ValueError, match="readers"):
+        profile_settings({**shipped, "readers": "semantic"})
+    with pytest.raises(ValueError, match="answer lists"):
+        Episode(id="e", task="t", workload="w", versions=((1, 2), (1, 3)), answers=(("a",),))
+
+
 # --- end to end on a tiny model -------------------------------------------------------------------------------------
 
 
@@ -247,7 +295,7 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     rows_path = save_rows(profile, tmp_path / "tiny-llama.rows.jsonl")
     stages = [json.loads(x)["stage"] for x in rows_path.read_text().splitlines()]
     n_kept = data_pairs = len({r["pair"] for r in profile["_rows"]["grid"]})
-    assert stages.count("grid") == 4 * n_kept and stages.count("window") == 2 * n_kept
+    assert stages.count("grid") == 8 * n_kept and stages.count("window") == 2 * n_kept  # 2 x 2 x 2 readers
     assert stages.count("reference") == 2 * data_pairs and stages.count("precision") == 2 * n_kept
     npz = save_drift(pairs, tmp_path / "tiny-llama.drift.npz", profile)
     (tmp_path / "not-a-profile.json").write_text('{"hello": 1}')
@@ -261,8 +309,10 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     assert data["kappa"] in (0.0, 0.05) and data["block_size"] in (16, 32)
     assert 0.0 <= data["validation_coverage"] <= 1.0
     assert not set(data["split"]["calib_tasks"]) & set(data["split"]["validation_tasks"])
-    assert len(data["selection"]["summary"]) == 4
+    assert len(data["selection"]["summary"]) == 8 and data["readers"] in ("none", "lexical")
     sel = data["selection"]
+    assert sel["grid_readers"] == ["none", "lexical"] and sel["n_follow_pairs"] == 0  # no gold answers here
+    assert sel["chosen"]["follow_rate"] is None and sel["chosen"]["follow_target_met"] is None
     assert sel["target"] == "default" and sel["target_value"] >= 0.0  # no worse than the built-in setting
     assert set(sel["reference"]) == {"direct", "patchkv-default"}
     ws = data["window_selection"]
@@ -333,6 +383,9 @@ def test_calibrate_cli_parses_defaults():
     assert args.func is calibrate_main
     assert (args.n, args.kappas, args.blocks, args.quantile) == (3, (0.0, 0.02), (32, 64, 128), 0.9)
     assert len(args.tau_v) >= 2  # the tau_V stage runs by default
+    # edit-following episodes join the calibration, and the chosen configuration must follow them
+    assert args.follow_workloads.split(",") == ["follow-lookup", "follow-twohop", "follow-count", "follow-retract"]
+    assert (args.follow_n, args.follow_target, args.readers) == (8, "0.95", "none,lexical")
 
     from patchkv_agent.calibration.cli import _parse_workloads
 

@@ -294,3 +294,36 @@ def test_lexical_readers_compare_words_so_a_name_respelled_later_is_found():
             assert plan.n_readers == len(want)
     with pytest.raises(ValueError, match="one word id per position"):
         diff_versions(old, new, words=lambda ids: np.zeros(3, dtype=np.int64))
+
+
+def test_calibration_pairs_of_follow_traces_score_follows_like_the_exact_reference():
+    """Calibration on edit-following traces: the exact reference's answer is read from ``follow_tokens``
+    greedy tokens; an ``exact`` resume of the pair then follows (and is stale) exactly when the reference
+    does, and every row carries the fields the selection's follow target reads."""
+    from test_langgraph_common import tiny_engine
+
+    from patchkv_agent.calibration.profile import (CalibConfig, ResumeConfig, episodes_from_traces, evaluate_configs,
+                                                   profile_episodes)
+
+    eng = tiny_engine()
+    traces = build_follow_traces("follow-lookup", n=2, split="calib")
+    eps = episodes_from_traces(eng, traces)
+    assert [e.answers for e in eps] == [tuple(tuple(v["answers"]) for v in t["versions"]) for t in traces]
+    assert len({e.task for e in eps}) == 2  # each episode is its own task
+    cfg = CalibConfig(ref_tokens=2, follow_tokens=6)
+    pairs = profile_episodes(eng, eps, cfg, keep_tasks={e.task for e in eps})
+    assert len(pairs) == 2 and all(len(p.ref_output_ids) == 6 for p in pairs)
+    for p, t in zip(pairs, traces):
+        text = eng.tokenizer.decode(p.ref_output_ids, skip_special_tokens=True)
+        assert p.answers == tuple(t["versions"][1]["answers"]) and p.old_answers == tuple(t["versions"][0]["answers"])
+        assert p.exact_follows == answer_match(text, list(p.answers))
+        assert p.exact_stale == answer_match(text, list(p.old_answers))
+    rows = evaluate_configs(eng, pairs, [ResumeConfig(strategy="exact", tags={"c": "exact"}),
+                                         ResumeConfig(options={"readers": "lexical"}, tags={"c": "patchkv"})],
+                            follow_tokens=6)
+    assert len(rows) == 4
+    for r in rows:
+        assert {type(r[k]) for k in ("follows", "stale", "exact_follows", "exact_stale")} == {bool}
+        if r["c"] == "exact":
+            assert (r["follows"], r["stale"]) == (r["exact_follows"], r["exact_stale"])
+            assert r["first_token_kl"] == pytest.approx(0.0, abs=1e-9) and r["tf_agree"] == 1.0

@@ -174,7 +174,8 @@ def build_follow_traces(workload: str, *, n: int = 40, split: str = "eval", seed
     Returns:
         Trace dicts with ``id`` (``<workload>/<index>``), ``workload``, ``edit`` (``replace_tool_result``),
         ``versions`` (each with ``messages`` and ``answers``), ``answers`` (the last version's) and ``meta``
-        (``source: "template"``, ``split``, ``seed``, ``index``, ``old_answers``, ``edits``, ``tokens``).
+        (``source: "template"``, ``source_id`` (the index: each episode is its own task for a
+        calibration split), ``split``, ``seed``, ``index``, ``old_answers``, ``edits``, ``tokens``).
 
     Raises:
         ValueError: unknown workload or split, ``n < 0`` or ``n_fillers < 2``.
@@ -195,7 +196,8 @@ def build_follow_traces(workload: str, *, n: int = 40, split: str = "eval", seed
         versions, answers = _episode(workload, rng, n_fillers)
         if answers[0][0] == answers[1][0]:  # the edit must change the answer (a count flip always does)
             continue
-        meta = {"source": "template", "split": split, "seed": seed, "index": index, "old_answers": answers[0],
+        meta = {"source": "template", "source_id": str(index), "split": split, "seed": seed, "index": index,
+                "old_answers": answers[0],
                 "edits": [{"version": 1, "kind": "replace_tool_result", "spans": _changed(*versions)}]}
         if count_tokens is not None:
             meta["tokens"] = [int(count_tokens(v)) for v in versions]
