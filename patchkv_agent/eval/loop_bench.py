@@ -48,7 +48,8 @@ def loop_episode(registry: ThreadRegistry, key, versions: Sequence[np.ndarray], 
 
     Returns:
         One row per call after the first: ``version``, ``e2e_ttft_s`` (the caller's wait for the first
-        token), ``ttft_s`` (the engine's resume TTFT), ``offload_wait_s``, ``base``, ``strategy`` (taken),
+        token), ``ttft_s`` (the engine's resume TTFT: restore + recompute), ``plan_s`` (its diff and plan),
+        ``offload_wait_s``, ``base``, ``strategy`` (taken),
         ``recompute_tokens``, ``prompt_tokens``, ``fallback``.
     """
     rows = []
@@ -63,7 +64,7 @@ def loop_episode(registry: ThreadRegistry, key, versions: Sequence[np.ndarray], 
         for _ in stream:
             pass
         st = stream.stats
-        rows.append({"version": k, "e2e_ttft_s": e2e, "ttft_s": st.get("ttft_s"),
+        rows.append({"version": k, "e2e_ttft_s": e2e, "ttft_s": st.get("ttft_s"), "plan_s": st.get("plan_s"),
                      "offload_wait_s": st.get("offload_wait_s"), "base": st.get("base"),
                      "strategy": st.get("strategy"), "recompute_tokens": st.get("recompute_tokens"),
                      "prompt_tokens": st.get("prompt_tokens"),
@@ -101,7 +102,8 @@ def run_loop_bench(engine, traces: Sequence[dict], *, strategies: Sequence[str] 
 
     Returns:
         ``{"strategies", "tool_latencies", "rows": [...], "by": {strategy: {L: {"n", "e2e_ttft_s_median",
-        "ttft_s_median", "offload_wait_s_median", "e2e_over_resume", "speedup_vs_prefix"}}},
+        "ttft_s_median", "resume_call_s_median" (plan + restore + recompute), "offload_wait_s_median",
+        "e2e_over_resume", "e2e_over_resume_call", "speedup_vs_prefix"}}},
         "concurrent": {strategy: {"threads", "calls", "wall_s", "calls_per_min", "e2e_p50_s",
         "e2e_p95_s"}} | None}``.
 
@@ -146,10 +148,13 @@ def run_loop_bench(engine, traces: Sequence[dict], *, strategies: Sequence[str] 
         for lat in tool_latencies:
             sel = [r for r in rows if r["requested"] == strat and r["tool_s"] == float(lat)]
             e2e, res = _median(r["e2e_ttft_s"] for r in sel), _median(r["ttft_s"] for r in sel)
+            call = _median(r["ttft_s"] + r["plan_s"] for r in sel
+                           if r["ttft_s"] is not None and r.get("plan_s") is not None)
             by[strat][str(float(lat))] = {
-                "n": len(sel), "e2e_ttft_s_median": e2e, "ttft_s_median": res,
+                "n": len(sel), "e2e_ttft_s_median": e2e, "ttft_s_median": res, "resume_call_s_median": call,
                 "offload_wait_s_median": _median(r["offload_wait_s"] for r in sel),
                 "e2e_over_resume": (e2e / res) if e2e and res else None,
+                "e2e_over_resume_call": (e2e / call) if e2e and call else None,
                 "bases": sorted({str(r["base"]) for r in sel}),
             }
     if "prefix" in by:
@@ -196,8 +201,8 @@ def _concurrent(engine, episodes, strategy: str, threads: int, tool_s: float, ma
 
 def format_loop(summary: dict[str, Any]) -> str:
     """A text table of :func:`run_loop_bench`'s summary (medians in ms)."""
-    lines = ["| strategy | tool s | n | e2e TTFT ms | resume TTFT ms | offload wait ms | e2e / resume | "
-             "speedup vs prefix (e2e) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| strategy | tool s | n | e2e TTFT ms | resume TTFT ms | plan + resume ms | offload wait ms | e2e / resume | "
+             "e2e / (plan + resume) | speedup vs prefix (e2e) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ms(v):
         return "-" if v is None else f"{v * 1e3:.0f}"
@@ -205,10 +210,11 @@ def format_loop(summary: dict[str, Any]) -> str:
     for strat, per in summary["by"].items():
         for lat, g in per.items():
             sp = g.get("speedup_vs_prefix")
-            ratio = g.get("e2e_over_resume")
+            ratio, rc = g.get("e2e_over_resume"), g.get("e2e_over_resume_call")
             lines.append(f"| {strat} | {float(lat):g} | {g['n']} | {ms(g['e2e_ttft_s_median'])} | "
-                         f"{ms(g['ttft_s_median'])} | {ms(g['offload_wait_s_median'])} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} |")
+                         f"{ms(g['ttft_s_median'])} | {ms(g.get('resume_call_s_median'))} | "
+                         f"{ms(g['offload_wait_s_median'])} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+                         f"{'-' if rc is None else f'{rc:.2f}'} | {'-' if sp is None else f'{sp:.2f}x'} |")
     if summary.get("concurrent"):
         lines += ["", "| strategy | threads | tool s | calls | calls/min | e2e p50 ms | e2e p95 ms |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
