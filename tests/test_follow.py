@@ -283,17 +283,17 @@ def test_lexical_readers_compare_words_so_a_name_respelled_later_is_found():
         scores = lexical_reader_scores(edit, blocks)
         hit = {int(blocks.starts[b]) for b in np.flatnonzero(scores)}
         if not kw:
-            assert not hit and edit.old_words is None
+            assert not hit and edit.words() is None
         else:
             s_at, m_at = 4 + 36, 4 + 36 + 8 + 36  # the respelled Sofia, the respelled Marcus
             want = {int(blocks.starts[np.searchsorted(blocks.starts, p, side="right") - 1]) for p in
                     (s_at, s_at + 2, m_at, m_at + 1)}
             assert hit == want
-            assert not edit.new_words.flags.writeable
+            assert not edit.words()[1].flags.writeable and edit.words() is edit.words()  # computed once
             plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
             assert plan.n_readers == len(want)
     with pytest.raises(ValueError, match="one word id per position"):
-        diff_versions(old, new, words=lambda ids: np.zeros(3, dtype=np.int64))
+        diff_versions(old, new, words=lambda ids: np.zeros(3, dtype=np.int64)).words()
 
 
 def test_calibration_pairs_of_follow_traces_score_follows_like_the_exact_reference():

@@ -144,8 +144,7 @@ class Edit:
     segments: tuple[AlignedSegment, ...]
     old_ids: np.ndarray | None = field(default=None, repr=False, compare=False)  # the diffed versions, when known
     new_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
-    old_words: np.ndarray | None = field(default=None, repr=False, compare=False)  # word id per position, when known
-    new_words: np.ndarray | None = field(default=None, repr=False, compare=False)
+    word_index: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False, compare=False)
     old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
     new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
     suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
@@ -177,6 +176,27 @@ class Edit:
         set_(self, "suffix_new_positions", _readonly(s_new))
         set_(self, "suffix_distance", _readonly(_ranges([0] * len(segs), seg_len)))
         set_(self, "new_positions", _readonly(_ranges([s.new_start for s in spans], [s.new_len for s in spans])))
+
+    def words(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Word id per position of both versions (read-only int64 arrays), from ``word_index``.
+
+        Computed on first use and cached, so strategies that never read words do not pay for them.
+
+        Returns:
+            ``(old_words, new_words)``, or None without a ``word_index``, ids or edited spans.
+        Raises:
+            ValueError: ``word_index`` returned an array of another length than its input.
+        """
+        got = self.__dict__.get("_words")
+        if got is None and self.word_index is not None and self.spans and self.old_ids is not None \
+                and self.new_ids is not None:
+            got = tuple(_readonly(np.asarray(self.word_index(x), dtype=np.int64).ravel())
+                        for x in (self.old_ids, self.new_ids))
+            if got[0].shape != self.old_ids.shape or got[1].shape != self.new_ids.shape:
+                raise ValueError(f"word_index returned {got[0].shape[0]} / {got[1].shape[0]} ids for "
+                                 f"{self.old_len} / {self.new_len} tokens; it must return one word id per position")
+            object.__setattr__(self, "_words", got)
+        return got
 
     def _check_layout(self) -> None:
         if not (0 <= self.prefix_len <= min(self.old_len, self.new_len)):
@@ -365,13 +385,12 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
         min_match: shortest identical run inside the middle region that becomes an aligned segment
             (shorter runs stay inside an edited span). ``P`` and the tail segment have no minimum.
         words: ``ids -> word id per position`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`), or
-            None. When given, ``Edit.old_words`` / ``new_words`` hold its output for both versions (the
-            lexical reader signal then compares words, not token ids); the diff itself is on token ids.
+            None. When given, :meth:`Edit.words` maps both versions through it on first use (the lexical
+            reader signal then compares words, not token ids); the diff itself is on token ids.
     Returns:
         The :class:`Edit`.
     Raises:
-        ValueError: if an input is not 1-D, holds non-integer values, ``min_match < 1``, or ``words``
-            returns an array of another length.
+        ValueError: if an input is not 1-D, holds non-integer values, or ``min_match < 1``.
     """
     if isinstance(min_match, bool) or not isinstance(min_match, (int, np.integer)) or min_match < 1:
         raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
@@ -398,12 +417,6 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
         if size:
             segments.append(AlignedSegment(old_start=i, new_start=j, length=size))
         o, n = i + size, j + size
-    old_words = new_words = None
-    if words is not None and spans:
-        old_words, new_words = (_readonly(np.asarray(words(x), dtype=np.int64).ravel()) for x in (old, new))
-        if old_words.shape != old.shape or new_words.shape != new.shape:
-            raise ValueError(f"words returned {old_words.shape[0]} / {new_words.shape[0]} ids for "
-                             f"{n_old} / {n_new} tokens; it must return one word id per position")
     return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments),
                 old_ids=_readonly(old.copy()), new_ids=_readonly(new.copy()),  # own copies: the caller's stay writable
-                old_words=old_words, new_words=new_words)
+                word_index=words)

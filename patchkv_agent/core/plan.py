@@ -418,7 +418,7 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
 def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
     """How strongly each suffix block mentions what the edit changed: the lexical reader signal.
 
-    The *changed tokens* are the words (``edit.old_words`` / ``new_words``, from a
+    The *changed tokens* are the words (:meth:`Edit.words <patchkv_agent.core.diff.Edit.words>`, from a
     :class:`~patchkv_agent.core.lexicon.WordIndex`; the token ids when the edit has no words) on exactly
     one side of the edited spans (in ``M_old`` or in ``M_new``, not both). Words, because a tokenizer
     spells one name differently by where it stands (``" Sofia"`` after a space, ``"S" "of" "ia"`` at the
@@ -434,7 +434,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     few words with a replaced passage of hundreds of tokens scores low.
 
     Args:
-        edit: the diff; needs ``edit.old_words`` / ``new_words`` or ``edit.old_ids`` / ``new_ids`` (set by
+        edit: the diff; needs ``edit.words()`` or ``edit.old_ids`` / ``new_ids`` (set by
             :func:`~patchkv_agent.core.diff.diff_versions`).
         blocks: the suffix blocks of the plan.
         max_df: rarity cut-off, a share of the context's blocks in ``(0, 1]``.
@@ -446,8 +446,9 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     if not 0.0 < max_df <= 1.0:
         raise ValueError(f"max_df must be in (0, 1], got {max_df}")
     out = np.zeros(blocks.n_blocks, dtype=np.float64)
-    if edit.old_words is not None and edit.new_words is not None:
-        old, new = edit.old_words, edit.new_words
+    words = edit.words()
+    if words is not None:
+        old, new = words
     else:
         old, new = edit.old_ids, edit.new_ids
     if old is None or new is None or not edit.spans or blocks.n_blocks == 0 or new.shape[0] == 0:
