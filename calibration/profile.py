@@ -38,8 +38,8 @@ import torch
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from patchkv_agent.kernels import value_residual_4bit
-from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags
-from patchkv_agent.core.checkpoint import quantize_mixed
+from patchkv_agent.core.precision import DEFAULT_G4K, PrecisionPolicy, Tag, assign_tags
+from patchkv_agent.core.checkpoint import key_residual, quantize_mixed
 from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.profiles import PROFILE_SCHEMA
 from patchkv_agent.eval.metrics import first_token_kl, teacher_forced_agreement, top1_agree
@@ -58,7 +58,7 @@ DEFAULT_TAU_V = 0.05  # 1 - cos of the block max, averaged over layers >= 1 and 
 DEFAULT_TAU_GRID = (0.05, 0.075, 0.1, 0.15)  # the CLI's tau_V candidates (window stage)
 _GRID_KEYS = ("kappa", "block_size", "readers")
 DEFAULT_POLICY_GRID = tuple((tl, th) for th in (4.0, 8.0) for tl in (0.1, 0.25, 0.5, 1.0))  # (tau_L, tau_H)
-_TAG_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
+_TAG_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75, int(Tag.K4V4): 1.25}  # K+V bytes per element pair
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -508,9 +508,10 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
         "precision_policy": (
             {**dataclasses.asdict(PrecisionPolicy()), "calibrated": False,
              "note": "library defaults (precision stage skipped)"} if prec is None else
-            {**{k: float(prec[k]) for k in ("alpha", "tau_L", "tau_H", "g4")}, "calibrated": True,
+            {**{k: float(prec[k]) for k in ("alpha", "tau_L", "tau_H", "g4", "tau_LL", "g4k")}, "calibrated": True,
              "rule": "smallest payload among (tau_L, tau_H) whose worst per-workload increase of direct's mean "
-                     "first-token KL (mixed vs FP16 restore) is <= target; alpha and g4 at library defaults",
+                     "first-token KL (mixed vs FP16 restore) is <= target; alpha, g4, g4k at library defaults, "
+                     "tau_LL = min(library default, tau_L)",
              "block_size": int(sel["block_size"]),
              **{k: prec[k] for k in ("worst_increase", "payload_vs_fp16", "target", "target_met", "summary")}}),
         "tau_v": float(tau),
@@ -572,9 +573,9 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
         block_size: tokens per block for the tags.
         bar: optional progress bar (``update(1)`` per resume).
     Returns:
-        One row per pair and policy: ``pair, workload, tau_L, tau_H, alpha, g4, kl_fp16, kl_mixed,
-        payload_vs_fp16`` (payload per element pair relative to FP16 storage: 1.0, 0.5625 and 0.4375
-        for FP16, K8V8 and K8V4 blocks) and the block counts per tag.
+        One row per pair and policy: ``pair, workload, tau_L, tau_H, alpha, g4, tau_LL, g4k, kl_fp16,
+        kl_mixed, payload_vs_fp16`` (payload per element pair relative to FP16 storage: 1.0, 0.5625,
+        0.4375 and 0.3125 for FP16, K8V8, K8V4 and K4V4 blocks) and the block counts per tag.
     """
     rows = []
     for p in pairs:
@@ -586,10 +587,11 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
         if bar is not None:
             bar.update(1)
         resid = value_residual_4bit(torch.stack([v.float() for v in ck.values])).cpu().numpy()
+        kres = key_residual(list(ck.keys), block_size) if any(pol.tau_LL > 0 for pol in policies) else None
         attn = np.ones(resid.shape[0]) if ck.scores is None else np.asarray(ck.scores, dtype=np.float64)
         seen: dict[bytes, float] = {}
         for pol in policies:
-            tags = assign_tags(attn, resid, block_size, pol)
+            tags = assign_tags(attn, resid, block_size, pol, kres)
             sig = tags.tobytes()
             if sig not in seen:  # policies that tag this pair identically share one quantization and resume
                 mixed = quantize_mixed(list(ck.keys), list(ck.values), tags, block_size=block_size)
@@ -597,7 +599,8 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
                                   precision="mixed", max_new_tokens=1)
                 seen[sig] = first_token_kl(p.ref_logits, r.logits.cpu())
             rows.append({"pair": p.pair_id, "workload": p.workload, "tau_L": pol.tau_L, "tau_H": pol.tau_H,
-                         "alpha": pol.alpha, "g4": pol.g4, "kl_fp16": kl_fp16, "kl_mixed": seen[sig],
+                         "alpha": pol.alpha, "g4": pol.g4, "tau_LL": pol.tau_LL, "g4k": pol.g4k,
+                         "kl_fp16": kl_fp16, "kl_mixed": seen[sig],
                          "payload_vs_fp16": float(np.mean([_TAG_BYTES[int(t)] for t in tags]) / 4.0) if len(tags) else 1.0,
                          **{t.name: int((tags == int(t)).sum()) for t in Tag}})
             if bar is not None:
@@ -616,27 +619,32 @@ def select_policy(rows: Sequence[dict], target: float) -> dict[str, Any]:
         rows: rows of :func:`evaluate_precision`.
         target: allowed relative increase (0.2: 20 %).
     Returns:
-        ``tau_L, tau_H, alpha, g4, worst_increase, payload_vs_fp16, target, target_met, summary``.
+        ``tau_L, tau_H, alpha, g4, tau_LL, g4k, worst_increase, payload_vs_fp16, target, target_met, summary``.
     Raises:
         ValueError: no rows.
     """
     if not rows:
         raise ValueError("no precision rows to select from")
     summary = []
-    for key in sorted({(r["tau_L"], r["tau_H"], r["alpha"], r["g4"]) for r in rows}):
-        sub = [r for r in rows if (r["tau_L"], r["tau_H"], r["alpha"], r["g4"]) == key]
+    def _key(r):
+        return r["tau_L"], r["tau_H"], r["alpha"], r["g4"], r.get("tau_LL", 0.0), r.get("g4k", DEFAULT_G4K)
+
+    for key in sorted({_key(r) for r in rows}):
+        sub = [r for r in rows if _key(r) == key]
         inc = {}
         for w in sorted({r["workload"] for r in sub}):
             ws = [r for r in sub if r["workload"] == w]
             fp = float(np.mean([r["kl_fp16"] for r in ws]))
             inc[w] = float(np.mean([r["kl_mixed"] for r in ws])) / fp - 1.0 if fp > 0 else 0.0
-        summary.append({"tau_L": key[0], "tau_H": key[1], "alpha": key[2], "g4": key[3], "increase": inc,
+        summary.append({"tau_L": key[0], "tau_H": key[1], "alpha": key[2], "g4": key[3], "tau_LL": key[4],
+                        "g4k": key[5], "increase": inc,
                         "worst_increase": max(inc.values()),
                         "payload_vs_fp16": float(np.mean([r["payload_vs_fp16"] for r in sub]))})
     ok = [s for s in summary if s["worst_increase"] <= target]
     pick = min(ok or summary, key=(lambda s: (s["payload_vs_fp16"], s["worst_increase"])) if ok
                else (lambda s: (s["worst_increase"], s["payload_vs_fp16"])))
-    return {**{k: pick[k] for k in ("tau_L", "tau_H", "alpha", "g4", "worst_increase", "payload_vs_fp16")},
+    return {**{k: pick[k] for k in ("tau_L", "tau_H", "alpha", "g4", "tau_LL", "g4k", "worst_increase",
+                                    "payload_vs_fp16")},
             "target": target, "target_met": bool(ok), "summary": summary}
 
 

@@ -15,11 +15,23 @@ from .dispatch import (
     scatter_backend,
     set_backend,
 )
-from .quant import FORMATS, FP16, K8V4, K8V8, RunPayload, value_residual_4bit, value_residual_sq
+from .quant import (
+    FORMATS,
+    FP16,
+    K4V4,
+    K8V4,
+    K8V8,
+    RunPayload,
+    key_residual_4bit,
+    key_residual_sq,
+    value_residual_4bit,
+    value_residual_sq,
+)
 
 __all__ = [
     "FORMATS",
     "FP16",
+    "K4V4",
     "K8V4",
     "K8V8",
     "RunPayload",
@@ -28,6 +40,8 @@ __all__ = [
     "dequantize_scatter",
     "dequantize_scatter_many",
     "get_backend",
+    "key_residual_4bit",
+    "key_residual_sq",
     "quantize_gather",
     "scatter_backend",
     "set_backend",

@@ -100,7 +100,7 @@ def quantize_gather(
     Args:
         k, v: ``[num_kv_heads, N, head_dim]``, any float dtype, same shape.
         rows: int64 ``[R]`` source rows (R may be 0 or end mid-block).
-        tag: ``"FP16"``, ``"K8V8"`` or ``"K8V4"`` (or a ``precision.Tag``).
+        tag: ``"FP16"``, ``"K8V8"``, ``"K8V4"`` or ``"K4V4"`` (or a ``precision.Tag``).
         block_size: rows per key-scale block (default 32).
         v_group: value group size along head_dim, a power of two (default 32).
 

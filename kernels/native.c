@@ -5,7 +5,7 @@
  * pkv_restore: decode a run's payload, RoPE-correct its keys, write fp32 destination rows, in one
  * pass per row and head (read codes, decode, rotate, store) instead of the torch reference's
  * several elementwise passes. pkv_quantize: gather a run's rows, compute per-block key and
- * per-group value scales, write codes (4-bit values packed two per byte), in one pass per block.
+ * per-group value scales, write codes (4-bit keys and values packed two per byte), in one pass per block.
  *
  * Bit-identical to the references: the same fp32 operations in the same order, compiled with
  * -ffp-contract=off (no fused multiply-adds, which would round differently); fp32 -> fp16 rounds to
@@ -22,11 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { TAG_RAW = 0, TAG_K8V8 = 1, TAG_K8V4 = 2 };
+enum { TAG_RAW = 0, TAG_K8V8 = 1, TAG_K8V4 = 2, TAG_K4V4 = 3 };
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
 typedef struct {
-    int32_t tag;         /* TAG_RAW ("FP16": stored in the source dtype), TAG_K8V8, TAG_K8V4 */
+    int32_t tag;         /* TAG_RAW ("FP16": stored in the source dtype), TAG_K8V8, TAG_K8V4, TAG_K4V4 */
     int32_t src_dtype;   /* TAG_RAW only: DT_F32 / DT_F16 / DT_BF16 */
     int32_t H, D;        /* kv heads, head_dim */
     int32_t block_size;  /* rows per key-scale block */
@@ -35,7 +35,7 @@ typedef struct {
     int32_t interleaved; /* RoPE pairs (2i, 2i+1) instead of (i, i + rot/2) */
     int64_t R;           /* payload rows */
     int64_t M;           /* rows to restore */
-    const void *k_data, *v_data;           /* [H, R, D] (K8V4 values: [H, R, D/2]) */
+    const void *k_data, *v_data;           /* [H, R, D] (4-bit keys or values: [H, R, D/2]) */
     const uint16_t *k_scale, *k_zero;      /* fp16 [H, NB, D] */
     const uint16_t *v_scale, *v_zero;      /* fp16 [H, R, NG] */
     const int64_t *src_rows;               /* [M] payload rows, NULL: 0..M-1 */
@@ -136,6 +136,14 @@ static void decode_key(const pkv_job *j, int h, int64_t r, const float *ks, cons
         load_raw(j, j->k_data, ((int64_t)h * j->R + r) * D, x);
         return;
     }
+    if (j->tag == TAG_K4V4) { /* two codes per byte: channel 2i in the low nibble, 2i + 1 in the high one */
+        const uint8_t *q = (const uint8_t *)j->k_data + ((int64_t)h * j->R + r) * (D / 2);
+        for (int i = 0; i < D / 2; i++) {
+            x[2 * i] = (float)(q[i] & 15) * ks[2 * i] + kz[2 * i];
+            x[2 * i + 1] = (float)(q[i] >> 4) * ks[2 * i + 1] + kz[2 * i + 1];
+        }
+        return;
+    }
     const uint8_t *q = (const uint8_t *)j->k_data + ((int64_t)h * j->R + r) * D;
     for (int c = 0; c < D; c++) x[c] = (float)q[c] * ks[c] + kz[c];
 }
@@ -155,7 +163,7 @@ static void decode_value(const pkv_job *j, int h, int64_t r, float *out) {
             int c1 = (k + 1) * g < D ? (k + 1) * g : D;
             for (int c = k * g; c < c1; c++) out[c] = (float)q[c] * sf + zf;
         }
-    } else { /* two codes per byte: channel 2i in the low nibble, 2i + 1 in the high one */
+    } else { /* K8V4, K4V4: two codes per byte, channel 2i in the low nibble, 2i + 1 in the high one */
         const uint8_t *q = (const uint8_t *)j->v_data + ((int64_t)h * j->R + r) * (D / 2);
         uint8_t codes[1024];
         for (int i = 0; i < D / 2; i++) {
@@ -281,14 +289,14 @@ int pkv_restore(const pkv_job *jobs, int n_jobs, int n_threads, int64_t *starts)
 /* ---------------------------------------------------------------- quantize */
 
 typedef struct {
-    int32_t tag;        /* TAG_RAW, TAG_K8V8, TAG_K8V4 */
+    int32_t tag;        /* TAG_RAW, TAG_K8V8, TAG_K8V4, TAG_K4V4 */
     int32_t src_dtype;  /* DT_F32 / DT_F16 / DT_BF16 of k and v */
     int32_t H, D, block_size, v_group;
     int64_t R;                           /* rows gathered */
     const void *k, *v;                   /* sources [H, N, D], innermost stride 1 */
     int64_t k_sh, k_sn, v_sh, v_sn;      /* element strides: head, row */
     const int64_t *rows;                 /* [R] source rows */
-    void *k_data, *v_data;               /* [H, R, D] codes (raw: source dtype); K8V4 values [H, R, D/2] */
+    void *k_data, *v_data;               /* [H, R, D] codes (raw: source dtype); 4-bit ones [H, R, D/2] */
     uint16_t *k_scale, *k_zero;          /* fp16 [H, NB, D] */
     uint16_t *v_scale, *v_zero;          /* fp16 [H, R, NG] */
 } pkv_qjob;
@@ -330,6 +338,7 @@ static void quantize_item(const void *job, int64_t local) {
     }
     float mn[1024], mx[1024], sf[1024], zf[1024], x[1024];
     int32_t iq[1024];
+    float kqmax = j->tag == TAG_K4V4 ? 15.0f : 255.0f;
     float *blk = (float *)malloc((size_t)bs * D * sizeof(float)); /* one block of keys, widened */
     for (int64_t b = b0; b < b1; b++) { /* keys: per channel over the block's rows */
         int64_t e = (b + 1) * bs < j->R ? (b + 1) * bs : j->R, moff = ((int64_t)h * nb + b) * D;
@@ -346,18 +355,23 @@ static void quantize_item(const void *job, int64_t local) {
                 mx[c] = row[c] > mx[c] ? row[c] : mx[c];
             }
         }
-        for (int c = 0; c < D; c++) scale_zero(mn[c], mx[c], 255.0f, j->k_scale + moff + c, j->k_zero + moff + c, sf + c, zf + c);
+        for (int c = 0; c < D; c++) scale_zero(mn[c], mx[c], kqmax, j->k_scale + moff + c, j->k_zero + moff + c, sf + c, zf + c);
         for (int i = 0; i < n; i++) {
             float *row = blk ? blk + (size_t)i * D : x;
             if (!blk) load_raw_as(j->src_dtype, j->k, h * j->k_sh + j->rows[b * bs + i] * j->k_sn, D, row);
-            uint8_t *q = (uint8_t *)j->k_data + ((int64_t)h * j->R + b * bs + i) * D;
-            for (int c = 0; c < D; c++) iq[c] = code(row[c], sf[c], zf[c], 255.0f);
-            for (int c = 0; c < D; c++) q[c] = (uint8_t)iq[c];
+            for (int c = 0; c < D; c++) iq[c] = code(row[c], sf[c], zf[c], kqmax);
+            if (j->tag == TAG_K4V4) { /* channel 2i low nibble, 2i + 1 high */
+                uint8_t *q = (uint8_t *)j->k_data + ((int64_t)h * j->R + b * bs + i) * (D / 2);
+                for (int c = 0; c < D / 2; c++) q[c] = (uint8_t)(iq[2 * c] | (iq[2 * c + 1] << 4));
+            } else {
+                uint8_t *q = (uint8_t *)j->k_data + ((int64_t)h * j->R + b * bs + i) * D;
+                for (int c = 0; c < D; c++) q[c] = (uint8_t)iq[c];
+            }
         }
     }
     free(blk);
     int g = j->v_group, ng = (D + g - 1) / g;
-    float qmax = j->tag == TAG_K8V4 ? 15.0f : 255.0f;
+    float qmax = j->tag == TAG_K8V8 ? 255.0f : 15.0f; /* K8V4, K4V4: 4-bit values */
     for (int64_t r = r0; r < r1; r++) { /* values: per token, groups of g channels */
         int64_t off = h * j->v_sh + j->rows[r] * j->v_sn, moff = ((int64_t)h * j->R + r) * ng;
         load_raw_as(j->src_dtype, j->v, off, D, x);

@@ -44,8 +44,11 @@ import torch
 
 from .quant import (
     FP16,
+    K4V4,
     K8V4,
     K8V8,
+    K_BITS,
+    V_BITS,
     RunPayload,
     _angle_tables,
     check_quantize_args,
@@ -58,7 +61,7 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
 MAX_HEAD_DIM = 1024
 
-_TAGS = {FP16: 0, K8V8: 1, K8V4: 2}
+_TAGS = {FP16: 0, K8V8: 1, K8V4: 2, K4V4: 3}  # native.c's TAG_* codes
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -350,7 +353,8 @@ def quantize_native(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tag: o
         out = dict(k_data=k.new_empty((h, r, d)), v_data=v.new_empty((h, r, d)))
     else:
         nb, ng, u8 = -(-r // block_size), -(-d // group), torch.uint8
-        out = dict(k_data=torch.empty((h, r, d), dtype=u8), v_data=torch.empty((h, r, d // (2 if tag == K8V4 else 1)), dtype=u8),
+        out = dict(k_data=torch.empty((h, r, d // (2 if K_BITS[tag] == 4 else 1)), dtype=u8),
+                   v_data=torch.empty((h, r, d // (2 if V_BITS[tag] == 4 else 1)), dtype=u8),
                    k_scale=torch.empty((h, nb, d), dtype=torch.float16), k_zero=torch.empty((h, nb, d), dtype=torch.float16),
                    v_scale=torch.empty((h, r, ng), dtype=torch.float16), v_zero=torch.empty((h, r, ng), dtype=torch.float16))
     if r:

@@ -15,6 +15,9 @@ may be partial):
   model, fp16/bf16 on GPU), so on fp32 models ``FP16`` means "unquantized". Round trip is bit-exact.
 - ``K8V8``: keys 8 bit, values 8 bit. ``K8V4``: keys 8 bit, values 4 bit packed two per byte
   (channel ``2j`` in the low nibble, ``2j + 1`` in the high nibble; ``head_dim`` must be even).
+- ``K4V4``: keys 4 bit (the same per-channel-over-block groups and quantizer as ``K8*`` with
+  ``qmax = 15``), packed two per byte along channels exactly as the 4-bit values are; values as
+  ``K8V4``. ``head_dim`` must be even.
 
 Quantizer (keys and values alike): asymmetric, unsigned codes ``q in [0, qmax]`` with an fp16
 scale ``s`` and fp16 zero ``z`` per group, ``x_hat = q * s + z`` (in fp32)::
@@ -40,9 +43,9 @@ SmolLM2) are in docs/RESULTS.md (section "Transport formats"); ``test_kernels`` 
 per-channel/per-token ordering on synthetic keys with outlier channels.
 
 Bytes per (K, V) element pair, metadata included: FP16 4 (fp16/bf16 source; 8 for fp32),
-K8V8 2.25, K8V4 1.75 (head_dim 80: 2.275 / 1.775); i.e. 1.78x and 2.29x smaller than fp16.
-Metadata: keys 4 B per (channel, block) = 1/8 B per element at block 32; values 4 B per group =
-1/8 B per element at group 32.
+K8V8 2.25, K8V4 1.75, K4V4 1.25 = 0.5 + 0.125 + 0.5 + 0.125 (head_dim 80: 2.275 / 1.775 / 1.275);
+i.e. 56 %, 44 % and 31 % of fp16. Metadata: keys 4 B per (channel, block) = 1/8 B per element at
+block 32; values 4 B per group = 1/8 B per element at group 32.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ from .rope import delta_cos_sin, rope_delta_reference
 FP16 = "FP16"
 K8V8 = "K8V8"
 K8V4 = "K8V4"
-FORMATS = (K8V4, K8V8, FP16)  # ascending precision; precision.Tag uses the same names and order
-V_BITS = {K8V8: 8, K8V4: 4}
+K4V4 = "K4V4"
+FORMATS = (K4V4, K8V4, K8V8, FP16)  # ascending precision; precision.Tag uses the same names and order
+K_BITS = {K8V8: 8, K8V4: 8, K4V4: 4}  # key bits of the quantized formats
+V_BITS = {K8V8: 8, K8V4: 4, K4V4: 4}  # value bits of the quantized formats
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_V_GROUP = 32
 
@@ -79,6 +84,8 @@ class RunPayload:
     - ``K8V8``: ``k_data: [H, R, D] uint8``, ``k_scale, k_zero: [H, NB, D] fp16``;
       ``v_data: [H, R, D] uint8``, ``v_scale, v_zero: [H, R, NG] fp16``.
     - ``K8V4``: as ``K8V8`` except ``v_data: [H, R, D // 2] uint8`` (two codes per byte).
+    - ``K4V4``: as ``K8V4`` except ``k_data: [H, R, D // 2] uint8`` (two 4-bit key codes per byte,
+      channel ``2j`` low nibble, ``2j + 1`` high); ``k_scale, k_zero`` still ``[H, NB, D]``.
     """
 
     tag: str
@@ -118,7 +125,12 @@ class RunPayload:
 
 
 def normalize_tag(tag: object) -> str:
-    """Accept ``"K8V4"`` or any enum whose ``name`` is a format name (``precision.Tag``)."""
+    """The format name of ``tag``: a name of :data:`FORMATS` (``"K4V4"``, ``"K8V4"``, ...) or any
+    enum whose ``name`` is one (``precision.Tag``).
+
+    Raises:
+        ValueError: the tag names no format.
+    """
     name = getattr(tag, "name", tag)
     if name not in FORMATS:
         raise ValueError(f"unknown precision tag {tag!r}; expected one of {FORMATS}")
@@ -138,8 +150,9 @@ def check_quantize_args(k, v, rows, tag, block_size, v_group) -> str:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if v_group < 1 or v_group & (v_group - 1):
         raise ValueError(f"v_group must be a power of two, got {v_group}")
-    if tag == K8V4 and k.shape[-1] % 2:
-        raise ValueError(f"K8V4 packs two values per byte and needs an even head_dim, got {k.shape[-1]}")
+    if tag in (K8V4, K4V4) and k.shape[-1] % 2:
+        raise ValueError(f"{tag} packs two 4-bit codes per byte and needs an even head_dim, got {k.shape[-1]}; "
+                         "use K8V8 or FP16 for odd head dims")
     if rows.numel() and rows.device.type == "cpu":
         lo, hi = int(rows.min()), int(rows.max())
         if lo < 0 or hi >= k.shape[1]:
@@ -198,16 +211,26 @@ def _pad_to(x: torch.Tensor, dim: int, size: int, value: float) -> torch.Tensor:
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
-def quantize_keys(k: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """8-bit keys, per channel over each block of rows. ``k: [H, R, D]`` -> codes, scale, zero."""
+def quantize_keys(k: torch.Tensor, block_size: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys quantized per channel over each block of rows.
+
+    Args:
+        k: ``[H, R, D]`` keys, any float dtype.
+        block_size: rows per block (the last block may be partial).
+        bits: 8 or 4 (``qmax`` 255 or 15).
+
+    Returns:
+        ``(codes, scale, zero)``: uint8 ``[H, R, D]`` codes (unpacked), fp16 ``[H, NB, D]`` each.
+    """
     h, r, d = k.shape
+    qmax = (1 << bits) - 1
     nb = -(-r // block_size)
     x = k.float()
     mn = _pad_to(x, 1, nb * block_size, float("inf")).view(h, nb, block_size, d).amin(2)
     mx = _pad_to(x, 1, nb * block_size, float("-inf")).view(h, nb, block_size, d).amax(2)
-    s, z = scale_zero(mn, mx, 255)
+    s, z = scale_zero(mn, mx, qmax)
     blk = torch.arange(r, device=k.device) // block_size
-    return codes(x, s[:, blk], z[:, blk], 255), s, z
+    return codes(x, s[:, blk], z[:, blk], qmax), s, z
 
 
 def quantize_values(v: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -262,7 +285,7 @@ def reference_quantize_gather(
     Args:
         k, v: ``[num_kv_heads, N, head_dim]``, any float dtype, same shape.
         rows: int64 ``[R]`` source row indices (R may be 0 or not a multiple of ``block_size``).
-        tag: ``"FP16"``, ``"K8V8"``, ``"K8V4"`` (or ``precision.Tag``).
+        tag: ``"FP16"``, ``"K8V8"``, ``"K8V4"``, ``"K4V4"`` (or ``precision.Tag``).
         block_size: rows per key-scale block.
         v_group: value group size along head_dim (power of two).
 
@@ -280,9 +303,11 @@ def reference_quantize_gather(
     meta = dict(tag=tag, n_rows=rows.numel(), num_kv_heads=h, head_dim=d, block_size=block_size, v_group=group)
     if tag == FP16:
         return RunPayload(**meta, k_data=kr.contiguous(), v_data=vr.contiguous())
-    kq, ks, kz = quantize_keys(kr, block_size)
+    kq, ks, kz = quantize_keys(kr, block_size, K_BITS[tag])
     vq, vs, vz = quantize_values(vr, V_BITS[tag], group)
-    if tag == K8V4:
+    if K_BITS[tag] == 4:
+        kq = pack4(kq)
+    if V_BITS[tag] == 4:
         vq = pack4(vq)
     return RunPayload(**meta, k_data=kq, v_data=vq, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz)
 
@@ -302,22 +327,29 @@ def _float_meta(p: RunPayload) -> tuple:
 
 
 # Decoding is ``x_hat = q * s + z`` in fp32 with the product rounded before the add. The product of
-# an 8-bit code and an fp16 scale has at most 8 + 11 significant bits, so it is exact in fp32: a
+# an 8-bit (or 4-bit) code and an fp16 scale has at most 8 + 11 significant bits, so it is exact in fp32: a
 # fused multiply-add (``torch.addcmul`` may use one) gives the same bits as the two-step formula
 # that the Triton kernel evaluates.
 
 
-def _decode_keys(p: RunPayload, meta: tuple | None, r0: int, r1: int, out: torch.Tensor) -> None:
+def _key_codes(p: RunPayload) -> torch.Tensor:
+    """The run's key codes ``[H, R, D]`` (``K4V4``: unpacked, a new tensor; else ``k_data`` itself)."""
+    return unpack4(p.k_data) if K_BITS[p.tag] == 4 else p.k_data
+
+
+def _decode_keys(p: RunPayload, meta: tuple | None, r0: int, r1: int, out: torch.Tensor,
+                 codes: torch.Tensor | None = None) -> None:
     """Keys of payload rows ``r0:r1`` decoded into ``out`` ``[H, r1 - r0, D]`` (cast to its dtype).
 
     Quantized keys take one ``addcmul`` per stretch of whole blocks (scales broadcast over the
-    block's rows) plus one per partial block at either end.
+    block's rows) plus one per partial block at either end. ``codes``: the run's key codes from
+    :func:`_key_codes` when at hand (else taken here: 4-bit keys are then unpacked whole).
     """
     if meta is None:
         out.copy_(p.k_data[:, r0:r1])
         return
     ks, kz = meta[0], meta[1]  # [H, NB, 1, D]
-    q, bs = p.k_data, p.block_size
+    q, bs = (_key_codes(p) if codes is None else codes), p.block_size
     a = r0
     while a < r1:
         b = a // bs
@@ -347,7 +379,7 @@ def _decode_values(p: RunPayload, meta: tuple | None, r0: int, r1: int, targets:
             view.copy_(v[:, a:b])
         return
     vs, vz = meta[2][:, r0:r1], meta[3][:, r0:r1]
-    if p.tag == K8V4:
+    if V_BITS[p.tag] == 4:
         q = unpack4(v) if codes is None else codes[:, r0:r1]
     else:
         q = v
@@ -376,7 +408,7 @@ def reference_dequantize(payload: RunPayload) -> tuple[torch.Tensor, torch.Tenso
     k = torch.empty(shape, dtype=torch.float32, device=p.k_data.device)
     v = torch.empty_like(k)
     meta = _float_meta(p)
-    _decode_keys(p, meta, 0, p.n_rows, k)
+    _decode_keys(p, meta, 0, p.n_rows, k, _key_codes(p))
     _decode_values(p, meta, 0, p.n_rows, [(0, p.n_rows, v)])
     return k, v
 
@@ -563,7 +595,8 @@ def torch_dequantize_scatter(
         angles = {}  # table row -> (C, S[first], S[second]) of a one-shift piece
         xk = torch.empty((h, n_max, d), dtype=f32, device=dev)
         tmp = torch.empty((h, n_max, rot), dtype=f32, device=dev)
-    codes = unpack4(p.v_data) if meta is not None and p.tag == K8V4 else None  # once per run
+    codes = unpack4(p.v_data) if meta is not None and V_BITS[p.tag] == 4 else None  # once per run
+    k_codes = _key_codes(p) if meta is not None else None  # K4V4: unpacked once per run
     k_scr = v_scr = None
     for r0, r1, stretches, one_shift in pieces:
         n = r1 - r0
@@ -583,7 +616,7 @@ def torch_dequantize_scatter(
                 v_scr = torch.empty((h, n_max, d), dtype=f32, device=dev) if v_scr is None else v_scr
         if rotate:
             x = xk if n == n_max else xk[:, :n]
-            _decode_keys(p, meta, r0, r1, x)
+            _decode_keys(p, meta, r0, r1, x, k_codes)
             if one_shift:
                 u = int(np.searchsorted(shifts, delta_np[r0]))
                 if u not in angles:
@@ -596,7 +629,7 @@ def torch_dequantize_scatter(
             _rotate(x, c, s1, s2, sl, tmp if n == n_max else tmp[:, :n], k_t)
         else:
             for a, b, view in k_t:
-                _decode_keys(p, meta, r0 + a, r0 + b, view)
+                _decode_keys(p, meta, r0 + a, r0 + b, view, k_codes)
         _decode_values(p, meta, r0, r1, v_t, codes, v_scr)
         if indexed:
             idx = dst_rows[r0:r1].to(dev)
@@ -645,3 +678,56 @@ def value_residual_4bit(v: torch.Tensor, group: int = DEFAULT_V_GROUP, eps: floa
     err, ref = value_residual_sq(v, group)
     return (err / ref.clamp_min(eps)).sqrt()
 
+
+
+def key_residual_sq(k: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE,
+                    bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared ``bits``-bit key reconstruction error and squared norm per token, summed over leading dims.
+
+    The keys are quantized as the ``K4V4`` format does (per channel over blocks of ``block_size``
+    consecutive tokens starting at token 0, the quantizer of :func:`quantize_keys`), so a block of
+    a checkpoint's mixed runs sees exactly this error.
+
+    Args:
+        k: ``[..., N, head_dim]`` keys (one layer ``[H, N, D]`` or several ``[L, H, N, D]``).
+        block_size: tokens per key-scale block.
+        bits: key bits (4 for ``K4V4``; 8 gives the ``K8*`` error).
+
+    Returns:
+        ``(err_sq, ref_sq)``, float32 ``[N]`` each; add them across layers to aggregate.
+
+    Raises:
+        ValueError: ``k`` has fewer than 2 dims, or ``block_size < 1``.
+    """
+    if k.dim() < 2:
+        raise ValueError(f"k must be [..., N, head_dim], got {tuple(k.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    n, d = k.shape[-2], k.shape[-1]
+    x = k.reshape(-1, n, d).float()
+    q, s, z = quantize_keys(x, block_size, bits)
+    blk = torch.arange(n, device=k.device) // block_size
+    k_hat = q.float() * s[:, blk].float() + z[:, blk].float()
+    return (x - k_hat).square().sum((0, 2)), x.square().sum((0, 2))
+
+
+def key_residual_4bit(k: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, eps: float = 1e-12) -> torch.Tensor:
+    """Normalized per-token 4-bit key residual ``ek_i = ||k_i - Q4K(k_i)|| / ||k_i||``.
+
+    ``Q4K`` is the ``K4V4`` key quantizer (per channel over blocks of ``block_size`` tokens); norms
+    run over all heads (and layers, for ``[L, H, N, D]``) and channels of token ``i``. This is the
+    ``key_resid`` of ``precision.assign_tags`` (the G4K test of the ``K4V4`` rule).
+
+    Args:
+        k: ``[..., N, head_dim]`` keys.
+        block_size: tokens per key-scale block (the checkpoint's block size).
+        eps: guards all-zero rows (their residual is 0).
+
+    Returns:
+        float32 ``[N]`` on ``k``'s device.
+
+    Raises:
+        ValueError: as :func:`key_residual_sq`.
+    """
+    err, ref = key_residual_sq(k, block_size)
+    return (err / ref.clamp_min(eps)).sqrt()

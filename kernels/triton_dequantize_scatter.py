@@ -16,14 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import FP16, K8V4, V_BITS, RunPayload, check_scatter_args, needs_rotation
+from .quant import FP16, K_BITS, V_BITS, RunPayload, check_scatter_args, needs_rotation
 from .rope import delta_cos_sin
 
 
 @triton.jit
-def _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, cols, m, R, D, NB, K_RAW: tl.constexpr):
+def _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, cols, m, R, D, NB, K_RAW: tl.constexpr, K_BITS: tl.constexpr):
     # keys of run rows r at channels cols ([BLOCK_R, BLOCK_D] each), decoded to fp32
-    x = tl.load(kd_ptr + h * R * D + r[:, None] * D + cols, mask=m, other=0).to(tl.float32)
+    if K_BITS == 4:  # two codes per byte: channel 2j low nibble, 2j + 1 high
+        half_d = D // 2
+        byte = tl.load(kd_ptr + h * R * half_d + r[:, None] * half_d + cols // 2, mask=m, other=0)
+        x = ((byte.to(tl.int32) >> ((cols % 2) * 4)) & 15).to(tl.float32)
+    else:
+        x = tl.load(kd_ptr + h * R * D + r[:, None] * D + cols, mask=m, other=0).to(tl.float32)
     if not K_RAW:
         meta = h * NB * D + blk[:, None] * D + cols
         s = tl.load(ks_ptr + meta, mask=m, other=0.0).to(tl.float32)
@@ -35,7 +40,7 @@ def _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, cols, m, R, D, NB, K_RAW: tl.c
 @triton.jit
 def _dequantize_scatter_kernel(
     # pointers
-    kd_ptr, vd_ptr,  # payload k: [H, R, D] uint8 or raw float; v: [H, R, D] (uint8/raw) or [H, R, D // 2]
+    kd_ptr, vd_ptr,  # payload k, v: [H, R, D] (uint8 / raw float) or [H, R, D // 2] (4-bit packed)
     ks_ptr, kz_ptr,  # ks, kz: [H, NB, D] fp16 (unused when K_RAW)
     vs_ptr, vz_ptr,  # vs, vz: [H, R, NG] fp16 (unused when V_BITS == 16)
     dk_ptr, dv_ptr,  # dst_k, dst_v: [H, N_new, D] any float dtype, any strides
@@ -54,6 +59,7 @@ def _dequantize_scatter_kernel(
     V_GROUP: tl.constexpr,  # value group of the payload
     K_RAW: tl.constexpr,  # keys stored unquantized (FP16 tag)
     V_BITS: tl.constexpr,  # 16 (raw), 8 or 4
+    K_BITS: tl.constexpr,  # 16 (raw), 8 or 4
     ROTATE: tl.constexpr,  # apply the RoPE delta rotation to keys
     INTERLEAVED: tl.constexpr,  # pair channels (2i, 2i+1) instead of (i, i + HALF)
 ):
@@ -66,7 +72,7 @@ def _dequantize_scatter_kernel(
     dst = tl.load(dst_rows_ptr + r, mask=rmask, other=0)
 
     # keys: decode, then rotate the first 2 * HALF channels by this row's shift
-    k = _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, d[None, :], m, R, D, NB, K_RAW)
+    k = _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, d[None, :], m, R, D, NB, K_RAW, K_BITS)
     if ROTATE:
         if INTERLEAVED:
             partner = d ^ 1
@@ -78,7 +84,7 @@ def _dequantize_scatter_kernel(
             f = tl.where(first, d, d - HALF)
         in_rot = d < 2 * HALF
         partner = tl.where(in_rot, partner, d)
-        kp = _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, partner[None, :], m, R, D, NB, K_RAW)
+        kp = _load_keys(kd_ptr, ks_ptr, kz_ptr, h, r, blk, partner[None, :], m, R, D, NB, K_RAW, K_BITS)
         di = tl.load(didx_ptr + r, mask=rmask, other=0)
         cm = m & in_rot[None, :]
         c = tl.load(cos_ptr + di[:, None] * HALF + f[None, :], mask=cm, other=1.0)
@@ -147,6 +153,6 @@ def dequantize_scatter_triton(
         r, p.head_dim, triton.cdiv(r, p.block_size), triton.cdiv(p.head_dim, p.v_group), half,
         *dst_k.stride(), *dst_v.stride(),
         BLOCK_SIZE=p.block_size, BLOCK_R=block_r, BLOCK_D=max(triton.next_power_of_2(p.head_dim), 2),
-        V_GROUP=p.v_group, K_RAW=k_raw, V_BITS=16 if k_raw else V_BITS[p.tag],
+        V_GROUP=p.v_group, K_RAW=k_raw, V_BITS=16 if k_raw else V_BITS[p.tag], K_BITS=16 if k_raw else K_BITS[p.tag],
         ROTATE=rotate, INTERLEAVED=interleaved,
     )

@@ -1,4 +1,4 @@
-"""Triton ``quantize_gather``: gather token rows of one layer and pack them as K8V8 / K8V4.
+"""Triton ``quantize_gather``: gather token rows of one layer and pack them as K8V8 / K8V4 / K4V4.
 
 Only the ``@triton.jit`` kernel and its thin launcher (check, allocate, launch). The format, the
 quantizer arithmetic and the pure-torch reference live in ``quant.py``; the kernel reproduces the
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import FP16, K8V4, V_BITS, RunPayload, check_quantize_args, effective_v_group
+from .quant import FP16, K_BITS, V_BITS, RunPayload, check_quantize_args, effective_v_group
 
 _REL = 2.0**-10
 _TINY = 2.0**-24
@@ -40,7 +40,7 @@ def _quantize_gather_kernel(
     # pointers
     k_ptr, v_ptr,  # k, v: [H, N, D] source rows, any float dtype, any strides
     rows_ptr,  # rows: [R] int64 source row of each run row
-    kq_ptr,  # kq: [H, R, D] uint8 key codes
+    kq_ptr,  # kq: [H, R, D] uint8 key codes (K_BITS 8) or [H, R, D // 2] packed (K_BITS 4)
     ks_ptr, kz_ptr,  # ks, kz: [H, NB, D] fp16 key scale / zero (per block, per channel)
     vq_ptr,  # vq: [H, R, D] uint8 value codes (V_BITS 8) or [H, R, D // 2] packed (V_BITS 4)
     vs_ptr, vz_ptr,  # vs, vz: [H, R, NG] fp16 value scale / zero (per token, per group)
@@ -55,6 +55,7 @@ def _quantize_gather_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= D
     V_GROUP: tl.constexpr,  # value group (power of two <= BLOCK_D)
     V_BITS: tl.constexpr,  # 8 or 4
+    K_BITS: tl.constexpr,  # 8 or 4
 ):
     blk = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -66,15 +67,23 @@ def _quantize_gather_kernel(
     m = rmask[:, None] & dmask[None, :]
     src = tl.load(rows_ptr + r, mask=rmask, other=0)
 
-    # keys: 8 bit, one (scale, zero) per channel over the block's rows
+    # keys: K_BITS bit, one (scale, zero) per channel over the block's rows
+    KQMAX: tl.constexpr = (1 << K_BITS) - 1
     x = tl.load(k_ptr + h * stride_kh + src[:, None] * stride_kn + d[None, :] * stride_kd, mask=m, other=0.0)
     x = x.to(tl.float32)
     mn = tl.where(dmask, tl.min(tl.where(m, x, float("inf")), axis=0), 0.0)
     mx = tl.where(dmask, tl.max(tl.where(m, x, float("-inf")), axis=0), 0.0)
-    s, z = _scale_zero(mn, mx, 255.0)
-    q = _codes(x, s[None, :], z[None, :], 255.0)
+    s, z = _scale_zero(mn, mx, KQMAX)
+    q = _codes(x, s[None, :], z[None, :], KQMAX)
     out = h * R * D + r[:, None] * D + d[None, :]
-    tl.store(kq_ptr + out, q.to(tl.uint8), mask=m)
+    if K_BITS == 4:  # channel 2j low nibble, 2j + 1 high, as the values
+        klo, khi = tl.split(tl.reshape(q.to(tl.int32), (BLOCK_R, BLOCK_D // 2, 2)))
+        kj = tl.arange(0, BLOCK_D // 2)
+        khalf = D // 2
+        kout = h * R * khalf + r[:, None] * khalf + kj[None, :]
+        tl.store(kq_ptr + kout, (klo | (khi << 4)).to(tl.uint8), mask=rmask[:, None] & (kj[None, :] < khalf))
+    else:
+        tl.store(kq_ptr + out, q.to(tl.uint8), mask=m)
     meta = h * NB * D + blk * D + d
     tl.store(ks_ptr + meta, s.to(tl.float16), mask=dmask)
     tl.store(kz_ptr + meta, z.to(tl.float16), mask=dmask)
@@ -127,9 +136,9 @@ def quantize_gather_triton(
         return RunPayload(**meta, k_data=kr, v_data=vr)
     nb, ng = triton.cdiv(r, block_size), triton.cdiv(d, group)
     u8, f16 = dict(dtype=torch.uint8, device=k.device), dict(dtype=torch.float16, device=k.device)
-    kq = torch.empty(h, r, d, **u8)
+    kq = torch.empty(h, r, d // 2 if K_BITS[tag] == 4 else d, **u8)
     ks, kz = torch.empty(h, nb, d, **f16), torch.empty(h, nb, d, **f16)
-    vq = torch.empty(h, r, d // 2 if tag == K8V4 else d, **u8)
+    vq = torch.empty(h, r, d // 2 if V_BITS[tag] == 4 else d, **u8)
     vs, vz = torch.empty(h, r, ng, **f16), torch.empty(h, r, ng, **f16)
     if r:
         block_d = max(triton.next_power_of_2(d), 2)
@@ -138,6 +147,6 @@ def quantize_gather_triton(
             r, d, nb, ng,
             *k.stride(), *v.stride(),
             BLOCK_SIZE=block_size, BLOCK_R=triton.next_power_of_2(block_size), BLOCK_D=block_d,
-            V_GROUP=group, V_BITS=V_BITS[tag],
+            V_GROUP=group, V_BITS=V_BITS[tag], K_BITS=K_BITS[tag],
         )
     return RunPayload(**meta, k_data=kq, v_data=vq, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz)

@@ -174,7 +174,7 @@ class PatchKVEngine:
         kappa: fraction of suffix tokens outside the window recomputed by attention score.
         length_model: a calibrated :class:`~patchkv_agent.core.plan.LengthModel` (overrides ``dirty_window``).
         capture_window: how many final query positions the attention statistics look from.
-        mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4 per block) into checkpoints.
+        mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4/K4V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
         settings: a whole :class:`RecoverySettings` to start from instead of the profile's (the
             arguments above still override its fields).

@@ -224,8 +224,10 @@ def profile_settings(profile: dict, base: "RecoverySettings | None" = None) -> "
         change["readers"] = profile["readers"]
     pol = profile.get("precision_policy")
     if isinstance(pol, dict) and pol.get("calibrated", True):  # uncalibrated entries keep the defaults
-        change["precision_policy"] = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4")
-                                                        if k in pol})
+        # fields a profile lacks (e.g. tau_LL and g4k in profiles written before K4V4) take the defaults
+        change["precision_policy"] = PrecisionPolicy(**{k: float(pol[k]) for k in ("alpha", "tau_L", "tau_H", "g4",
+                                                                                   "tau_LL", "g4k")
+                                                        if pol.get(k) is not None})
     return (base if base is not None else RecoverySettings()).replace(**change)
 
 

@@ -325,7 +325,7 @@ def test_nbytes_is_exact():
 def test_errors_name_the_problem(monkeypatch):
     k, v = _kv(2, 10, 64)
     with pytest.raises(ValueError, match="unknown precision tag"):
-        dispatch.quantize_gather(k, v, torch.arange(3), "K4V4")
+        dispatch.quantize_gather(k, v, torch.arange(3), "K2V2")
     with pytest.raises(ValueError, match="even head_dim"):
         dispatch.quantize_gather(k[..., :63], v[..., :63], torch.arange(3), Q.K8V4)
     with pytest.raises(ValueError, match="outside"):

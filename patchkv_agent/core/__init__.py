@@ -5,7 +5,7 @@
 - :mod:`.diff`: two token versions -> :class:`~.diff.Edit` (prefix, edited spans, aligned suffix).
 - :mod:`.capture`: attention statistics taken during the checkpoint pass.
 - :mod:`.plan`: dirty window + attention blocks + BlockRound -> :class:`~.plan.RepairPlan`.
-- :mod:`.precision`: per-block FP16 / K8V8 / K8V4 tags.
+- :mod:`.precision`: per-block FP16 / K8V8 / K8V4 / K4V4 tags.
 - :mod:`.checkpoint`: :class:`~.checkpoint.Checkpoint` (full-precision rows + checksummed mixed runs).
 - :mod:`.recovery`: restore (dequantize + RoPE delta + scatter) and recompute in one forward.
 - :mod:`.settings`: :class:`~.settings.RecoverySettings`, the frozen settings strategies and the

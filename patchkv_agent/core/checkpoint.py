@@ -4,7 +4,7 @@ A :class:`Checkpoint` holds, for one thread version, every layer's K/V rows ``[H
 memory at full precision (what the ``prefix``/``direct``/``cacheblend`` baselines restore), the
 token ids, the model fingerprint, per-token attention scores from the checkpoint pass, the off-path
 costs of writing it, and (optionally) a :class:`MixedKV`: the same rows grouped into blocks, each
-block tagged FP16 / K8V8 / K8V4 by the precision policy, blocks of one tag clustered into runs, one
+block tagged FP16 / K8V8 / K8V4 / K4V4 by the precision policy, blocks of one tag clustered into runs, one
 :class:`~patchkv_agent.kernels.RunPayload` per (layer, run) with an xxhash checksum.
 Checkpoints are immutable once built, so publication is atomic: a reader holds either the whole
 object or none. Knows kernels and the precision policy; nothing about plans or models beyond the
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from ..kernels import RunPayload, quantize_gather, value_residual_4bit
+from ..kernels import RunPayload, key_residual_sq, quantize_gather, value_residual_4bit
 from .plan import DEFAULT_BLOCK_SIZE
 from .precision import PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
 
@@ -46,7 +46,7 @@ class MixedKV:
 
     Blocks of one tag are clustered into runs (``runs``: metadata that scales with runs, not
     tokens); per layer, all runs of one tag are packed into one payload, so a restore makes at most
-    three kernel calls per layer whatever the fragmentation. Key scales stay per block: every block
+    one kernel call per (layer, tag) whatever the fragmentation. Key scales stay per block: every block
     but the sequence's last is full, so blocks keep their boundaries inside the packed payload.
 
     Attributes:
@@ -81,23 +81,52 @@ class MixedKV:
         return p
 
 
+def key_residual(keys: list[torch.Tensor], block_size: int = DEFAULT_BLOCK_SIZE, eps: float = 1e-12) -> np.ndarray:
+    """Per-token 4-bit key residual over all layers (the G4K input of ``precision.assign_tags``).
+
+    Layer by layer (no stacked copy of the keys): ``sqrt(sum_l err_l / sum_l ref_l)`` with
+    ``kernels.quant.key_residual_sq`` at ``block_size``, i.e. ``key_residual_4bit`` of the stacked keys.
+
+    Args:
+        keys: per layer ``[H, N, D]``.
+        block_size: tokens per block (the tags' block size).
+        eps: guards all-zero rows.
+
+    Returns:
+        float64 ``[N]``.
+
+    Raises:
+        ValueError: no layers, or layers of different token counts.
+    """
+    if not keys or any(k.shape[1] != keys[0].shape[1] for k in keys):
+        raise ValueError("keys must be a non-empty list of [H, N, D] layers of one N")
+    err = ref = None
+    for k in keys:
+        e, r = key_residual_sq(k, block_size)
+        err, ref = (e, r) if err is None else (err + e, ref + r)
+    return (err / ref.clamp_min(eps)).sqrt().cpu().numpy().astype(np.float64)
+
+
 def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np.ndarray | None, *,
                 block_size: int = DEFAULT_BLOCK_SIZE, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
-    """Tag blocks by risk (attention x 4-bit value residual) and quantize every layer's rows per tag.
+    """Tag blocks by risk (attention x 4-bit value residual; 4-bit key residual for K4V4) and
+    quantize every layer's rows per tag.
 
     Args:
         keys, values: per layer ``[H, N, D]``.
         scores: per-token attention ``[N]`` (None: uniform).
         block_size: tokens per block.
-        policy: precision thresholds.
+        policy: precision thresholds (``tau_LL == 0``: no K4V4, and the key residual is not computed).
 
     Returns:
         The :class:`MixedKV` (payloads on the device of ``keys``).
     """
     n = keys[0].shape[1]
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).cpu().numpy()
+    key_resid = key_residual(keys, block_size) if policy.tau_LL > 0 else None
     attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
-    return quantize_mixed(keys, values, assign_tags(attn, resid, block_size, policy), block_size=block_size)
+    tags = assign_tags(attn, resid, block_size, policy, key_resid)
+    return quantize_mixed(keys, values, tags, block_size=block_size)
 
 
 def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: np.ndarray, *,

@@ -1,8 +1,9 @@
 """Per-block precision tags from stored attention x 4-bit value residual.
 
 Knows nothing about torch, models or kernels: numpy arrays in, tags and runs out. The residual
-``e`` comes from ``patchkv_agent.kernels.quant.value_residual_4bit``; attention from the capture
-pass. The tag names and their order match the kernel formats (``kernels.quant.FORMATS``).
+``e`` comes from ``patchkv_agent.kernels.quant.value_residual_4bit``, the key residual ``ek`` from
+``patchkv_agent.kernels.quant.key_residual_4bit``; attention from the capture pass. The tag names
+and their order match the kernel formats (``kernels.quant.FORMATS``).
 
 Per token ``i``: ``A_i`` is the stored attention rescaled to mean 1 over the given tokens (so the
 input's own normalization does not matter and thresholds do not depend on context length), ``e_i``
@@ -10,18 +11,34 @@ the normalized 4-bit value residual ``||v_i - Q4(v_i)|| / ||v_i||`` (its range o
 Per block ``b`` (``block_size`` consecutive tokens, the last block may be shorter)::
 
     r_b = alpha * max_i(A_i * e_i) + (1 - alpha) * mean_i(A_i * e_i)
-    r_b >= tau_H                     -> FP16
-    tau_L <= r_b < tau_H             -> K8V8
-    r_b < tau_L and G4 passes        -> K8V4
-    r_b < tau_L and G4 fails         -> K8V8
+    r_b >= tau_H                                 -> FP16
+    tau_L <= r_b < tau_H                         -> K8V8
+    r_b < tau_L and G4 fails                     -> K8V8
+    r_b < tau_L and G4 passes                    -> K8V4, except:
+    r_b < tau_LL and G4 passes and G4K passes    -> K4V4
     G4 (low-bit test): max_i e_i <= g4 over the block, i.e. 4 bit reconstructs every value
     row of the block to within a relative error g4 (fails on rows with heavy outlier channels).
+    G4K (4-bit key test): max_i ek_i <= g4k over the block, with ``ek_i = ||k_i - Q4K(k_i)|| /
+    ||k_i||`` the token's relative key error under the K4V4 key quantizer (per channel over the
+    block, all layers and heads), i.e. 4-bit keys reconstruct every key row of the block to within
+    g4k (fails on blocks whose channel ranges are set by a few outlier tokens). Without key
+    residuals (``key_resid=None``) G4K fails everywhere: no block becomes K4V4.
 
 Defaults (alpha 0.7, tau_L 1.0, tau_H 8.0, g4 0.15) come from the policy grid of
 `patchkv-agent bench-transport` on an 8k-token SmolLM2-135M-Instruct checkpoint: the largest payload
 cut whose first-token KL cost stays small. The tags and payload they gave there, the first choice they
 replaced and what the thresholds mean in multiples of the mean attention are in docs/RESULTS.md
 (section "Precision defaults"). Calibration replaces these per model.
+
+The K4V4 thresholds (``tau_LL`` 0.05, ``g4k`` 0.045) came later, from the K4V4 grid of the same
+benchmark (``bench-transport --k4-grid``: tau_LL in 0..1 x g4k in 0.04..1 at tau_L 1, tau_H 8): the
+largest payload cut with payload <= 40 % of FP16 on the 8k checkpoint (37.9 %: 142 of 256 blocks
+K4V4) whose direct@mixed first-token KL over 4 edited contexts stays within +3.7 % of direct@FP16
+(+3.5 %; no K4V4: +3.7 %). Only that grid point met both; the KL differences between neighbouring
+points are of the order of the noise of 4 contexts, so recalibrate per model. SmolLM2's 4-bit key
+residuals ``ek`` are ~0.04 (median 0.039, max 0.074): ``g4k`` sits just above the median.
+``tau_LL`` defaults to ``min(DEFAULT_TAU_LL, tau_L)`` so any ``tau_L`` (e.g. of a profile written
+before K4V4 existed) gives a valid policy.
 """
 
 from __future__ import annotations
@@ -34,8 +51,13 @@ import numpy as np
 
 
 class Tag(enum.IntEnum):
-    """Block precision, ordered by precision (``max`` of two tags is the safer one)."""
+    """Block precision, ordered by precision (``max`` of two tags is the safer one).
 
+    The values are also the stored codes of checkpoints (``mixed.tags``, runs), so they never
+    change: ``K4V4`` was added below ``K8V4`` as -1. Do not use them as list or array indices.
+    """
+
+    K4V4 = -1
     K8V4 = 0
     K8V8 = 1
     FP16 = 2
@@ -49,18 +71,34 @@ class Run(NamedTuple):
     n_blocks: int
 
 
+DEFAULT_TAU_LL = 0.05  # K4V4 risk threshold (capped at tau_L); see the module docstring
+DEFAULT_G4K = 0.045  # K4V4 4-bit key test
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """Thresholds of the precision rule (see the module docstring).
 
+    Attributes:
+        alpha: weight of the block max against the block mean in ``r_b``.
+        tau_L, tau_H: risk thresholds of K8V8 and FP16.
+        g4: the G4 bound on the 4-bit value residual (K8V4 and K4V4 blocks).
+        tau_LL: risk threshold of K4V4 (``r_b < tau_LL``); ``None`` (the default) resolves to
+            ``min(DEFAULT_TAU_LL, tau_L)`` at construction, so the attribute is always a float.
+            ``0`` disables K4V4.
+        g4k: the G4K bound on the 4-bit key residual (K4V4 blocks).
+
     Raises:
-        ValueError: unless ``0 <= alpha <= 1``, ``0 <= tau_L < tau_H`` and ``g4 > 0``.
+        ValueError: unless ``0 <= alpha <= 1``, ``0 <= tau_L < tau_H``, ``0 <= tau_LL <= tau_L``,
+            ``g4 > 0`` and ``g4k > 0``.
     """
 
     alpha: float = 0.7
     tau_L: float = 1.0
     tau_H: float = 8.0
     g4: float = 0.15
+    tau_LL: float | None = None
+    g4k: float = DEFAULT_G4K
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -69,6 +107,13 @@ class PrecisionPolicy:
             raise ValueError(f"need 0 <= tau_L < tau_H, got tau_L={self.tau_L}, tau_H={self.tau_H}")
         if not self.g4 > 0.0:
             raise ValueError(f"g4 must be > 0, got {self.g4}")
+        if self.tau_LL is None:
+            object.__setattr__(self, "tau_LL", min(DEFAULT_TAU_LL, self.tau_L))
+        if not 0.0 <= self.tau_LL <= self.tau_L:
+            raise ValueError(f"need 0 <= tau_LL <= tau_L, got tau_LL={self.tau_LL}, tau_L={self.tau_L}; lower "
+                             "tau_LL (0 disables K4V4) or pass tau_LL=None for min(DEFAULT_TAU_LL, tau_L)")
+        if not self.g4k > 0.0:
+            raise ValueError(f"g4k must be > 0, got {self.g4k}")
 
 
 def _check(attn: np.ndarray, resid: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,6 +175,7 @@ def assign_tags(
     resid: np.ndarray,
     block_size: int,
     policy: PrecisionPolicy = PrecisionPolicy(),
+    key_resid: np.ndarray | None = None,
 ) -> np.ndarray:
     """Precision tag per block.
 
@@ -138,16 +184,28 @@ def assign_tags(
         resid: per-token normalized 4-bit value residual ``e_i`` ``[N]``.
         block_size: tokens per block (the last block may be shorter).
         policy: thresholds.
+        key_resid: per-token normalized 4-bit key residual ``ek_i`` ``[N]``
+            (``kernels.quant.key_residual_4bit`` with the same ``block_size``), or ``None``: no
+            block becomes K4V4 (the tags of the rule without K4V4).
 
     Returns:
         int8 ``[ceil(N / block_size)]`` of :class:`Tag` values.
 
     Raises:
-        ValueError: as :func:`block_risk`.
+        ValueError: as :func:`block_risk`; ``key_resid`` not of ``resid``'s shape, negative or
+            non-finite.
     """
     r = block_risk(attn, resid, block_size, policy.alpha)
     e_max = _block_reduce(np.asarray(resid, dtype=np.float64), block_size, np.maximum)
     low = np.where(e_max <= policy.g4, Tag.K8V4, Tag.K8V8)
+    if key_resid is not None and policy.tau_LL > 0.0:
+        ek = np.asarray(key_resid, dtype=np.float64)
+        if ek.shape != np.shape(resid):
+            raise ValueError(f"key_resid must be [N] like resid, got {ek.shape} and {np.shape(resid)}")
+        if not np.all(np.isfinite(ek)) or np.any(ek < 0):
+            raise ValueError("key_resid must be finite and non-negative")
+        ek_max = _block_reduce(ek, block_size, np.maximum)
+        low = np.where((low == Tag.K8V4) & (r < policy.tau_LL) & (ek_max <= policy.g4k), Tag.K4V4, low)
     tags = np.where(r >= policy.tau_H, Tag.FP16, np.where(r >= policy.tau_L, Tag.K8V8, low))
     return tags.astype(np.int8)
 

@@ -39,7 +39,7 @@ class RecoverySettings:
         length_model: the dirty-window :class:`~patchkv_agent.core.plan.LengthModel` (``d_hat`` per
             edited span); default a fixed ``DEFAULT_DIRTY_WINDOW``-token window.
         kappa: fraction of suffix tokens outside the window recomputed by attention score, in ``[0, 1]``.
-        precision_policy: thresholds of the per-block FP16 / K8V8 / K8V4 rule for checkpoints.
+        precision_policy: thresholds of the per-block FP16 / K8V8 / K8V4 / K4V4 rule for checkpoints.
         restore_precision: ``"fp16"`` (restore checkpoint rows as stored) or ``"mixed"`` (each restored
             block at its checkpoint tag).
         capture_window: final query positions the checkpoint pass records attention from, ``>= 1``.

@@ -1,6 +1,11 @@
 """Transport benchmark: payload size, store (quantize_gather) and restore (dequantize_scatter + RoPE)
-time of a real checkpoint at FP16, INT8 (K8V8), INT4 (K8V4) and the mixed policy, plus the
-first-token KL that mixed precision adds to ``direct`` on edited contexts.
+time of a real checkpoint at FP16, INT8 (K8V8), INT4 (K8V4), INT4K (K4V4) and the mixed policy, plus
+the first-token KL that mixed precision adds to ``direct`` on edited contexts.
+
+Policy grids: ``policy_grid`` (tau_L x tau_H) and ``k4_grid`` (the K4V4 thresholds tau_LL x g4k at
+the engine's tau_L, tau_H) give tag counts and the payload estimate on the transport checkpoint;
+with ``--k4-grid`` the KL bench also measures direct@mixed per ``k4_grid`` policy and ``k4_choice``
+names the policy with the smallest payload among those within the payload and KL targets.
 
 Knows the engine, kernels and precision policy; writes JSON. Timings are medians over repeats
 measured side by side in one run (restores round-robin across the formats, after one warm-up
@@ -23,7 +28,51 @@ from tqdm import tqdm
 
 from ..kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
 from ..kernels.rope import rope_delta_reference
+from ..core.checkpoint import key_residual, quantize_mixed
 from ..core.precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
+
+# K+V bytes per element pair of each tag (metadata included, head_dim a multiple of 32; fp16 source)
+ELEM_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75, int(Tag.K4V4): 1.25}
+K4_TAU_LL = (0.0, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)  # K4V4 grid (capped at the policy's tau_L)
+K4_G4K = (0.04, 0.045, 0.05, 0.06, 1.0)  # 1.0: no key test (SmolLM2 key residuals: median 0.039, max 0.074)
+
+
+def k4_policies(base: PrecisionPolicy) -> dict[str, PrecisionPolicy]:
+    """The ``k4_grid`` policies: ``base`` with each (tau_LL, g4k) of the grid (tau_LL capped at tau_L).
+
+    Args:
+        base: the policy whose alpha, tau_L, tau_H and g4 are kept.
+
+    Returns:
+        ``{"tau_LL=..,g4k=..": policy}`` in grid order, duplicates (after capping) dropped.
+    """
+    out = {}
+    for tau_ll in K4_TAU_LL:
+        t = min(tau_ll, base.tau_L)
+        for g4k in K4_G4K if t > 0 else K4_G4K[:1]:
+            out.setdefault(f"tau_LL={t:g},g4k={g4k:g}", dataclasses.replace(base, tau_LL=t, g4k=g4k))
+    return out
+
+
+def payload_estimate(tags: np.ndarray) -> float:
+    """Payload of blocks tagged ``tags`` relative to FP16 storage (bytes per element pair / 4)."""
+    return float(np.mean([ELEM_BYTES[int(x)] for x in tags]) / 4.0) if len(tags) else 1.0
+
+
+def select_k4(rows: list[dict], max_payload: float = 0.40, max_kl_increase: float = 0.037) -> dict | None:
+    """The grid row with the smallest ``payload_vs_fp16_est`` whose payload is ``<= max_payload`` and
+    whose measured ``kl_increase`` (direct@mixed over direct@FP16) is ``<= max_kl_increase``.
+
+    Args:
+        rows: ``k4_grid`` rows carrying ``kl_increase`` (rows without it are skipped).
+        max_payload, max_kl_increase: the targets.
+
+    Returns:
+        The chosen row, or None when no row meets both targets.
+    """
+    ok = [r for r in rows if r.get("kl_increase") is not None and r["payload_vs_fp16_est"] <= max_payload
+          and r["kl_increase"] <= max_kl_increase]
+    return min(ok, key=lambda r: (r["payload_vs_fp16_est"], r["kl_increase"])) if ok else None
 
 
 def _context(engine, n_tokens: int, seed: int = 0) -> list[int]:
@@ -72,33 +121,42 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     spec, bs = engine.spec, engine.block_size
     n = len(ids)
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).numpy()
-    mixed_tags = assign_tags(ckpt.scores if ckpt.scores is not None else np.ones(n), resid, bs,
-                             engine.precision_policy)
-    n_blocks = len(mixed_tags)
+    key_resid = key_residual(keys, bs)
+    pol0 = engine.precision_policy
     scores = ckpt.scores if ckpt.scores is not None else np.ones(n)
+    mixed_tags = assign_tags(scores, resid, bs, pol0, key_resid)
+    n_blocks = len(mixed_tags)
     grid = []
-    elem_bytes = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75}  # K+V bytes per element pair
     for tau_h in (2.0, 4.0, 8.0, 16.0):
         for tau_l in (0.25, 0.5, 1.0, 2.0):
             if tau_l >= tau_h:
                 continue
-            pol = PrecisionPolicy(alpha=engine.precision_policy.alpha, tau_L=tau_l, tau_H=tau_h,
-                                  g4=engine.precision_policy.g4)
-            t = assign_tags(scores, resid, bs, pol)
-            grid.append({"tau_L": tau_l, "tau_H": tau_h,
+            pol = PrecisionPolicy(alpha=pol0.alpha, tau_L=tau_l, tau_H=tau_h, g4=pol0.g4,
+                                  tau_LL=min(pol0.tau_LL, tau_l), g4k=pol0.g4k)
+            t = assign_tags(scores, resid, bs, pol, key_resid)
+            grid.append({"tau_L": tau_l, "tau_H": tau_h, "tau_LL": pol.tau_LL, "g4k": pol.g4k,
                          "blocks": {g.name: int((t == int(g)).sum()) for g in Tag},
-                         "payload_vs_fp16_est": float(np.mean([elem_bytes[int(x)] for x in t]) / 4.0)})
+                         "payload_vs_fp16_est": payload_estimate(t)})
+    k4_grid = []
+    for name, pol in k4_policies(pol0).items():
+        t = assign_tags(scores, resid, bs, pol, key_resid)
+        k4_grid.append({"policy": name, "tau_LL": pol.tau_LL, "g4k": pol.g4k,
+                        "blocks": {g.name: int((t == int(g)).sum()) for g in Tag},
+                        "payload_vs_fp16_est": payload_estimate(t)})
     layouts = {
         "FP16": np.full(n_blocks, int(Tag.FP16), np.int8),
         "INT8": np.full(n_blocks, int(Tag.K8V8), np.int8),
         "INT4": np.full(n_blocks, int(Tag.K8V4), np.int8),
+        "INT4K": np.full(n_blocks, int(Tag.K4V4), np.int8),
         "mixed": mixed_tags,
     }
     dst_k = [torch.empty(spec.num_kv_heads, n + shift, spec.head_dim) for _ in range(spec.num_layers)]
     dst_v = [torch.empty_like(d) for d in dst_k]
     out: dict[str, Any] = {"n_tokens": n, "repeats": repeats, "prefill_s": prefill_s, "formats": {},
                            "policy": vars(engine.precision_policy) if hasattr(engine.precision_policy, "__dict__")
-                           else str(engine.precision_policy), "policy_grid": grid}
+                           else str(engine.precision_policy), "policy_grid": grid, "k4_grid": k4_grid,
+                           "key_resid": {"median": float(np.median(key_resid)), "p90": float(np.quantile(key_resid, 0.9)),
+                                         "max": float(key_resid.max())} if n else None}
     restores, stored = {}, {}
     for name, tags in tqdm(layouts.items(), desc="store"):
         block_of_row = np.arange(n) // bs
@@ -160,6 +218,7 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     f = out["formats"]
     out["ratios"] = {
         "mixed_payload_vs_fp16": f["mixed"]["payload_mib"] / f["FP16"]["payload_mib"],
+        "k4v4_payload_vs_fp16": f["INT4K"]["payload_mib"] / f["FP16"]["payload_mib"],
         "mixed_restore_vs_fp16": f["mixed"]["restore_ms"] / f["FP16"]["restore_ms"],
         "mixed_restore_vs_fp16_torch": f["mixed"]["restore_ms_torch"] / f["FP16"]["restore_ms_torch"],
         "mixed_restore_vs_fp16_torch_reference": f["mixed"]["restore_ms"] / f["FP16"]["restore_ms_torch"],
@@ -167,11 +226,23 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     return out
 
 
-def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) -> dict[str, Any]:
+def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500,
+                   policies: dict[str, PrecisionPolicy] | None = None) -> dict[str, Any]:
     """First-token KL vs exact of direct@FP16 and direct@mixed on edited SmolLM2 contexts.
 
+    Args:
+        engine: the engine (its policy writes the checkpoints' mixed runs).
+        n_contexts: edited contexts (hotpotqa-e, replace_tool_result).
+        target_tokens: their length.
+        policies: more policies to measure direct@mixed under: each re-tags the context's
+            checkpoint (its attention scores, value and key residuals) and restores from
+            :func:`~patchkv_agent.core.checkpoint.quantize_mixed` runs (policies tagging a context
+            alike share one resume).
+
     Returns:
-        per-context KLs and their means, and the relative increase of the mean.
+        per-context KLs and their means, the relative increase of the mean, and with ``policies``
+        ``"policies": {name: {mean_kl_direct_mixed, adds_to_direct_kl, payload_vs_fp16_est, blocks}}``
+        (payload and blocks summed over the contexts).
     """
     from .metrics import first_token_kl
     from .traces import plain_messages, version_ids
@@ -188,14 +259,43 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500) ->
         fp = engine.resume(ckpt, new, strategy="direct", precision="fp16", max_new_tokens=0)
         mx = engine.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=0)
         pk = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
-        rows.append({"id": tr["id"], "kl_direct_fp16": first_token_kl(ref.logits, fp.logits),
-                     "kl_direct_mixed": first_token_kl(ref.logits, mx.logits),
-                     "kl_patchkv_mixed": first_token_kl(ref.logits, pk.logits),
-                     "payload_fp16": fp.stats["payload_bytes"], "payload_mixed": mx.stats["payload_bytes"]})
+        row = {"id": tr["id"], "kl_direct_fp16": first_token_kl(ref.logits, fp.logits),
+               "kl_direct_mixed": first_token_kl(ref.logits, mx.logits),
+               "kl_patchkv_mixed": first_token_kl(ref.logits, pk.logits),
+               "payload_fp16": fp.stats["payload_bytes"], "payload_mixed": mx.stats["payload_bytes"],
+               "blocks_mixed": {t.name: int((ckpt.mixed.tags == int(t)).sum()) for t in Tag}}
+        if policies:
+            bs = engine.block_size
+            resid = value_residual_4bit(torch.stack([v.float() for v in ckpt.values])).numpy()
+            k_resid = key_residual(list(ckpt.keys), bs)
+            attn = np.ones(len(old)) if ckpt.scores is None else np.asarray(ckpt.scores, dtype=np.float64)
+            seen: dict[bytes, float] = {}
+            row["policies"] = {}
+            for name, pol in policies.items():
+                tags = assign_tags(attn, resid, bs, pol, k_resid)
+                sig = tags.tobytes()
+                if sig not in seen:
+                    mixed = quantize_mixed(list(ckpt.keys), list(ckpt.values), tags, block_size=bs)
+                    r = engine.resume(dataclasses.replace(ckpt, mixed=mixed), new, strategy="direct",
+                                      precision="mixed", max_new_tokens=0)
+                    seen[sig] = first_token_kl(ref.logits, r.logits)
+                row["policies"][name] = {"kl_direct_mixed": seen[sig], "n_blocks": len(tags),
+                                         "blocks": {t.name: int((tags == int(t)).sum()) for t in Tag}}
+        rows.append(row)
     m_fp = statistics.fmean(r["kl_direct_fp16"] for r in rows)
     m_mx = statistics.fmean(r["kl_direct_mixed"] for r in rows)
-    return {"contexts": rows, "mean_kl_direct_fp16": m_fp, "mean_kl_direct_mixed": m_mx,
-            "mixed_adds_to_direct_kl": (m_mx - m_fp) / m_fp if m_fp > 0 else None}
+    out = {"contexts": rows, "mean_kl_direct_fp16": m_fp, "mean_kl_direct_mixed": m_mx,
+           "mixed_adds_to_direct_kl": (m_mx - m_fp) / m_fp if m_fp > 0 else None}
+    if policies:
+        out["policies"] = {}
+        for name in policies:
+            per = [r["policies"][name] for r in rows]
+            m = statistics.fmean(p["kl_direct_mixed"] for p in per)
+            blocks = {t.name: sum(p["blocks"][t.name] for p in per) for t in Tag}
+            tags = np.concatenate([np.full(c, int(Tag[t]), np.int8) for t, c in blocks.items()])
+            out["policies"][name] = {"mean_kl_direct_mixed": m, "adds_to_direct_kl": (m - m_fp) / m_fp if m_fp > 0 else None,
+                                     "payload_vs_fp16_est": payload_estimate(tags), "blocks": blocks}
+    return out
 
 
 def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, target_tokens: int = 3000) -> dict[str, Any]:
@@ -247,7 +347,15 @@ def main(args) -> int:
     result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.block_size,
               "precision_policy": dataclasses.asdict(eng.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
-        result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts)
+        grid = k4_policies(eng.precision_policy) if args.k4_grid else None
+        result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts, policies=grid)
+        if grid:
+            for row in result["transport"]["k4_grid"]:
+                kl = result["kl"]["policies"][row["policy"]]
+                row["kl_increase"] = kl["adds_to_direct_kl"]
+                row["mean_kl_direct_mixed"] = kl["mean_kl_direct_mixed"]
+                row["kl_contexts_payload_vs_fp16_est"] = kl["payload_vs_fp16_est"]
+            result["k4_choice"] = select_k4(result["transport"]["k4_grid"], args.max_payload, args.max_kl_increase)
     if args.engine_contexts:
         result["engine_restore"] = engine_restore_bench(eng, n_contexts=args.engine_contexts)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -257,6 +365,12 @@ def main(args) -> int:
               f"  restore {f['restore_ms']:6.1f} ms ({result['transport']['restore_kernel']}; torch"
               f" {f['restore_ms_torch']:.1f})  blocks {f['blocks']}")
     print("ratios", result["transport"]["ratios"])
+    for row in result["transport"]["k4_grid"] if args.k4_grid and args.kl_contexts else ():
+        print(f"k4 grid {row['policy']:>22}: payload {100 * row['payload_vs_fp16_est']:5.1f} % (kl contexts "
+              f"{100 * row['kl_contexts_payload_vs_fp16_est']:5.1f} %)  KL {row['mean_kl_direct_mixed']:.4f} "
+              f"({100 * (row['kl_increase'] or 0):+.1f} %)  blocks {row['blocks']}")
+    if "k4_choice" in result:
+        print("k4 choice:", result["k4_choice"] and result["k4_choice"]["policy"])
     if "kl" in result:
         k = result["kl"]
         print(f"direct KL fp16 {k['mean_kl_direct_fp16']:.4f}  mixed {k['mean_kl_direct_mixed']:.4f}  "
@@ -271,7 +385,7 @@ def main(args) -> int:
 
 
 def add_cli(sub) -> None:
-    p = sub.add_parser("bench-transport", help="payload/store/restore of FP16, INT8, INT4 and mixed checkpoints")
+    p = sub.add_parser("bench-transport", help="payload/store/restore of FP16, INT8, INT4, INT4K and mixed checkpoints")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=5)
@@ -283,4 +397,9 @@ def add_cli(sub) -> None:
     p.add_argument("--profile", default="auto",
                    help="calibration profile: 'auto' (by model fingerprint), 'none' (built-in defaults) or a JSON path")
     p.add_argument("--block-size", type=int, default=None, help="default: the profile's, else 32")
+    p.add_argument("--k4-grid", action="store_true",
+                   help="also measure direct@mixed KL per K4V4 policy (tau_LL x g4k) and pick one (k4_choice)")
+    p.add_argument("--max-payload", type=float, default=0.40, help="k4_choice: payload target (fraction of FP16)")
+    p.add_argument("--max-kl-increase", type=float, default=0.037,
+                   help="k4_choice: target on direct@mixed's KL increase over direct@FP16")
     p.set_defaults(func=main)

@@ -255,8 +255,9 @@ def _check_layout(meta: Mapping[str, Any]) -> int:
                 or len(set(tags)) != len(tags) or not _is_int(mixed["block_size"], 1)):
             raise CorruptCheckpoint("the mixed-precision tags or block size are malformed")
         runs, headers, sums = mixed["runs"], mixed["headers"], mixed["checksums"]
-        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 3 and all(_is_int(x) for x in r)
-                                                 and r[0] in {int(t) for t in Tag} for r in runs):
+        codes = {int(t) for t in Tag}  # stored tag codes (K4V4 is -1: checked by membership, not range)
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 3 and _is_int(r[0], min(codes))
+                                                 and r[0] in codes and _is_int(r[1]) and _is_int(r[2]) for r in runs):
             raise CorruptCheckpoint("the mixed-precision runs are malformed")
         for seq in (headers, sums):
             if not isinstance(seq, list) or len(seq) != n_layers or not all(
@@ -416,7 +417,11 @@ def _decode(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytearray | mem
             payloads.append({tag: RunPayload(**hdr, **{f: arrays[f"p.{i}.{tag}.{f}"] for f in _PAYLOAD_FIELDS
                                                       if f"p.{i}.{tag}.{f}" in arrays})
                              for tag, hdr in layer.items()})
-        mixed = MixedKV(block_size=int(mm["block_size"]), tags=arrays["mixed.tags"],
+        tags = arrays["mixed.tags"]
+        if (not isinstance(tags, np.ndarray) or tags.ndim != 1
+                or not set(np.unique(tags).tolist()) <= {int(t) for t in Tag}):
+            raise CorruptCheckpoint(f"the mixed-precision block tags of {key.describe()} hold unknown tag codes")
+        mixed = MixedKV(block_size=int(mm["block_size"]), tags=tags,
                         runs=tuple(Run(Tag(t), int(a), int(b)) for t, a, b in mm["runs"]),
                         tag_rows={tag: arrays[f"mixed.rows.{tag}"] for tag in mm["tags"]},
                         payloads=payloads, checksums=[{t: int(c) for t, c in layer.items()}
