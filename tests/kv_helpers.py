@@ -49,6 +49,19 @@ def assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
                 assert ta.keys() == tb.keys() and all(torch.equal(ta[f], tb[f]) for f in ta)
 
 
+def assert_same_payload(a, b) -> None:
+    """Two :class:`~patchkv_agent.kernels.quant.RunPayload` s are identical: metadata, and every stored
+    tensor's shape, dtype and bytes (bit for bit, so NaN payloads and signed zeros compare too)."""
+    assert (a.tag, a.n_rows, a.num_kv_heads, a.head_dim, a.block_size, a.v_group) == \
+        (b.tag, b.n_rows, b.num_kv_heads, b.head_dim, b.block_size, b.v_group)
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name, t in ta.items():
+        u = tb[name]
+        assert t.shape == u.shape and t.dtype == u.dtype, name
+        assert t.numel() == 0 or torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)), name
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from kv_helpers import assert_same_checkpoint, make_ckpt  # noqa: E402
+from kv_helpers import assert_same_checkpoint, assert_same_payload, make_ckpt  # noqa: E402
 from patchkv_agent import PatchKVEngine  # noqa: E402
 from patchkv_agent.core.checkpoint import key_residual, quantize_mixed  # noqa: E402
 from patchkv_agent.core.precision import (  # noqa: E402
@@ -58,16 +58,6 @@ def _rows(n, r, seed=0):
 
 def _inv_freq(rot):
     return 1.0 / (1e4 ** (torch.arange(0, rot, 2).float() / rot)) if rot else None
-
-
-def _same_payload(a: Q.RunPayload, b: Q.RunPayload) -> None:
-    assert (a.tag, a.n_rows, a.num_kv_heads, a.head_dim, a.block_size, a.v_group) == \
-        (b.tag, b.n_rows, b.num_kv_heads, b.head_dim, b.block_size, b.v_group)
-    ta, tb = a.tensors(), b.tensors()
-    assert ta.keys() == tb.keys()
-    for name, t in ta.items():
-        assert t.shape == tb[name].shape and t.dtype == tb[name].dtype, name
-        assert torch.equal(t, tb[name]), name
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -205,7 +195,7 @@ def test_native_quantize_equals_reference_bitwise(d, h, dtype, bs, vg, kind):
             ref = dispatch.quantize_gather(k, v, rows, Q.K4V4, bs, vg)
         with backend("native"):
             got = dispatch.quantize_gather(k, v, rows, Q.K4V4, bs, vg)
-        _same_payload(ref, got)
+        assert_same_payload(ref, got)
 
 
 @NATIVE
@@ -255,7 +245,7 @@ def test_native_selected_rows_and_software_half_build(tmp_path):
             with backend("torch"):
                 ref = dispatch.quantize_gather(k2, v2, torch.arange(3, 47), Q.K4V4, 16)
             with backend("native"):
-                _same_payload(ref, dispatch.quantize_gather(k2, v2, torch.arange(3, 47), Q.K4V4, 16))
+                assert_same_payload(ref, dispatch.quantize_gather(k2, v2, torch.arange(3, 47), Q.K4V4, 16))
             rows, delta = torch.arange(44) + 2, torch.full((44,), 21)
             want_k, want_v = torch.zeros(3, 50, 80), torch.zeros(3, 50, 80)
             Q.reference_dequantize_scatter(ref, want_k, want_v, rows, delta, _inv_freq(80))
@@ -280,7 +270,7 @@ def test_triton_quantize_equals_reference(h, n, d, r, dtype, bs, vg):
 
     k, v = _kv(h, n, d, dtype)
     rows = _rows(n, r)
-    _same_payload(Q.reference_quantize_gather(k, v, rows, Q.K4V4, bs, vg), quantize_gather_triton(k, v, rows, Q.K4V4, bs, vg))
+    assert_same_payload(Q.reference_quantize_gather(k, v, rows, Q.K4V4, bs, vg), quantize_gather_triton(k, v, rows, Q.K4V4, bs, vg))
 
 
 @pytest.mark.parametrize("d,r,rot,inter,ddt", [

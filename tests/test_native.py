@@ -10,6 +10,8 @@ from patchkv_agent.kernels import ScatterCall, backend, dequantize_scatter, dequ
 from patchkv_agent.kernels import dispatch
 from patchkv_agent.kernels import quant as Q
 
+from kv_helpers import assert_same_payload
+
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native restore {native.status()}")
 
 
@@ -107,17 +109,6 @@ def test_native_many_calls_one_pass_equals_one_by_one():
         assert torch.equal(a.dst_k, b.dst_k) and torch.equal(a.dst_v, b.dst_v)
 
 
-def _same_payload(a: Q.RunPayload, b: Q.RunPayload) -> None:
-    assert (a.tag, a.n_rows, a.num_kv_heads, a.head_dim, a.block_size, a.v_group) == \
-        (b.tag, b.n_rows, b.num_kv_heads, b.head_dim, b.block_size, b.v_group)
-    ta, tb = a.tensors(), b.tensors()
-    assert ta.keys() == tb.keys()
-    for name, t in ta.items():
-        u = tb[name]
-        assert t.shape == u.shape and t.dtype == u.dtype, name
-        assert t.numel() == 0 or torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)), name
-
-
 def _sources(h, n, d, dtype, kind, seed=0):
     """Strided ``[H, N, D]`` views (rows cut from a wider buffer) of keys and values of one ``kind``."""
     g = torch.Generator().manual_seed(seed)
@@ -150,7 +141,7 @@ def test_native_quantize_equals_reference_bitwise(tag, d, h, dtype, bs, vg, kind
             ref = dispatch.quantize_gather(k, v, rows, tag, bs, vg)
         with backend("native"):
             got = dispatch.quantize_gather(k, v, rows, tag, bs, vg)
-        _same_payload(ref, got)
+        assert_same_payload(ref, got)
 
 
 def test_auto_quantize_uses_native_and_checks_arguments():
@@ -158,7 +149,7 @@ def test_auto_quantize_uses_native_and_checks_arguments():
     rows = torch.arange(10, 30)
     with backend("torch"):
         ref = dispatch.quantize_gather(k, v, rows, Q.K8V4)
-    _same_payload(ref, dispatch.quantize_gather(k, v, rows, Q.K8V4))
+    assert_same_payload(ref, dispatch.quantize_gather(k, v, rows, Q.K8V4))
     with backend("native"), pytest.raises(ValueError, match="outside"):
         dispatch.quantize_gather(k, v, torch.tensor([0, 40]), Q.K8V8)
     with backend("native"), pytest.raises(RuntimeError, match="one dtype"):
@@ -188,7 +179,7 @@ def test_software_half_conversion_build_is_exact(tmp_path):
                 with backend("torch"):
                     ref = dispatch.quantize_gather(k, v, rows, tag, 16)
                 with backend("native"):
-                    _same_payload(ref, dispatch.quantize_gather(k, v, rows, tag, 16))
+                    assert_same_payload(ref, dispatch.quantize_gather(k, v, rows, tag, 16))
     finally:
         native._lib = monkey
 
