@@ -653,12 +653,23 @@ def value_residual_sq(v: torch.Tensor, group: int = DEFAULT_V_GROUP) -> tuple[to
     if v.dim() < 2:
         raise ValueError(f"v must be [..., N, head_dim], got {tuple(v.shape)}")
     group = effective_v_group(v.shape[-1], group)
-    q, s, z = quantize_values(v, 4, group)
-    gid = torch.arange(v.shape[-1], device=v.device) // group
-    v_hat = q.float() * s[..., gid].float() + z[..., gid].float()
+    d = v.shape[-1]
+    ng = -(-d // group)
     x = v.float()
+    # the quantizer of quantize_values(v, 4, group) on a [..., NG, group] view: scales broadcast instead of
+    # gathered to full size and codes kept in fp32, the same fp32 operations (bit-identical sums), ~2x faster
+    xg = _pad_to(x, -1, ng * group, 0.0).unflatten(-1, (ng, group))
+    if ng * group == d:
+        mn, mx = xg.amin(-1), xg.amax(-1)
+    else:
+        mn = _pad_to(x, -1, ng * group, float("inf")).unflatten(-1, (ng, group)).amin(-1)
+        mx = _pad_to(x, -1, ng * group, float("-inf")).unflatten(-1, (ng, group)).amax(-1)
+    s, z = scale_zero(mn, mx, 15)
+    sf, zf = s.float().unsqueeze(-1), z.float().unsqueeze(-1)
+    q = torch.floor((xg - zf) / sf + 0.5).clamp_(0, 15)
+    err = (xg - (q * sf + zf)).flatten(-2)[..., :d]
     dims = [i for i in range(v.dim()) if i != v.dim() - 2]
-    return (x - v_hat).square().sum(dims), x.square().sum(dims)
+    return err.square().sum(dims), x.square().sum(dims)
 
 
 def value_residual_4bit(v: torch.Tensor, group: int = DEFAULT_V_GROUP, eps: float = 1e-12) -> torch.Tensor:
@@ -704,11 +715,23 @@ def key_residual_sq(k: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE,
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n, d = k.shape[-2], k.shape[-1]
+    qmax = (1 << bits) - 1
     x = k.reshape(-1, n, d).float()
-    q, s, z = quantize_keys(x, block_size, bits)
-    blk = torch.arange(n, device=k.device) // block_size
-    k_hat = q.float() * s[:, blk].float() + z[:, blk].float()
-    return (x - k_hat).square().sum((0, 2)), x.square().sum((0, 2))
+    h, nb = x.shape[0], -(-n // block_size)
+    npad = nb * block_size
+    # the quantizer of quantize_keys on a [H, NB, block, D] view (scales broadcast, fp32 codes): bit-identical
+    if npad == n:
+        xb = x.view(h, nb, block_size, d)
+        mn, mx = xb.amin(2), xb.amax(2)
+    else:
+        mn = _pad_to(x, 1, npad, float("inf")).view(h, nb, block_size, d).amin(2)
+        mx = _pad_to(x, 1, npad, float("-inf")).view(h, nb, block_size, d).amax(2)
+        xb = _pad_to(x, 1, npad, 0.0).view(h, nb, block_size, d)
+    s, z = scale_zero(mn, mx, qmax)
+    sf, zf = s.float().unsqueeze(2), z.float().unsqueeze(2)
+    q = torch.floor((xb - zf) / sf + 0.5).clamp_(0, qmax)
+    err = (xb - (q * sf + zf)).view(h, npad, d)[:, :n]
+    return err.square().sum((0, 2)), x.square().sum((0, 2))
 
 
 def key_residual_4bit(k: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, eps: float = 1e-12) -> torch.Tensor:

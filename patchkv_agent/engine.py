@@ -498,9 +498,10 @@ class PatchKVEngine:
         t0 = time.perf_counter()
         mixed = None
         settings = self.settings
+        stages: dict[str, float] = {}
         if settings.mixed_precision:
             mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
-                                block_size=settings.block_size, policy=settings.precision_policy)
+                                block_size=settings.block_size, policy=settings.precision_policy, timings=stages)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         t1 = time.perf_counter()
         ckpt = Checkpoint(
@@ -510,7 +511,7 @@ class PatchKVEngine:
             fingerprint=fp,
             scores=scores,
             mixed=mixed,
-            stats={"quantize_s": t1 - t0},
+            stats={"quantize_s": t1 - t0, **stages},
         )
         ckpt.stats["copy_s"] = time.perf_counter() - t1
         return ckpt
@@ -531,7 +532,8 @@ class PatchKVEngine:
 
         Returns:
             A :class:`Checkpoint` of ``result.context_ids``; ``stats`` has ``offload_s``, ``stats_s`` (0.0
-            when the resume's statistics were reused), ``quantize_s``, ``copy_s`` and ``source``.
+            when the resume's statistics were reused), ``quantize_s`` (with mixed runs split into
+            ``value_residual_s``, ``key_residual_s``, ``tags_s``, ``pack_s``), ``copy_s`` and ``source``.
         """
         ids = result.context_ids
         n = len(ids)

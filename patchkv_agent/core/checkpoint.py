@@ -13,6 +13,8 @@ fingerprint.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +110,8 @@ def key_residual(keys: list[torch.Tensor], block_size: int = DEFAULT_BLOCK_SIZE,
 
 
 def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np.ndarray | None, *,
-                block_size: int = DEFAULT_BLOCK_SIZE, policy: PrecisionPolicy = PrecisionPolicy()) -> MixedKV:
+                block_size: int = DEFAULT_BLOCK_SIZE, policy: PrecisionPolicy = PrecisionPolicy(),
+                timings: dict[str, float] | None = None) -> MixedKV:
     """Tag blocks by risk (attention x 4-bit value residual; 4-bit key residual for K4V4) and
     quantize every layer's rows per tag.
 
@@ -117,16 +120,26 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
         scores: per-token attention ``[N]`` (None: uniform).
         block_size: tokens per block.
         policy: precision thresholds (``tau_LL == 0``: no K4V4, and the key residual is not computed).
+        timings: when given, filled with the seconds of each stage: ``value_residual_s``,
+            ``key_residual_s``, ``tags_s``, ``pack_s`` (quantize every layer's rows and checksum them).
 
     Returns:
         The :class:`MixedKV` (payloads on the device of ``keys``).
     """
     n = keys[0].shape[1]
+    t0 = time.perf_counter()
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).cpu().numpy()
+    t1 = time.perf_counter()
     key_resid = key_residual(keys, block_size) if policy.tau_LL > 0 else None
+    t2 = time.perf_counter()
     attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
     tags = assign_tags(attn, resid, block_size, policy, key_resid)
-    return quantize_mixed(keys, values, tags, block_size=block_size)
+    t3 = time.perf_counter()
+    mixed = quantize_mixed(keys, values, tags, block_size=block_size)
+    if timings is not None:
+        timings.update(value_residual_s=t1 - t0, key_residual_s=t2 - t1, tags_s=t3 - t2,
+                       pack_s=time.perf_counter() - t3)
+    return mixed
 
 
 def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: np.ndarray, *,
