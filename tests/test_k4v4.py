@@ -22,6 +22,7 @@ from patchkv_agent.core.checkpoint import key_residual, quantize_mixed  # noqa: 
 from patchkv_agent.core.precision import (  # noqa: E402
     DEFAULT_G4K,
     DEFAULT_TAU_LL,
+    K4V4_TAU_LL,
     PrecisionPolicy,
     Run,
     Tag,
@@ -299,8 +300,9 @@ def test_triton_restore_equals_reference(d, r, rot, inter, ddt):
 
 def test_policy_fields_defaults_and_validation():
     p = PrecisionPolicy()
-    assert (p.tau_LL, p.g4k) == (min(DEFAULT_TAU_LL, p.tau_L), DEFAULT_G4K)
-    assert PrecisionPolicy(tau_L=0.01, tau_H=4.0).tau_LL == 0.01  # the default is capped at tau_L
+    assert (p.tau_LL, p.g4k) == (min(DEFAULT_TAU_LL, p.tau_L), DEFAULT_G4K) == (0.0, DEFAULT_G4K)  # K4V4 off
+    assert PrecisionPolicy(tau_L=0.01, tau_H=4.0).tau_LL == 0.0
+    assert PrecisionPolicy(tau_LL=K4V4_TAU_LL).tau_LL == 0.05  # on: the measured payload setting
     assert PrecisionPolicy(tau_LL=0.0).tau_LL == 0.0
     assert dataclasses.asdict(PrecisionPolicy(tau_LL=0.2))["tau_LL"] == 0.2
     for bad, msg in ((dict(tau_LL=2.0), "tau_LL <= tau_L"), (dict(tau_LL=-0.1), "tau_LL <= tau_L"),

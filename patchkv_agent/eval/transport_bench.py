@@ -344,6 +344,8 @@ def main(args) -> int:
     from ..profiles import resolve_profile_arg
 
     eng = PatchKVEngine.from_pretrained(args.model, profile=resolve_profile_arg(args.profile), block_size=args.block_size)
+    if getattr(args, "tau_ll", None) is not None:  # K4V4 on (e.g. 0.05, K4V4_TAU_LL) or off (0)
+        eng.precision_policy = dataclasses.replace(eng.precision_policy, tau_LL=min(args.tau_ll, eng.precision_policy.tau_L))
     result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.block_size,
               "precision_policy": dataclasses.asdict(eng.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
@@ -397,6 +399,9 @@ def add_cli(sub) -> None:
     p.add_argument("--profile", default="auto",
                    help="calibration profile: 'auto' (by model fingerprint), 'none' (built-in defaults) or a JSON path")
     p.add_argument("--block-size", type=int, default=None, help="default: the profile's, else 32")
+    p.add_argument("--tau-ll", type=float, default=None,
+                   help="K4V4 risk threshold of the policy (default: the policy's own, 0 = K4V4 off; 0.05 is the "
+                        "measured payload setting, core.precision.K4V4_TAU_LL)")
     p.add_argument("--k4-grid", action="store_true",
                    help="also measure direct@mixed KL per K4V4 policy (tau_LL x g4k) and pick one (k4_choice)")
     p.add_argument("--max-payload", type=float, default=0.40, help="k4_choice: payload target (fraction of FP16)")
