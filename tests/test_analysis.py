@@ -268,7 +268,8 @@ def test_parser_defaults_and_bad_configs():
     with pytest.raises(ValueError):
         AnalysisConfig(figures=("e",))
     with pytest.raises(ValueError):
-        AnalysisConfig(quant_format="K4V4")
+        AnalysisConfig(quant_format="K2V2")  # K4V4 is a format now
+    assert AnalysisConfig(quant_format="K4V4").quant_format == "K4V4"
 
 
 def test_analysis_notebook_runs_without_a_model(monkeypatch):
