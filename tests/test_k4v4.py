@@ -179,27 +179,6 @@ def test_torch_pieces_equal_the_oracle(monkeypatch, layout):
 
 
 @NATIVE
-@pytest.mark.parametrize("d,h,dtype,bs,vg,kind", [
-    (64, 3, torch.float32, 32, 32, "gauss"),
-    (80, 2, torch.float16, 32, 32, "large"),  # value groups 32 + 32 + 16
-    (128, 1, torch.bfloat16, 16, 64, "tiny"),
-    (48, 4, torch.float32, 5, 32, "constant"),  # odd block; groups 32 + 16
-    (256, 16, torch.float16, 32, 16, "gauss"),
-])
-def test_native_quantize_equals_reference_bitwise(d, h, dtype, bs, vg, kind):
-    k, v = _kv(h, 90, d, dtype, kind=kind)
-    k, v = k[:, 3:89], v[:, 2:88]  # strided views
-    g = torch.Generator().manual_seed(d)
-    for r in (0, 1, 37, 86):
-        rows = torch.randperm(86, generator=g)[:r]
-        with backend("torch"):
-            ref = dispatch.quantize_gather(k, v, rows, Q.K4V4, bs, vg)
-        with backend("native"):
-            got = dispatch.quantize_gather(k, v, rows, Q.K4V4, bs, vg)
-        assert_same_payload(ref, got)
-
-
-@NATIVE
 @pytest.mark.parametrize("h,d,r,pdt,rot,inter,bs,vg", [
     (1, 64, 32, torch.float32, 64, False, 32, 32),
     (3, 80, 37, torch.float16, 80, False, 32, 32),  # ends mid-block, groups 32 + 32 + 16
