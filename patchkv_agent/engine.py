@@ -135,6 +135,11 @@ class ResumeResult:
             last ``capture_window`` recomputed query rows, which end with the last context token), or None;
             :meth:`PatchKVEngine.checkpoint_from` and :meth:`PatchKVEngine.as_checkpoint` use them
             instead of a second pass.
+        exact_rows: how many leading rows of ``keys`` / ``values`` equal what a full prefill computes
+            (``len(context_ids)`` after ``exact`` / ``prefix`` / a healed resume; the first restored
+            position, or less when the base was itself approximate, after a selective one). Rows from
+            there on were computed while restored (stale) rows were in view: :meth:`PatchKVEngine.heal`
+            recomputes them. None: unknown (a result built by hand), taken as all rows exact.
     """
 
     logits: torch.Tensor
@@ -147,6 +152,21 @@ class ResumeResult:
     edit: Edit | None = None
     fingerprint: str | None = None
     scores: np.ndarray | None = field(default=None, repr=False)
+    exact_rows: int | None = None
+
+    @property
+    def approx_rows(self) -> int:
+        """Rows of the K/V that may differ from a full prefill (0: the state is exact)."""
+        n = int(self.keys[0].shape[-2]) if self.keys else len(self.context_ids)
+        return 0 if self.exact_rows is None else max(0, n - int(self.exact_rows))
+
+
+def _exact_rows_of(ckpt: Checkpoint | None) -> int | None:
+    """Leading exact rows of a checkpoint's K/V (None: all of them)."""
+    if ckpt is None:
+        return None
+    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _scores_for(result: ResumeResult) -> np.ndarray | None:
@@ -556,8 +576,46 @@ class PatchKVEngine:
         else:
             fp = result.fingerprint
         ckpt = self._offload(ids, result.keys, result.values, scores, fp)
-        ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume")
+        ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume",
+                          exact_rows=result.exact_rows)
         return ckpt
+
+    @torch.no_grad()
+    def heal(self, result: ResumeResult) -> ResumeResult:
+        """Recompute exactly the rows a selective resume approximated, so the next call builds on exact KV.
+
+        A selective resume restores rows computed while the old context was in view; every row after the
+        first restored one (recomputed rows and decoded tokens included) attended to them. Healing runs
+        one forward over ``result.exact_rows ..`` end, attending to the exact rows before it, under
+        :attr:`forward_lock` (an agent loop runs it while a tool runs, when the model is idle), and takes
+        fresh attention statistics for the next checkpoint. ``result`` itself is not modified.
+
+        Args:
+            result: a :class:`ResumeResult` of this engine (a runtime's resident state: context plus decoded
+                tokens).
+
+        Returns:
+            ``result`` itself when nothing is approximate; otherwise a copy whose K/V equal a full prefill of
+            its ids (to fp tolerance), ``exact_rows`` = all rows, and ``stats["heal_s"]`` /
+            ``stats["healed_rows"]`` recorded (the resume's own stats are copied, not changed).
+        """
+        n = int(result.keys[0].shape[-2]) if result.keys else 0
+        if result.exact_rows is None or result.exact_rows >= n or n == 0:
+            return result
+        ids = np.asarray(result.context_ids, dtype=np.int64)[:n]
+        start = max(0, int(result.exact_rows))
+        t0 = time.perf_counter()
+        with self.forward_lock:
+            cap = self._capture()
+            plan = _TailPlan(new_len=n, tail=n - start)
+            with cap if cap is not None else contextlib.nullcontext():
+                out = execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
+                              [v[0] for v in result.values])
+            scores = cap.scores() if cap is not None and cap.n_records else None
+        dt = time.perf_counter() - t0
+        stats = dict(result.stats, heal_s=dt, healed_rows=n - start)
+        return replace(result, keys=out.keys, values=out.values, exact_rows=n, stats=stats,
+                       scores=scores[:n] if scores is not None and len(scores) >= n else result.scores)
 
     def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
         """A zero-copy checkpoint view of a resident result (full precision, no mixed-precision runs).
@@ -576,7 +634,8 @@ class PatchKVEngine:
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
                           fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
                           mixed=None,
-                          stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident"})
+                          stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
+                                 "exact_rows": result.exact_rows})
 
     # ---------------------------------------------------------------- resume
 
@@ -693,9 +752,16 @@ class PatchKVEngine:
             fallback=fallback,
             extras=dict(out.stats),  # strategy-specific extras (named fields win)
         )
+        exact_rows = len(new)
+        if n_restore:
+            exact_rows = int(np.min(plan.restore_new_positions))
+        base_exact = _exact_rows_of(ckpt) if strat.uses_checkpoint else None
+        if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
+            exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
+        stats.extras["approx_rows"] = len(new) - exact_rows
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
                             context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
-                            scores=scores)
+                            scores=scores, exact_rows=exact_rows)
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)

@@ -1,0 +1,68 @@
+"""Healing: a selective resume's approximate rows recomputed exactly (engine.heal), oracle = a full prefill."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from patchkv_agent import PatchKVEngine
+from test_recovery import assert_cache_equal, edited_pair, oracle
+from tiny_models import tiny_model
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return PatchKVEngine(tiny_model("llama"), profile=None, dirty_window=8, block_size=16)
+
+
+def _kv_equal(res, ref_cache, n_layers):
+    for layer in range(n_layers):
+        torch.testing.assert_close(res.keys[layer], ref_cache.layers[layer].keys, atol=TOL, rtol=0)
+        torch.testing.assert_close(res.values[layer], ref_cache.layers[layer].values, atol=TOL, rtol=0)
+
+
+def test_selective_resume_is_approximate_and_heal_makes_it_exact(engine):
+    old, new = edited_pair(engine.model.config.vocab_size, seed=3, n=160)
+    ckpt = engine.checkpoint(old)
+    res = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
+    n_layers = engine.model.config.num_hidden_layers
+    _, ref = oracle(engine.model, new)
+    assert res.stats["restore_tokens"] > 0
+    assert 0 < res.exact_rows < len(new)
+    assert res.stats["approx_rows"] == len(new) - res.exact_rows
+    # the rows before the first restored one are exact, the rows after it are not (stale view of the edit)
+    for layer in range(n_layers):
+        torch.testing.assert_close(res.keys[layer][..., : res.exact_rows, :],
+                                   ref.layers[layer].keys[..., : res.exact_rows, :], atol=TOL, rtol=0)
+    diff = max(float((res.values[layer] - ref.layers[layer].values).abs().max()) for layer in range(n_layers))
+    assert diff > 10 * TOL
+    healed = engine.heal(res)
+    assert healed is not res and healed.exact_rows == len(new) and healed.approx_rows == 0
+    assert healed.stats["healed_rows"] == len(new) - res.exact_rows and healed.stats["heal_s"] >= 0
+    _kv_equal(healed, ref, n_layers)
+    assert res.exact_rows < len(new)  # the input is left as it was
+    assert engine.heal(healed) is healed  # nothing left to heal
+
+
+def test_exact_strategies_are_exact_and_approximation_is_carried_to_the_next_version(engine):
+    vocab = engine.model.config.vocab_size
+    old, new = edited_pair(vocab, seed=4, n=150)
+    ckpt = engine.checkpoint(old)
+    for s in ("exact", "prefix"):
+        r = engine.resume(ckpt, new, strategy=s, max_new_tokens=0)
+        assert r.exact_rows == len(new) and r.approx_rows == 0 and engine.heal(r) is r
+    approx = engine.resume(ckpt, new, strategy="direct", max_new_tokens=0)
+    assert approx.exact_rows < len(new)
+    # append-only next version: nothing restored, but the reused prefix carries the approximation
+    nxt = new + np.random.default_rng(0).integers(0, vocab, 12).tolist()
+    carried = engine.resume(engine.checkpoint_from(approx), nxt, strategy="patchkv", max_new_tokens=0)
+    assert carried.stats["restore_tokens"] == 0 and carried.exact_rows == approx.exact_rows
+    from_healed = engine.resume(engine.checkpoint_from(engine.heal(approx)), nxt, strategy="patchkv",
+                                max_new_tokens=0)
+    assert from_healed.exact_rows == len(nxt)
+    ref_logits, ref = oracle(engine.model, nxt)
+    torch.testing.assert_close(from_healed.logits, ref_logits, atol=TOL, rtol=0)
+    _kv_equal(from_healed, ref, engine.model.config.num_hidden_layers)
