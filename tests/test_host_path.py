@@ -63,3 +63,31 @@ def test_carry_reads_only_the_edited_words():
         wi.__class__.__call__ = orig
     assert sum(calls) < 100  # only the window around the edit is mapped
     assert np.array_equal(got, wi(new))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sampled_anchors_give_the_full_density_diff(seed, monkeypatch):
+    """Long middles look for anchors among a content-defined sample of k-grams; the edit is the same."""
+    import patchkv_agent.core.diff as diff
+
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 500 if seed % 3 == 0 else 49152, 20000).astype(np.int64)
+    new = old
+    for _ in range(int(rng.integers(2, 17))):
+        s = int(rng.integers(0, len(new) - 50))
+        new = np.concatenate([new[:s], rng.integers(0, 49152, int(rng.integers(0, 40))), new[s + int(rng.integers(0, 30)):]])
+    got = diff.diff_versions(old, new)
+    monkeypatch.setattr(diff, "_SAMPLE_FROM", 1 << 40)
+    want = diff.diff_versions(old, new)
+    assert (got.prefix_len, got.spans, got.segments) == (want.prefix_len, want.spans, want.segments)
+
+
+def test_member_is_isin():
+    from patchkv_agent.core.plan import _member
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-5, 2**62, 50000)
+    x[::7] = x[::7] & 0xFFFF  # low-bit collisions with the set
+    s = np.sort(np.unique(np.concatenate([rng.choice(x, 40), rng.integers(0, 2**62, 10), [3, 70000]])))
+    assert np.array_equal(_member(x, s), np.isin(x, s))
+    assert not _member(x, s[:0]).any()

@@ -33,6 +33,8 @@ __all__ = ["AlignedSegment", "Edit", "EditedSpan", "diff_versions"]
 _ANCHOR_MAX_K = 32  # anchor k-gram length cap (k = min(min_match, this))
 _FALLBACK_MAX_CELLS = 1 << 16  # SequenceMatcher only on anchor-free gaps with len_a * len_b <= this,
 _FALLBACK_BUDGET = 1 << 18  # and on at most this many cells per diff (bounds the worst case)
+_SAMPLE_FROM = 4096  # ranges with more k-grams than this look for anchors among a content-defined sample ...
+_SAMPLE_MASK = np.uint64(15)  # ... the k-grams whose hash is 0 mod 16 (both sides keep the same k-grams)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _BASE = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -362,15 +364,30 @@ class _Aligner:
 
     def _anchored(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
         k = self.k
-        ua, pa, ca = np.unique(self.ha[a_lo : a_hi - k + 1], return_index=True, return_counts=True)
-        ub, pb, cb = np.unique(self.hb[b_lo : b_hi - k + 1], return_index=True, return_counts=True)
+        ha, hb = self.ha[a_lo : a_hi - k + 1], self.hb[b_lo : b_hi - k + 1]
+        if min(ha.shape[0], hb.shape[0]) > _SAMPLE_FROM:
+            # long ranges (many edits far apart): anchors among the k-grams whose hash is 0 mod 16. A hash is
+            # sampled on both sides or on neither, so a sampled k-gram is unique exactly when it was; every
+            # long match holds sampled anchors, and the gaps between the kept matches are aligned again at
+            # full density (short matches are found there). Sorting 1/16 of the k-grams: the cost of a
+            # many-edit diff follows the edits, not the context.
+            sa = np.flatnonzero((ha & _SAMPLE_MASK) == 0)
+            sb = np.flatnonzero((hb & _SAMPLE_MASK) == 0)
+            ha, hb = ha[sa], hb[sb]
+        else:
+            sa = sb = None
+        ua, pa, ca = np.unique(ha, return_index=True, return_counts=True)
+        ub, pb, cb = np.unique(hb, return_index=True, return_counts=True)
         once_a, once_b = ca == 1, cb == 1
         _, xa, xb = np.intersect1d(ua[once_a], ub[once_b], assume_unique=True, return_indices=True)
         if xa.size == 0:
             return []
-        ai = pa[once_a][xa] + a_lo
+        ai, bj = pa[once_a][xa], pb[once_b][xb]
+        if sa is not None:
+            ai, bj = sa[ai], sb[bj]
+        ai, bj = ai + a_lo, bj + b_lo
         order = np.argsort(ai, kind="stable")
-        ai, bj = ai[order], (pb[once_b][xb] + b_lo)[order]
+        ai, bj = ai[order], bj[order]
         diag = bj - ai
         brk = np.ones(ai.shape[0], dtype=bool)
         brk[1:] = (np.diff(ai) != 1) | (np.diff(diag) != 0)

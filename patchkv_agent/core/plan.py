@@ -340,6 +340,22 @@ def _x_positions(edit: Edit) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: a 64 Ki-entry table of the
+    set's low 16 bits screens ``x`` in one gather, and only the screened elements are searched."""
+    out = np.zeros(x.shape, dtype=bool)
+    if sorted_set.size == 0 or x.size == 0:
+        return out
+    table = np.zeros(1 << 16, dtype=bool)
+    table[sorted_set & 0xFFFF] = True
+    cand = np.flatnonzero(table[x & 0xFFFF])
+    if cand.size:
+        v = x[cand]
+        i = np.minimum(np.searchsorted(sorted_set, v), sorted_set.size - 1)
+        out[cand] = sorted_set[i] == v
+    return out
+
+
 def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
     """Indices of the top ``ceil(kappa*n)`` values; ties broken by lower index (deterministic)."""
     n = values.shape[0]
@@ -461,7 +477,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
-    in_changed = np.isin(new, changed)
+    in_changed = _member(new, changed)  # changed is sorted (setxor1d)
     in_changed[1:] &= new[1:] != new[:-1]  # one occurrence per word: the block of its first token
     pos = np.flatnonzero(in_changed)
     tok, grid = new[pos], pos // size
@@ -477,7 +493,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     if not weight or total <= 0:
         return out
     sfx_tok = new[blocks.new_positions]
-    hit = np.flatnonzero(np.isin(sfx_tok, np.fromiter(weight, dtype=np.int64)))
+    hit = np.flatnonzero(_member(sfx_tok, np.sort(np.fromiter(weight, dtype=np.int64))))
     if hit.size == 0:
         return out
     uniq = np.unique(np.stack([blocks.token_block[hit], sfx_tok[hit]], axis=1), axis=0)
