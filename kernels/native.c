@@ -44,7 +44,64 @@ typedef struct {
     const float *ctab, *stab;              /* [U, rot]: C = (cos, cos), S = (-sin, sin) in channel layout */
     float *dst_k, *dst_v;                  /* fp32, innermost stride 1 */
     int64_t dk_sh, dk_sr, dv_sh, dv_sr;    /* element strides: head, row */
+    /* Bounds of the buffers above, checked by check_job before anything is read (defence in depth: the
+     * caller checks them too, but a job is never trusted to describe its own buffers). */
+    int64_t n_dst;                         /* destination rows */
+    int64_t n_angles;                      /* rows of ctab / stab */
+    int64_t n_k_data, n_v_data;            /* elements (bytes for codes; source-dtype elements for raw runs) */
+    int64_t n_k_scale, n_k_zero, n_v_scale, n_v_zero; /* fp16 elements */
 } pkv_job;
+
+/* Error codes of pkv_restore / pkv_quantize (argument checks; nothing is read or written on an error). */
+enum {
+    PKV_E_TAG = -2,    /* unknown tag or source dtype */
+    PKV_E_DIMS = -3,   /* heads, head_dim (1..1024, even for 4-bit codes), rotated channels or strides */
+    PKV_E_GROUP = -4,  /* block size or value group < 1 */
+    PKV_E_SIZE = -5,   /* a buffer is smaller than the job's shape needs (or the shape overflows) */
+    PKV_E_SRC = -6,    /* a source row outside the payload (or the gathered rows outside the source) */
+    PKV_E_DST = -7,    /* a destination row outside the destination */
+    PKV_E_ANGLE = -8,  /* an angle index outside the cos/sin tables */
+    PKV_E_NULL = -9    /* a buffer the job needs is missing */
+};
+
+#define PKV_MAX_D 1024
+
+/* a * b * c into *out; nonzero on overflow or a negative factor. */
+static int mul3(int64_t a, int64_t b, int64_t c, int64_t *out) {
+    int64_t t;
+    if (a < 0 || b < 0 || c < 0) return 1;
+    return __builtin_mul_overflow(a, b, &t) || __builtin_mul_overflow(t, c, out);
+}
+
+/* 0 when every index the job will form stays inside its buffers, else a PKV_E_* code. */
+static int check_job(const pkv_job *j) {
+    if (j->tag < 0 || j->tag > 3 || (j->tag == 0 && (j->src_dtype < 0 || j->src_dtype > 2))) return PKV_E_TAG;
+    if (j->H < 1 || j->D < 1 || j->D > PKV_MAX_D || ((j->tag == 2 || j->tag == 3) && j->D % 2)) return PKV_E_DIMS;
+    if (j->rot < 0 || j->rot > j->D || j->rot % 2 || j->R < 0 || j->M < 0 || j->n_dst < 0) return PKV_E_DIMS;
+    if (j->dk_sh < 0 || j->dk_sr < 0 || j->dv_sh < 0 || j->dv_sr < 0) return PKV_E_DIMS;
+    if (j->block_size < 1 || j->v_group < 1) return PKV_E_GROUP;
+    if (j->M == 0) return 0;
+    if (!j->k_data || !j->v_data || !j->dst_rows || !j->dst_k || !j->dst_v) return PKV_E_NULL;
+    if (j->rot && (!j->angle_idx || !j->ctab || !j->stab)) return PKV_E_NULL;
+    int64_t need;
+    int kdiv = j->tag == 3 ? 2 : 1, vdiv = (j->tag == 2 || j->tag == 3) ? 2 : 1;
+    if (mul3(j->H, j->R, j->D / kdiv, &need) || need > j->n_k_data) return PKV_E_SIZE;
+    if (mul3(j->H, j->R, j->D / vdiv, &need) || need > j->n_v_data) return PKV_E_SIZE;
+    if (j->tag != 0) {
+        int64_t nb = j->R / j->block_size + (j->R % j->block_size != 0), ng = (j->D + j->v_group - 1) / j->v_group;
+        if (!j->k_scale || !j->k_zero || !j->v_scale || !j->v_zero) return PKV_E_NULL;
+        if (mul3(j->H, nb, j->D, &need) || need > j->n_k_scale || need > j->n_k_zero) return PKV_E_SIZE;
+        if (mul3(j->H, j->R, ng, &need) || need > j->n_v_scale || need > j->n_v_zero) return PKV_E_SIZE;
+    }
+    if (j->rot && mul3(j->n_angles, j->rot, 1, &need)) return PKV_E_SIZE;
+    if (!j->src_rows && j->M > j->R) return PKV_E_SRC;
+    for (int64_t m = 0; m < j->M; m++) {
+        if (j->src_rows && (j->src_rows[m] < 0 || j->src_rows[m] >= j->R)) return PKV_E_SRC;
+        if (j->dst_rows[m] < 0 || j->dst_rows[m] >= j->n_dst) return PKV_E_DST;
+        if (j->rot && (j->angle_idx[m] < 0 || j->angle_idx[m] >= j->n_angles)) return PKV_E_ANGLE;
+    }
+    return 0;
+}
 
 static inline float h2f(uint16_t h) {
 #if defined(__FLT16_MANT_DIG__) && !defined(PKV_NO_FLOAT16)
@@ -277,8 +334,17 @@ static void restore_item(const void *job, int64_t local) {
     run_item(j, (int)(local / per_head), m0, m1);
 }
 
-/* Restore every job (starts: scratch of n_jobs + 1 entries); returns as run_pool. */
+/* Restore every job (starts: scratch of n_jobs + 1 entries); returns as run_pool, or a PKV_E_* code with
+ * starts[0] set to the index of the first job that failed check_job (then nothing is written). */
 int pkv_restore(const pkv_job *jobs, int n_jobs, int n_threads, int64_t *starts) {
+    if (!jobs || !starts || n_jobs < 0) return PKV_E_NULL;
+    for (int i = 0; i < n_jobs; i++) {
+        int rc = check_job(&jobs[i]);
+        if (rc) {
+            starts[0] = i;
+            return rc;
+        }
+    }
     starts[0] = 0;
     for (int i = 0; i < n_jobs; i++)
         starts[i + 1] = starts[i] + (int64_t)jobs[i].H * ((jobs[i].M + CHUNK_ROWS - 1) / CHUNK_ROWS);
@@ -299,7 +365,23 @@ typedef struct {
     void *k_data, *v_data;               /* [H, R, D] codes (raw: source dtype); 4-bit ones [H, R, D/2] */
     uint16_t *k_scale, *k_zero;          /* fp16 [H, NB, D] */
     uint16_t *v_scale, *v_zero;          /* fp16 [H, R, NG] */
+    int64_t N;                           /* source rows (rows[] must lie in [0, N)) */
 } pkv_qjob;
+
+/* 0 when the quantize job's shape and gathered rows are in range, else a PKV_E_* code (the outputs are
+ * sized from the same shape by the caller; the sources by N). */
+static int check_qjob(const pkv_qjob *j) {
+    if (j->tag < 0 || j->tag > 3 || j->src_dtype < 0 || j->src_dtype > 2) return PKV_E_TAG;
+    if (j->H < 1 || j->D < 1 || j->D > PKV_MAX_D || ((j->tag == 2 || j->tag == 3) && j->D % 2)) return PKV_E_DIMS;
+    if (j->R < 0 || j->N < 0 || j->k_sh < 0 || j->k_sn < 0 || j->v_sh < 0 || j->v_sn < 0) return PKV_E_DIMS;
+    if (j->block_size < 1 || j->v_group < 1) return PKV_E_GROUP;
+    if (j->R == 0) return 0;
+    if (!j->k || !j->v || !j->rows || !j->k_data || !j->v_data) return PKV_E_NULL;
+    if (j->tag != 0 && (!j->k_scale || !j->k_zero || !j->v_scale || !j->v_zero)) return PKV_E_NULL;
+    for (int64_t r = 0; r < j->R; r++)
+        if (j->rows[r] < 0 || j->rows[r] >= j->N) return PKV_E_SRC;
+    return 0;
+}
 
 #define CHUNK_BLOCKS 8
 
@@ -395,8 +477,16 @@ static void quantize_item(const void *job, int64_t local) {
     }
 }
 
-/* Quantize every job (starts: scratch of n_jobs + 1 entries); returns as run_pool. */
+/* Quantize every job (starts: scratch of n_jobs + 1 entries); returns as pkv_restore. */
 int pkv_quantize(const pkv_qjob *jobs, int n_jobs, int n_threads, int64_t *starts) {
+    if (!jobs || !starts || n_jobs < 0) return PKV_E_NULL;
+    for (int i = 0; i < n_jobs; i++) {
+        int rc = check_qjob(&jobs[i]);
+        if (rc) {
+            starts[0] = i;
+            return rc;
+        }
+    }
     starts[0] = 0;
     for (int i = 0; i < n_jobs; i++) {
         int64_t nb = (jobs[i].R + jobs[i].block_size - 1) / jobs[i].block_size;

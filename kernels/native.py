@@ -51,10 +51,11 @@ from .quant import (
     V_BITS,
     RunPayload,
     _angle_tables,
+    check_destination,
+    check_payload,
     check_quantize_args,
     check_scatter_args,
     effective_v_group,
-    normalize_tag,
 )
 
 SOURCE = Path(__file__).with_name("native.c")
@@ -77,6 +78,9 @@ class _Job(ctypes.Structure):
         ("ctab", ctypes.c_void_p), ("stab", ctypes.c_void_p),
         ("dst_k", ctypes.c_void_p), ("dst_v", ctypes.c_void_p),
         ("dk_sh", ctypes.c_int64), ("dk_sr", ctypes.c_int64), ("dv_sh", ctypes.c_int64), ("dv_sr", ctypes.c_int64),
+        ("n_dst", ctypes.c_int64), ("n_angles", ctypes.c_int64), ("n_k_data", ctypes.c_int64),
+        ("n_v_data", ctypes.c_int64), ("n_k_scale", ctypes.c_int64), ("n_k_zero", ctypes.c_int64),
+        ("n_v_scale", ctypes.c_int64), ("n_v_zero", ctypes.c_int64),
     ]
 
 
@@ -88,8 +92,34 @@ class _QJob(ctypes.Structure):
         ("k_sh", ctypes.c_int64), ("k_sn", ctypes.c_int64), ("v_sh", ctypes.c_int64), ("v_sn", ctypes.c_int64),
         ("rows", ctypes.c_void_p), ("k_data", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("k_zero", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
-        ("v_zero", ctypes.c_void_p),
+        ("v_zero", ctypes.c_void_p), ("N", ctypes.c_int64),
     ]
+
+
+# native.c's PKV_E_* codes: the library checks its own arguments (defence in depth behind the Python checks)
+ERRORS = {
+    -2: "unknown tag or source dtype",
+    -3: "heads, head_dim (1..1024, even for 4-bit codes), rotated channels or strides out of range",
+    -4: "block size or value group < 1",
+    -5: "a buffer is smaller than the job's shape needs",
+    -6: "a source row outside the payload (or the source)",
+    -7: "a destination row outside the destination",
+    -8: "an angle index outside the cos/sin tables",
+    -9: "a buffer the job needs is missing",
+}
+
+
+def error_text(rc: int) -> str | None:
+    """What a negative return code of ``pkv_restore`` / ``pkv_quantize`` means (None: not an argument error)."""
+    return ERRORS.get(int(rc))
+
+
+def _set_sizes(j: _Job, p: RunPayload, *, dst_rows: int, angles: int) -> None:
+    """Fill a restore job's buffer bounds from the payload's tensors as they are (never from its header)."""
+    j.n_dst, j.n_angles = dst_rows, angles
+    for name in ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero"):
+        t = getattr(p, name)
+        setattr(j, f"n_{name}", 0 if t is None else t.numel())
 
 
 _lock = threading.Lock()
@@ -364,8 +394,11 @@ def quantize_native(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tag: o
                   v_sn=v.stride(1), rows=rows.data_ptr())
         for name, t in out.items():
             setattr(j, name, t.data_ptr())
+        j.N = k.shape[1]
         starts = (ctypes.c_int64 * 2)()
-        lib.pkv_quantize(ctypes.byref(j), 1, max(1, n_threads or torch.get_num_threads()), starts)
+        rc = lib.pkv_quantize(ctypes.byref(j), 1, max(1, n_threads or torch.get_num_threads()), starts)
+        if rc < -1:
+            raise ValueError(f"native quantize refused its arguments: {error_text(rc) or rc}")
     return RunPayload(**meta, **out)
 
 
@@ -389,7 +422,8 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
     angles: dict = {}
     n = 0
     for call in calls:
-        p, tag = call.payload, normalize_tag(call.payload.tag)
+        p = call.payload
+        tag = check_payload(p)  # every call: O(1), and a payload's tensors are not part of the signature below
         m = p.n_rows if call.src_rows is None else call.src_rows.numel()
         sig = (id(call.src_rows), id(call.dst_rows), id(call.delta), id(call.inv_freq), p.n_rows, p.num_kv_heads,
                p.head_dim, tuple(call.dst_k.shape), tuple(call.dst_v.shape))
@@ -411,6 +445,7 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
                                 ctab, stab)
             else:
                 angles[akey] = (0, None, None, None)
+        rot, ang_idx, ctab, _ = angles[akey]
         j = jobs[n]
         n += 1
         j.tag, j.H, j.D, j.block_size, j.R, j.M = _TAGS[tag], p.num_kv_heads, p.head_dim, p.block_size, p.n_rows, m
@@ -429,10 +464,14 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
         j.dst_k, j.dst_v = call.dst_k.data_ptr(), call.dst_v.data_ptr()
         j.dk_sh, j.dk_sr = call.dst_k.stride(0), call.dst_k.stride(1)
         j.dv_sh, j.dv_sr = call.dst_v.stride(0), call.dst_v.stride(1)
+        _set_sizes(j, p, dst_rows=min(call.dst_k.shape[1], call.dst_v.shape[1]),
+                   angles=0 if ctab is None else ctab.shape[0])
     if n == 0:
         return
     starts = (ctypes.c_int64 * (n + 1))()
-    lib.pkv_restore(jobs, n, max(1, n_threads or torch.get_num_threads()), starts)
+    rc = lib.pkv_restore(jobs, n, max(1, n_threads or torch.get_num_threads()), starts)
+    if rc < -1:  # the checks above passed, so this is a caller bug, not hostile data: say which job
+        raise ValueError(f"native restore refused payload {int(starts[0])} of {n}: {error_text(rc) or rc}")
 
 
 def _check_selected(call: ScatterCall, m: int) -> None:
@@ -442,6 +481,5 @@ def _check_selected(call: ScatterCall, m: int) -> None:
         raise ValueError(f"src_rows must be int64 [M], got {s.dtype} {tuple(s.shape)}")
     if m and (int(s.min()) < 0 or int(s.max()) >= p.n_rows):
         raise ValueError(f"src_rows span [{int(s.min())}, {int(s.max())}] outside the run's [0, {p.n_rows})")
-    sub = RunPayload(tag=p.tag, n_rows=m, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
-                     block_size=p.block_size, v_group=p.v_group, k_data=p.k_data, v_data=p.v_data)
-    check_scatter_args(sub, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)
+    check_payload(p)
+    check_destination(p.num_kv_heads, p.head_dim, m, call.dst_k, call.dst_v, call.dst_rows, call.delta, call.inv_freq)

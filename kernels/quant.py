@@ -160,9 +160,55 @@ def check_quantize_args(k, v, rows, tag, block_size, v_group) -> str:
     return tag
 
 
+def _int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check_payload(p: RunPayload) -> str:
+    """Check that a run's header and tensors agree (the shapes of :class:`RunPayload`), so no restore path
+    reads past a tensor or decodes one format's bytes as another's; returns the normalized tag.
+
+    Raises:
+        ValueError: naming the first disagreement ("payload ..."); the torch and native paths raise the same.
+    """
+    try:
+        tag = normalize_tag(p.tag)
+    except ValueError as e:
+        raise ValueError(f"payload: {e}") from None
+    h, r, d, bs, g = p.num_kv_heads, p.n_rows, p.head_dim, p.block_size, p.v_group
+    if not all(_int(x) for x in (h, r, d, bs, g)) or h < 1 or r < 0 or d < 1:
+        raise ValueError(f"payload header is out of range (heads {h}, rows {r}, head_dim {d})")
+    if bs < 1 or g < 1 or g & (g - 1):
+        raise ValueError(f"payload block size {bs} or value group {g} is invalid (need >= 1; the group a power of two)")
+    if tag == FP16:
+        want = {"k_data": ((h, r, d), None), "v_data": ((h, r, d), None)}
+    else:
+        if (K_BITS[tag] == 4 or V_BITS[tag] == 4) and d % 2:
+            raise ValueError(f"payload of format {tag} has an odd head_dim {d}")
+        nb, ng, u8, f16 = -(-r // bs), -(-d // g), torch.uint8, torch.float16
+        want = {"k_data": ((h, r, d // (8 // K_BITS[tag])), u8), "v_data": ((h, r, d // (8 // V_BITS[tag])), u8),
+                "k_scale": ((h, nb, d), f16), "k_zero": ((h, nb, d), f16),
+                "v_scale": ((h, r, ng), f16), "v_zero": ((h, r, ng), f16)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(p, name)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"payload of format {tag} lacks its {name} tensor")
+        if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"payload {name} is {t.dtype} {tuple(t.shape)}; a {tag} run of {r} rows, {h} heads, "
+                             f"head_dim {d} needs {dtype or 'a float dtype'} {shape}")
+    if tag == FP16 and (not p.k_data.is_floating_point() or p.v_data.dtype != p.k_data.dtype):
+        raise ValueError(f"payload FP16 data must be one float dtype, got {p.k_data.dtype}, {p.v_data.dtype}")
+    return tag
+
+
 def check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq) -> None:
-    """Shared argument checks of both dequantize paths."""
-    h, d, r = payload.num_kv_heads, payload.head_dim, payload.n_rows
+    """Shared argument checks of both dequantize paths (the payload's own consistency included)."""
+    check_payload(payload)
+    check_destination(payload.num_kv_heads, payload.head_dim, payload.n_rows, dst_k, dst_v, dst_rows, delta, inv_freq)
+
+
+def check_destination(h, d, r, dst_k, dst_v, dst_rows, delta, inv_freq) -> None:
+    """The destination checks of :func:`check_scatter_args`: ``r`` rows of ``h`` heads x ``d`` channels."""
     for name, t in (("dst_k", dst_k), ("dst_v", dst_v)):
         if t.dim() != 3 or t.shape[0] != h or t.shape[2] != d:
             raise ValueError(f"{name} must be [{h}, N_new, {d}] to take this payload, got {tuple(t.shape)}")

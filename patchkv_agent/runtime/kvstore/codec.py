@@ -281,7 +281,95 @@ def _check_layout(meta: Mapping[str, Any]) -> int:
         missing |= {"mixed.tags", *(f"mixed.rows.{t}" for t in tags)} & names
     if missing:
         raise CorruptCheckpoint(f"the blob table lacks {sorted(missing)[0]}")
+    _check_structure(meta, {spec["name"]: spec for spec in table})
     return total
+
+
+_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+def _payload_specs(tag: str, h: int, r: int, d: int, bs: int, g: int, kv_dtype: str) -> dict[str, tuple[list, str]]:
+    """The blob (shape, dtype) of each field of a run payload with this header (``kernels.quant.RunPayload``)."""
+    if tag == "FP16":
+        return {"k_data": ([h, r, d], kv_dtype), "v_data": ([h, r, d], kv_dtype)}
+    kdiv, vdiv = (2 if tag == "K4V4" else 1), (1 if tag == "K8V8" else 2)
+    nb, ng = -(-r // bs), -(-d // g)
+    return {"k_data": ([h, r, d // kdiv], "uint8"), "v_data": ([h, r, d // vdiv], "uint8"),
+            "k_scale": ([h, nb, d], "float16"), "k_zero": ([h, nb, d], "float16"),
+            "v_scale": ([h, r, ng], "float16"), "v_zero": ([h, r, ng], "float16")}
+
+
+def _check_structure(meta: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every header field against the (checksum-covered) blob table, before any blob is read.
+
+    Token ids int64 ``[N]``; per layer K and V torch blobs of one float dtype and shape ``[H, N, D]``; scores
+    ``[N]``; block tags int8 ``[ceil(N / block_size)]``; runs covering the blocks in order, of the listed
+    tags; per (layer, tag) a header whose rows, heads, head_dim and block size are those of the blobs, a
+    value group that is a power of two, a head_dim even for 4-bit codes, and exactly the payload blobs that
+    format has, each of the shape and dtype the header makes (so K4V4 data cannot pass as K8V4, a scale
+    blob cannot be short, a count cannot exceed its blob).
+    """
+    tok = specs["token_ids"]
+    if tok["kind"] != "numpy" or tok["dtype"] != "int64" or len(tok["shape"]) != 1:
+        raise CorruptCheckpoint("token_ids is not an int64 vector")
+    n = tok["shape"][0]
+    sc = specs.get("scores")
+    if sc is not None and (sc["kind"] != "numpy" or sc["dtype"] not in _FLOATS or sc["shape"] != [n]):
+        raise CorruptCheckpoint(f"scores are not a float vector of the {n} tokens")
+    layers = []
+    for i in range(meta["n_layers"]):
+        k, v = specs[f"k.{i}"], specs[f"v.{i}"]
+        if (k["kind"] != "torch" or v["kind"] != "torch" or k["dtype"] not in _FLOATS or v["dtype"] != k["dtype"]
+                or len(k["shape"]) != 3 or v["shape"] != k["shape"] or k["shape"][1] != n
+                or k["shape"][0] < 1 or k["shape"][2] < 1):
+            raise CorruptCheckpoint(f"K/V of layer {i} are not float [H, {n}, D] tensors of one shape and dtype")
+        layers.append((k["shape"][0], k["shape"][2], k["dtype"]))
+    mixed = meta["mixed"]
+    if mixed is None:
+        extra = sorted(x for x in specs if x.startswith(("p.", "mixed.")))
+        if extra:
+            raise CorruptCheckpoint(f"blob {extra[0]} belongs to no mixed-precision layout")
+        return
+    bs, tags = mixed["block_size"], mixed["tags"]
+    nb = -(-n // bs)
+    t = specs["mixed.tags"]
+    if t["kind"] != "numpy" or t["dtype"] != "int8" or t["shape"] != [nb]:
+        raise CorruptCheckpoint(f"the block tags are not int8 [{nb}] ({n} tokens in blocks of {bs})")
+    first, seen = 0, set()
+    for code, a, m in mixed["runs"]:
+        if a != first or m < 1:
+            raise CorruptCheckpoint("the mixed-precision runs do not cover the blocks in order")
+        first += m
+        seen.add(Tag(code).name)
+    if first != nb or seen != set(tags):
+        raise CorruptCheckpoint(f"the runs cover {first} blocks of tags {sorted(seen)}; the layout has {nb} of {sorted(tags)}")
+    rows = {}
+    for tag in tags:
+        spec = specs[f"mixed.rows.{tag}"]
+        if spec["kind"] != "numpy" or spec["dtype"] != "int64" or len(spec["shape"]) != 1 or spec["shape"][0] > n:
+            raise CorruptCheckpoint(f"the {tag} rows are not an int64 vector of at most {n} positions")
+        rows[tag] = spec["shape"][0]
+    for i, ((h, d, kv_dtype), layer, sums) in enumerate(zip(layers, mixed["headers"], mixed["checksums"])):
+        if set(layer) != set(tags) or not all(c < 1 << 64 for c in sums.values()):
+            raise CorruptCheckpoint(f"layer {i} has payloads of tags {sorted(layer)}, the layout {sorted(tags)}")
+        for tag, hdr in layer.items():
+            g = hdr["v_group"]
+            if (hdr["n_rows"], hdr["num_kv_heads"], hdr["head_dim"], hdr["block_size"]) != (rows[tag], h, d, bs):
+                raise CorruptCheckpoint(
+                    f"the {tag} payload header of layer {i} says {hdr['n_rows']} rows, {hdr['num_kv_heads']} heads, "
+                    f"head_dim {hdr['head_dim']}, block {hdr['block_size']}; its blobs have {rows[tag]}, {h}, {d}, {bs}")
+            if g < 1 or g & (g - 1) or (tag != "FP16" and tag != "K8V8" and d % 2):
+                raise CorruptCheckpoint(f"the {tag} payload of layer {i} has value group {g} / head_dim {d}")
+            want = _payload_specs(tag, h, rows[tag], d, bs, g, kv_dtype)
+            have = {f for f in _PAYLOAD_FIELDS if f"p.{i}.{tag}.{f}" in specs}
+            if have != set(want):
+                raise CorruptCheckpoint(f"the {tag} payload of layer {i} has blobs {sorted(have)}, its format "
+                                        f"needs {sorted(want)}")
+            for f, (shape, dtype) in want.items():
+                spec = specs[f"p.{i}.{tag}.{f}"]
+                if spec["kind"] != "torch" or spec["shape"] != shape or spec["dtype"] != dtype:
+                    raise CorruptCheckpoint(f"blob p.{i}.{tag}.{f} is {spec['dtype']} {spec['shape']}; the {tag} "
+                                            f"header makes it {dtype} {shape}")
 
 
 def entry_nbytes(meta: Mapping[str, Any]) -> int:
@@ -421,6 +509,21 @@ def _decode(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytearray | mem
         if (not isinstance(tags, np.ndarray) or tags.ndim != 1
                 or not set(np.unique(tags).tolist()) <= {int(t) for t in Tag}):
             raise CorruptCheckpoint(f"the mixed-precision block tags of {key.describe()} hold unknown tag codes")
+        runs = np.repeat([r[0] for r in mm["runs"]], [r[2] for r in mm["runs"]])
+        if not np.array_equal(runs.astype(np.int64), tags.astype(np.int64)):
+            raise CorruptCheckpoint(f"the block tags of {key.describe()} disagree with its runs")
+        block_tag = tags[np.arange(n_tok) // int(mm["block_size"])]
+        for tag in mm["tags"]:  # each tag's rows are exactly its blocks' rows: in range, sorted, distinct
+            if not np.array_equal(arrays[f"mixed.rows.{tag}"], np.flatnonzero(block_tag == int(Tag[tag]))):
+                raise CorruptCheckpoint(f"the {tag} rows of {key.describe()} are not the rows of its {tag} blocks")
+        for i, layer in enumerate(payloads):
+            for tag, p in layer.items():
+                for f in ("k_scale", "v_scale", "k_zero", "v_zero"):
+                    x = getattr(p, f)
+                    if x is not None and x.numel() and not bool(torch.isfinite(x).all() and (
+                            f.endswith("zero") or (x > 0).all())):
+                        raise CorruptCheckpoint(f"the {tag} {f} of layer {i} of {key.describe()} holds non-finite "
+                                                "or non-positive values")
         mixed = MixedKV(block_size=int(mm["block_size"]), tags=tags,
                         runs=tuple(Run(Tag(t), int(a), int(b)) for t, a, b in mm["runs"]),
                         tag_rows={tag: arrays[f"mixed.rows.{tag}"] for tag in mm["tags"]},
