@@ -11,6 +11,7 @@ Knows the engine's public methods and the trace/result formats (:mod:`.traces`);
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -99,6 +100,11 @@ def traces_from_checkpointer(spec: str, thread_ids: Iterable[str] | None = None,
     AI message is a context the model was (about to be) called on; each distinct such history is one
     version, so a thread whose controller edited its context between turns replays those edits.
 
+    The database is untrusted: it is opened read-only and every checkpoint blob is decoded by
+    :class:`~patchkv_agent.langgraph.serde.AllowlistSerializer` (LangChain messages and plain data only;
+    a blob that names any other class, a pickle, garbage, or a file that is not a SqliteSaver database
+    raises, and nothing in the file is ever built or called).
+
     Args:
         spec: ``sqlite:PATH`` (a database written by ``SqliteSaver`` / ``AsyncSqliteSaver``).
         thread_ids: threads to read (None: every thread in the database).
@@ -109,14 +115,14 @@ def traces_from_checkpointer(spec: str, thread_ids: Iterable[str] | None = None,
         One trace per thread with two or more versions (``edit: "live"``); threads with fewer are skipped.
 
     Raises:
-        ValueError: a spec that is not ``sqlite:PATH``, or an unknown thread id.
+        ValueError: a spec that is not ``sqlite:PATH``, an unknown thread id, a file that is not a SQLite
+            checkpoint database, or a blob outside the allowlist (one line naming the thread, checkpoint
+            and what was refused).
         FileNotFoundError: the database does not exist.
     """
-    import sqlite3
-
     from langchain_core.messages import AIMessage, BaseMessage
-    from langgraph.checkpoint.sqlite import SqliteSaver
 
+    from ..langgraph.serde import AllowlistSerializer
     from ..langgraph.tools import to_trace_messages
 
     kind, _, path = spec.partition(":")
@@ -124,28 +130,92 @@ def traces_from_checkpointer(spec: str, thread_ids: Iterable[str] | None = None,
         raise ValueError(f"--from-checkpointer takes sqlite:PATH (a LangGraph SqliteSaver database), got {spec!r}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"no SQLite checkpoint database at {path}")
-    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, check_same_thread=False)
-    try:
-        saver = SqliteSaver(conn)
-        known = [r[0] for r in conn.execute("SELECT DISTINCT thread_id FROM checkpoints ORDER BY thread_id")]
-        wanted = list(thread_ids) if thread_ids else known
+    serde = AllowlistSerializer()
+    with _checkpoint_db(path) as rows:
+        known = rows.threads()
+        wanted = [str(t) for t in thread_ids] if thread_ids else known
         missing = [t for t in wanted if t not in known]
         if missing:
             raise ValueError(f"threads {missing} are not in {path}; it holds {known[:20]}")
         traces = []
         for tid in wanted:
-            tuples = list(saver.list({"configurable": {"thread_id": tid, "checkpoint_ns": checkpoint_ns}}))
             versions, last = [], None
-            for tup in reversed(tuples):  # oldest first
-                msgs = (tup.checkpoint.get("channel_values") or {}).get("messages") or []
-                if not msgs or not all(isinstance(m, BaseMessage) for m in msgs) or isinstance(msgs[-1], AIMessage):
+            for checkpoint_id, type_, blob in rows.checkpoints(tid, checkpoint_ns):  # oldest first
+                try:
+                    checkpoint = serde.loads_typed((type_, blob))
+                except ValueError as e:
+                    raise ValueError(f"{path}: thread {tid!r} checkpoint {checkpoint_id!r}: {e}") from None
+                values = checkpoint.get("channel_values") if isinstance(checkpoint, dict) else None
+                msgs = values.get("messages") if isinstance(values, dict) else None
+                if not isinstance(msgs, list) or not msgs or not all(isinstance(m, BaseMessage) for m in msgs) \
+                        or isinstance(msgs[-1], AIMessage):
                     continue
-                trace_msgs = to_trace_messages(msgs)
+                try:
+                    trace_msgs = to_trace_messages(msgs)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{path}: thread {tid!r} checkpoint {checkpoint_id!r}: {e}") from None
                 if trace_msgs != last:
-                    versions.append({"messages": trace_msgs, "checkpoint_id": tup.config["configurable"]["checkpoint_id"]})
+                    versions.append({"messages": trace_msgs, "checkpoint_id": checkpoint_id})
                     last = trace_msgs
             if len(versions) >= 2:
-                traces.append({"id": str(tid), "workload": workload, "edit": "live", "versions": versions})
+                traces.append({"id": tid, "workload": workload, "edit": "live", "versions": versions})
         return traces
+
+
+class _CheckpointRows:
+    """The rows of a SqliteSaver database's ``checkpoints`` table, read as untrusted data."""
+
+    def __init__(self, conn, path: str, max_blob_bytes: int):
+        self.conn, self.path, self.max_blob_bytes = conn, path, max_blob_bytes
+
+    def threads(self) -> list[str]:
+        got = self.conn.execute("SELECT DISTINCT thread_id FROM checkpoints").fetchall()
+        return sorted({str(r[0]) for r in got})
+
+    def checkpoints(self, thread_id: str, checkpoint_ns: str) -> Iterator[tuple[str, str, bytes]]:
+        q = ("SELECT checkpoint_id, type, length(checkpoint), typeof(checkpoint) FROM checkpoints "
+             "WHERE CAST(thread_id AS TEXT) = ? AND checkpoint_ns = ? ORDER BY checkpoint_id")
+        for checkpoint_id, type_, size, kind in self.conn.execute(q, (thread_id, checkpoint_ns)).fetchall():
+            where = f"{self.path}: thread {thread_id!r} checkpoint {str(checkpoint_id)[:80]!r}"
+            if kind not in ("blob", "null"):
+                raise ValueError(f"{where}: the checkpoint column holds {kind}, not a blob")
+            if size is not None and size > self.max_blob_bytes:
+                raise ValueError(f"{where}: a checkpoint blob of {size} bytes is over the limit of "
+                                 f"{self.max_blob_bytes} bytes")
+            (blob,) = self.conn.execute(
+                "SELECT checkpoint FROM checkpoints WHERE CAST(thread_id AS TEXT) = ? AND checkpoint_ns = ? "
+                "AND checkpoint_id = ?", (thread_id, checkpoint_ns, checkpoint_id)).fetchone()
+            yield str(checkpoint_id), str(type_), blob
+
+
+@contextmanager
+def _checkpoint_db(path: str) -> Iterator[_CheckpointRows]:
+    """A read-only connection to a SqliteSaver database, checked to have a ``checkpoints`` table.
+
+    The file is untrusted: opened read-only (``query_only``), with ``trusted_schema`` off (a view or
+    trigger cannot call functions with side effects), the table checked to be a real table with the
+    saver's columns, and every SQLite error raised as a one-line ``ValueError``.
+    """
+    import sqlite3
+
+    from ..langgraph.serde import MAX_BLOB_BYTES
+
+    conn = None
+    try:
+        conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, check_same_thread=False)
+        conn.execute("PRAGMA trusted_schema = OFF")
+        conn.execute("PRAGMA query_only = ON")
+        kind = conn.execute("SELECT type FROM sqlite_master WHERE name = 'checkpoints'").fetchone()
+        if kind is None or kind[0] != "table":
+            raise ValueError(f"{path} is not a LangGraph SqliteSaver database (no checkpoints table)")
+        cols = {r[1] for r in conn.execute("PRAGMA table_info(checkpoints)").fetchall()}
+        need = {"thread_id", "checkpoint_ns", "checkpoint_id", "type", "checkpoint"}
+        if not need <= cols:
+            raise ValueError(f"{path}: the checkpoints table lacks columns {sorted(need - cols)}; is it a LangGraph "
+                             "SqliteSaver database?")
+        yield _CheckpointRows(conn, path, MAX_BLOB_BYTES)
+    except sqlite3.Error as e:
+        raise ValueError(f"{path} is not a readable SQLite checkpoint database ({e})") from None
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
