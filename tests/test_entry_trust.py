@@ -260,3 +260,28 @@ def test_the_native_library_checks_its_own_arguments(case):
     rc = int(proc.stdout.split()[1])
     assert rc < -1 and native.error_text(rc), proc.stdout  # an error code naming the argument, nothing run
     assert "written False" in proc.stdout
+
+
+@pytest.mark.parametrize("shape", ["layers", "heads", "head_dim", "dtype"])
+def test_a_consistent_entry_that_does_not_fit_the_model_is_quarantined(engine, base, tmp_path, shape):
+    # every field agrees with every other and with the blob table, and it carries this model's fingerprint:
+    # only the model's own shape can refuse it (before, the recovery raised IndexError / RuntimeError)
+    ckpt, new, exact = base
+    layers, h, d = len(ckpt.keys), ckpt.keys[0].shape[0], ckpt.keys[0].shape[2]
+    layers, h, d = {"layers": (layers + 1, h, d), "heads": (layers, h + 1, d), "head_dim": (layers, h, d // 2),
+                    "dtype": (layers, h, d)}[shape]
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float16 if shape == "dtype" else torch.float32
+    keys = [torch.randn(h, len(ckpt), d, generator=g).to(dtype) for _ in range(layers)]
+    values = [torch.randn(h, len(ckpt), d, generator=g).to(dtype) for _ in range(layers)]
+    other = dataclasses.replace(ckpt, keys=keys, values=values,
+                                mixed=quantize_mixed(keys, values, TAGS, block_size=8))
+    store, key = _stored(tmp_path, other)
+    res = resume_from_store(engine, store, key, new, max_new_tokens=2)
+    fb = res.stats["fallback"]
+    if shape == "dtype":  # K/V of another float dtype fit (restores cast on write): not refused
+        assert fb is None
+        return
+    assert fb is not None and fb.kind is FallbackKind.CORRUPT_CHECKPOINT and "does not fit" in str(fb), fb
+    assert torch.equal(res.logits, exact.logits) and res.output_ids == exact.output_ids
+    assert store.stats.quarantined == 1
