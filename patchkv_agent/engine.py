@@ -140,6 +140,10 @@ class ResumeResult:
             position, or less when the base was itself approximate, after a selective one). Rows from
             there on were computed while restored (stale) rows were in view: :meth:`PatchKVEngine.heal`
             recomputes them. None: unknown (a result built by hand), taken as all rows exact.
+        words: int64 word ids of ``context_ids[:len(words)]`` (the lexical reader signal's per-version data,
+            carried from the checkpoint and updated over the edited spans only), or None without a
+            tokenizer. A runtime that appends decoded tokens to ``context_ids`` leaves it as it is: the
+            engine extends it over the appended tokens when it offloads.
     """
 
     logits: torch.Tensor
@@ -153,6 +157,7 @@ class ResumeResult:
     fingerprint: str | None = None
     scores: np.ndarray | None = field(default=None, repr=False)
     exact_rows: int | None = None
+    words: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def approx_rows(self) -> int:
@@ -510,9 +515,28 @@ class PatchKVEngine:
                     out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = cap.scores()
             ckpt = self._offload(ids, out.keys, out.values, scores, fp)
+        t1 = time.perf_counter()
+        ckpt = replace(ckpt, words=self._words_for(ids, None))  # once per version: resumes carry them on
+        ckpt.stats.update(words_s=time.perf_counter() - t1)
         ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats["recompute_s"],
                           stats_s=getattr(cap, "elapsed_s", None), source="prefill")
         return ckpt
+
+    def _words_for(self, ids: np.ndarray, words: np.ndarray | None) -> np.ndarray | None:
+        """Word ids of ``ids`` from ``words`` (those of ``ids[:len(words)]``): as they are, extended over
+        appended tokens (decoded tokens a runtime added) by mapping only the words at the seam, or mapped
+        whole when unknown. None without a tokenizer."""
+        if self.words is None:
+            return None
+        n = len(ids)
+        if words is None or len(words) > n:
+            return self.words(ids)
+        if len(words) == n:
+            return words
+        m = len(words)
+        n2o = np.full(n, -1, dtype=np.int64)
+        n2o[:m] = np.arange(m, dtype=np.int64)
+        return self.words.carry(ids, words, n2o, [(m, n)])
 
     def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
         t0 = time.perf_counter()
@@ -575,7 +599,8 @@ class PatchKVEngine:
                     stats_s = time.perf_counter() - t0
         else:
             fp = result.fingerprint
-        ckpt = self._offload(ids, result.keys, result.values, scores, fp)
+        ckpt = replace(self._offload(ids, result.keys, result.values, scores, fp),
+                       words=self._words_for(ids, result.words))
         ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume",
                           exact_rows=result.exact_rows)
         return ckpt
@@ -630,10 +655,11 @@ class PatchKVEngine:
         Returns:
             A :class:`Checkpoint` sharing ``result``'s K/V tensors; do not mutate them while it is used.
         """
-        return Checkpoint(token_ids=np.asarray(result.context_ids, dtype=np.int64),
+        ids = np.asarray(result.context_ids, dtype=np.int64)
+        return Checkpoint(token_ids=ids,
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
                           fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
-                          mixed=None,
+                          mixed=None, words=self._words_for(ids, result.words),
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
                                  "exact_rows": result.exact_rows})
 
@@ -694,7 +720,8 @@ class PatchKVEngine:
         settings = self.settings  # one snapshot for the whole resume
         t0 = time.perf_counter()
         old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
-        edit = diff_versions(old, new, words=self.words)
+        edit = diff_versions(old, new, words=self.words, old_words=ckpt.words if ckpt is not None else None)
+        new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
         plan = strat.plan(settings, ckpt, edit)
         restore_new = np.asarray(plan.restore_new_positions)
         if len(restore_new) and not self.spec.rope_supported:
@@ -761,7 +788,7 @@ class PatchKVEngine:
         stats.extras["approx_rows"] = len(new) - exact_rows
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
                             context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
-                            scores=scores, exact_rows=exact_rows)
+                            scores=scores, exact_rows=exact_rows, words=new_words)
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)

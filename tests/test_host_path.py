@@ -91,3 +91,37 @@ def test_member_is_isin():
     s = np.sort(np.unique(np.concatenate([rng.choice(x, 40), rng.integers(0, 2**62, 10), [3, 70000]])))
     assert np.array_equal(_member(x, s), np.isin(x, s))
     assert not _member(x, s[:0]).any()
+
+
+class _Tok:
+    """A stand-in tokenizer: pieces only (the engine's word index reads convert_ids_to_tokens)."""
+
+    eos_token_id = None
+
+    def convert_ids_to_tokens(self, i):
+        return PIECES[int(i) % len(PIECES)]
+
+
+def test_engine_carries_words_through_checkpoints_and_resumes():
+    from tiny_models import tiny_model
+
+    from patchkv_agent import PatchKVEngine
+
+    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    eng.words = WordIndex.from_tokenizer(_Tok())
+    rng = np.random.default_rng(3)
+    v0 = rng.integers(0, 64, 120).astype(np.int64)
+    ck = eng.checkpoint(v0)
+    assert np.array_equal(ck.words, eng.words(v0))
+    v1 = np.concatenate([v0[:40], [5, 6, 7], v0[44:]])
+    res = eng.resume(ck, v1, strategy="patchkv", max_new_tokens=2)
+    assert np.array_equal(res.words, eng.words(v1))
+    # a runtime appends decoded tokens to context_ids: the offload extends the words over them
+    grown = np.concatenate([v1, np.asarray(res.output_ids[:1], dtype=np.int64)])
+    ck2 = eng.checkpoint_from(res)
+    assert np.array_equal(ck2.words, eng.words(v1))
+    assert np.array_equal(eng._words_for(grown, res.words), eng.words(grown))
+    v2 = np.concatenate([v1[:90], v1[95:]])
+    res2 = eng.resume(ck2, v2, strategy="patchkv", max_new_tokens=0)
+    assert np.array_equal(res2.words, eng.words(v2))
+    assert np.array_equal(eng.as_checkpoint(res2).words, eng.words(v2))
