@@ -359,17 +359,26 @@ class PatchKVChatModel(BaseChatModel):
 
     def _thread_key(self, run_manager, explicit: ThreadKey | None) -> ThreadKey | None:
         """Key precedence: middleware / node wrapper, the config passed to this call, the graph run's
-        config, the run's callback metadata, ``default_thread_id``."""
-        key = current_thread_key()
-        if key is not None:
-            return key
-        if explicit is not None:
-            return explicit
-        conf = ensure_config()
-        if (conf.get("configurable") or {}).get("thread_id") is not None:
-            return thread_key_from_config(conf)
+        config, the run's callback metadata, ``default_thread_id``.
+
+        A middleware's internal call (LangChain marks it with ``lc_source`` in the call's metadata, e.g.
+        ``SummarizationMiddleware``'s summarizer) is another context of the same thread: it gets the scope
+        ``#<lc_source>`` so it never diffs against the agent's context (the registry also keeps a thread's
+        recent contexts apart when no such mark is given: ``ThreadRegistry(contexts=...)``)."""
         meta = getattr(run_manager, "metadata", None) or {}
-        return thread_key_from_metadata(meta, default_thread_id=self.default_thread_id)
+        key = current_thread_key()
+        if key is None:
+            key = explicit
+        if key is None:
+            conf = ensure_config()
+            if (conf.get("configurable") or {}).get("thread_id") is not None:
+                key = thread_key_from_config(conf)
+            else:
+                key = thread_key_from_metadata(meta, default_thread_id=self.default_thread_id)
+        source = meta.get("lc_source")
+        if key is not None and isinstance(source, str) and source and "#" not in key[1]:
+            key = ThreadKey((key[0], f"{key[1]}#{source[:64]}"))
+        return key
 
     @staticmethod
     def _with_call_key(config, kwargs: dict) -> dict:

@@ -26,6 +26,21 @@ first (never a thread with an open stream): offloaded, or dropped with the reaso
 resume. An offload needs no forward (the statistics come from the resume), so it runs outside the forward
 lock and never delays another thread's resume.
 
+*Healing* (``heal=True``, the default): a selective resume leaves approximate rows (restored ones, and
+every row computed while they were in view). Carried forward, they would shape every later call of the
+thread. So an offload first recomputes those rows exactly (:meth:`~patchkv_agent.engine.PatchKVEngine.heal`,
+one forward under the forward lock, while the agent's tool runs and the model is idle), installs the
+exact KV as the thread's resident state and checkpoints that: an approximation never outlives the call it
+sped up. A resume that arrives while its thread is healing waits for the heal (``heal_wait_s``).
+
+*Several contexts per thread* (``contexts=4``): a summarizer, a router or a sub-agent calling the same
+model under the same graph thread has a context of its own. A thread key holds up to ``contexts`` recent
+contexts (each a thread of the registry under the key ``(thread_id, ns#ctxN)``); a call continues the
+one it shares the most with (the longest common prefix, or, when no context shares half of itself, the
+most tokens the diff can reuse) and opens a new one when none shares a quarter of the new version, so
+two callers on one key never overwrite each other's KV. :meth:`handle`, :meth:`offload_async` and
+:meth:`wait` act on the context the key's last call used.
+
 Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its
 snapshot and to install the result, not while it quantizes and copies), the engine's ``forward_lock`` for
 the model forward (one forward at a time per model, shared with every other registry and direct caller of
@@ -76,6 +91,33 @@ def thread_key(thread_id: str, checkpoint_ns: str = "") -> ThreadKey:
     return ThreadKey((str(thread_id), str(checkpoint_ns)))
 
 
+CONTEXT_SUFFIX = "ctx"  # lane i > 0 of key (tid, ns) is (tid, "ns#ctx<i>"), or "ns+ctx<i>" when ns has a #scope
+MIN_CONTINUE_SHARE = 0.25  # a call continues a context that lets it reuse at least this share of its tokens
+
+
+def context_key(key: ThreadKey, index: int) -> ThreadKey:
+    """The registry key of context ``index`` of thread key ``key`` (0: the key itself).
+
+    Args:
+        key: a thread key.
+        index: the context slot (>= 0).
+
+    Returns:
+        ``key`` for 0; ``(thread_id, ns#ctx<index>)`` (``ns+ctx<index>`` when ``ns`` already holds a
+        ``#scope``) otherwise: the scope separator keeps a context under its graph namespace.
+    """
+    if index == 0:
+        return key
+    sep = "+" if "#" in key[1] else "#"
+    return ThreadKey((key[0], f"{key[1]}{sep}{CONTEXT_SUFFIX}{index}"))
+
+
+def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    neq = np.flatnonzero(a[:m] != b[:m])
+    return int(neq[0]) if len(neq) else m
+
+
 def _kv_bytes(res: ResumeResult) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(res.keys, res.values))
 
@@ -101,6 +143,8 @@ class _Thread:
     store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
     streams: int = 0                       # open TokenStreams: their commit is pending, so no eviction
     last_used: float = 0.0
+    healing: threading.Event | None = None  # set when the pending job's heal stage is over
+    heal_stats: dict | None = None         # the last heal of the resident version (heal_s, healed_rows)
 
 
 class TokenStream:
@@ -185,17 +229,23 @@ class ThreadRegistry:
         workers: background offload workers.
         store: the tier offloaded checkpoints go to (None: held in this process, ``offload_budget_bytes``
             applies). The tier's own budget and eviction apply; the caller owns (and closes) it.
+        heal: recompute a selective resume's approximate rows in the offload window (see the module
+            docstring); False keeps them (the next call then builds on them: ``approx_rows`` in its stats).
+        contexts: contexts kept apart per thread key (1: one context per key, each call diffs against
+            the key's last one).
 
     Raises:
-        ValueError: a bad ``on_evict`` or budget, or ``offload_budget_bytes`` together with ``store`` (give
-            the budget to the store).
+        ValueError: a bad ``on_evict``, budget or ``contexts``, or ``offload_budget_bytes`` together with
+            ``store`` (give the budget to the store).
     """
 
     def __init__(self, engine: PatchKVEngine, *, resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET,
                  offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1,
-                 store: KVStore | None = None):
+                 store: KVStore | None = None, heal: bool = True, contexts: int = 4):
         if on_evict not in ("offload", "drop"):
             raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
+        if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= 64:
+            raise ValueError(f"contexts must be an int in 1..64 (contexts kept per thread key), got {contexts!r}")
         if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
             raise ValueError("budgets must be >= 0 bytes")
         if store is not None and offload_budget_bytes is not None:
@@ -206,6 +256,8 @@ class ThreadRegistry:
         self.resident_budget_bytes = resident_budget_bytes
         self.offload_budget_bytes = offload_budget_bytes
         self.on_evict = on_evict
+        self.heal, self.contexts = bool(heal), contexts
+        self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
         self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
         self._threads: OrderedDict[ThreadKey, _Thread] = OrderedDict()  # least recently used first
@@ -223,6 +275,55 @@ class ThreadRegistry:
                 self._threads.move_to_end(key)
                 th.last_used = time.monotonic()
             return th
+
+    def _peek(self, key: ThreadKey) -> _Thread | None:
+        with self._lock:
+            return self._threads.get(key)
+
+    def active(self, key: ThreadKey | None) -> ThreadKey | None:
+        """The context key the last call of thread key ``key`` used (``key`` itself before any call)."""
+        if key is None:
+            return None
+        with self._lock:
+            return self._active.get(key, key)
+
+    def _choose_context(self, key: ThreadKey, ids: np.ndarray) -> ThreadKey:
+        """The context of ``key`` that a call with ``ids`` continues (or a new one): see the module docstring."""
+        if self.contexts == 1:
+            return key
+        lanes: list[tuple[ThreadKey, np.ndarray, float]] = []
+        free: ThreadKey | None = None
+        for i in range(self.contexts):
+            ck = context_key(key, i)
+            th = self._peek(ck)
+            tok = th.token_ids if th is not None else None
+            if tok is None or len(tok) == 0:
+                if free is None and (th is None or (th.resident is None and th.store_key is None
+                                                    and th.checkpoint is None and th.lost is None)):
+                    free = ck
+                continue
+            lanes.append((ck, tok, th.last_used))
+        if not lanes:  # the key's first call (or one after a restart: its version and reason are there)
+            return key
+        shared = [_shared_prefix(tok, ids) for _, tok, _ in lanes]
+        best = int(np.argmax(shared))
+        if shared[best] * 2 >= len(lanes[best][1]):  # continues (appends to / edits the back half of) it
+            return lanes[best][0]
+        from ..core.diff import diff_versions  # an edit near the head, or another caller: how much is reusable
+
+        reuse = []
+        for (_, tok, _), p in zip(lanes, shared):
+            try:
+                e = diff_versions(tok, ids)
+                reuse.append(int(e.prefix_len + e.suffix_len))
+            except ValueError:
+                reuse.append(p)
+        best = int(np.argmax(reuse))
+        if reuse[best] >= MIN_CONTINUE_SHARE * len(ids):
+            return lanes[best][0]
+        if free is not None:
+            return free
+        return min(lanes, key=lambda lane: lane[2])[0]  # the least recently used context is replaced
 
     def keys(self) -> list[ThreadKey]:
         """Known thread keys, least recently used first."""
@@ -246,6 +347,7 @@ class ThreadRegistry:
             ``{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv"}`` with ``kv`` one of
             ``"resident"``, ``"offloaded"``, ``"offloading"``, ``"none"``; None for an unknown thread.
         """
+        key = self.active(key)
         th = self._thread(key, create=False)
         if th is None or th.token_ids is None:
             return None
@@ -343,6 +445,7 @@ class ThreadRegistry:
                     self._wait_pending(th)
                     with th.lock, self._lock:
                         self._threads.pop(k, None)
+                        self._active.pop(k, None)
                     with th.lock:
                         self._set_store_entry(th, None)
 
@@ -383,12 +486,18 @@ class ThreadRegistry:
             res.stats.update(thread_id=None, checkpoint_ns=None, version=None, base_version=None, base="none",
                              requested_strategy=strategy, offload_wait_s=0.0, offload_on_path_s=0.0)
             return TokenStream(self, None, 0, res, max_new_tokens, sampler)
+        primary, key = key, self._choose_context(key, ids)
+        with self._lock:
+            self._active[primary] = key
         th = self._thread(key)
+        heal_wait_s = self._wait_heal(th)  # a heal in progress gives the exact base this resume wants
         with th.lock:
             resident = th.resident is not None
         # a resident thread resumes from its resident KV: a pending offload is not waited for
         wait_s = 0.0 if resident and strategy != "exact" else self._wait_pending(th)
         with th.lock:
+            base_heal = th.heal_stats
+            base_approx = th.resident.approx_rows if th.resident is not None else None
             if strategy == "exact":  # no base needed: do not write one
                 base, base_version, source, skey = None, None, "none", None
                 fallback = None
@@ -407,7 +516,7 @@ class ThreadRegistry:
                     else:
                         res = self.engine.resume(base, ids, strategy=strategy, max_new_tokens=0, **options)
             th.version += 1
-            th.token_ids, th.lost = ids, None
+            th.token_ids, th.lost, th.heal_stats = ids, None, None
             th.resident = dataclasses.replace(res, cache=None, output_ids=[])
             th.checkpoint, th.pending = None, None  # superseded by the resident version
             stale = th.store_key
@@ -416,9 +525,13 @@ class ThreadRegistry:
             th.streams += 1  # until the stream's commit: see TokenStream.close
         if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
             self._submit_delete(stale)
-        res.stats.update(thread_id=key[0], checkpoint_ns=key[1], version=version, base_version=base_version,
+        res.stats.update(thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
                          base=source, requested_strategy=strategy, offload_wait_s=wait_s,
-                         offload_on_path_s=0.0)  # kept for readers of the field: no offload runs on the path
+                         offload_on_path_s=0.0,  # kept for readers of the field: no offload runs on the path
+                         context=key[1], heal_wait_s=heal_wait_s,
+                         base_approx_rows=base_approx if source == "resident" else None,
+                         base_heal_s=(base_heal or {}).get("heal_s"),
+                         base_healed_rows=(base_heal or {}).get("healed_rows"))
         if res.stats.get("fallback") is None and fallback is not None:
             res.stats["fallback"] = fallback
         self._enforce_resident_budget(keep=key)
@@ -520,8 +633,11 @@ class ThreadRegistry:
             th.streams = max(0, th.streams - 1)
             if th.version != version or th.resident is None:
                 return
+            exact = res.exact_rows
+            if exact is None or exact >= len(res.context_ids):  # decoded over an exact context: exact too
+                exact = len(ids)
             th.resident = dataclasses.replace(res, cache=None, output_ids=[], context_ids=ids, keys=keys,
-                                              values=values)
+                                              values=values, exact_rows=exact)
         self._enforce_resident_budget(keep=th.key)
 
     # --------------------------------------------------------------- offload
@@ -545,7 +661,7 @@ class ThreadRegistry:
         """
         if key is None:
             return None
-        th = self._thread(key, create=False)
+        th = self._thread(self.active(key), create=False)
         if th is None:
             return None
         with th.lock:
@@ -553,6 +669,7 @@ class ThreadRegistry:
                 return th.pending
             if th.resident is None:
                 return None
+            th.healing = threading.Event() if self.heal and th.resident.approx_rows else None
             th.pending = self._executor.submit(self._offload_job, th, th.version, "background", release)
             return th.pending
 
@@ -568,8 +685,19 @@ class ThreadRegistry:
 
     def wait(self, key: ThreadKey | None) -> float:
         """Wait for a pending offload of ``key``; returns the seconds waited."""
-        th = self._thread(key, create=False) if key is not None else None
+        th = self._thread(self.active(key), create=False) if key is not None else None
         return self._wait_pending(th) if th is not None else 0.0
+
+    def _wait_heal(self, th: _Thread) -> float:
+        """Wait until the heal stage of ``th``'s pending job is over (a resume wants the exact base)."""
+        evt, fut = th.healing, th.pending
+        if evt is None or evt.is_set() or fut is None or fut.done():
+            return 0.0
+        t0 = time.perf_counter()
+        while not evt.wait(0.05):
+            if fut.done():  # the job ended (or failed) before its heal stage: nothing to wait for
+                break
+        return time.perf_counter() - t0
 
     def _wait_pending(self, th: _Thread) -> float:
         fut = th.pending
@@ -590,9 +718,30 @@ class ThreadRegistry:
         eviction."""
         with th.lock:
             if th.version != version or th.resident is None:
+                if th.healing is not None:
+                    th.healing.set()
                 return None
             snap = th.resident
+            healing = th.healing
         t0 = time.perf_counter()
+        if healing is not None:
+            try:
+                if snap.approx_rows:  # recompute the approximate rows while the model is idle (a tool runs)
+                    healed = self.engine.heal(snap)
+                    with th.lock:
+                        if th.version == version and th.resident is snap:
+                            th.resident = snap = healed
+                            th.heal_stats = {"heal_s": healed.stats.get("heal_s"),
+                                             "healed_rows": healed.stats.get("healed_rows")}
+                            self.events.append({"event": "heal", "key": th.key, "version": version,
+                                                "rows": healed.stats.get("healed_rows"),
+                                                "heal_s": healed.stats.get("heal_s")})
+            finally:
+                healing.set()
+            with th.lock:
+                if th.version != version or th.resident is not snap:
+                    self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
+                    return None
         ckpt = self.engine.checkpoint_from(snap)
         with th.lock:
             if th.version != version or th.resident is not snap:  # the thread moved on: nothing to install
@@ -629,6 +778,7 @@ class ThreadRegistry:
                     continue
                 total -= _kv_bytes(th.resident)
                 if self.on_evict == "offload":
+                    th.healing = threading.Event() if self.heal and th.resident.approx_rows else None
                     th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
