@@ -14,6 +14,7 @@ from .dispatch import (
     quantize_gather,
     scatter_backend,
     set_backend,
+    value_residual_layers,
 )
 from .quant import (
     FORMATS,
@@ -46,5 +47,6 @@ __all__ = [
     "scatter_backend",
     "set_backend",
     "value_residual_4bit",
+    "value_residual_layers",
     "value_residual_sq",
 ]

@@ -33,6 +33,7 @@ from .quant import (
     reference_dequantize,
     reference_quantize_gather,
     torch_dequantize_scatter,
+    value_residual_4bit,
 )
 from .rope import delta_cos_sin, rope_rotate
 
@@ -242,3 +243,29 @@ def _scatter_selected(c: ScatterCall) -> None:
     rows = c.dst_rows.to(dev)
     c.dst_k.index_copy_(1, rows, k.to(c.dst_k.dtype))
     c.dst_v.index_copy_(1, rows, v.to(c.dst_v.dtype))
+
+
+def value_residual_layers(values: list[torch.Tensor], group: int = DEFAULT_V_GROUP, eps: float = 1e-12) -> torch.Tensor:
+    """``quant.value_residual_4bit`` of the layers stacked ``[L, H, N, D]``, without stacking them.
+
+    On CPU with the native kernels (contiguous fp32 layers) one pass of ``native.c`` computes it (sums in
+    double: equal to the reference to ~1e-7 relative); elsewhere the torch reference on the stacked layers.
+
+    Args:
+        values: per layer ``[H, N, D]`` values of one shape.
+        group: value group size.
+        eps: guards all-zero rows (their residual is 0).
+
+    Returns:
+        float32 ``[N]`` on the values' device.
+
+    Raises:
+        RuntimeError: the native backend is forced but unavailable.
+    """
+    fits = bool(values) and all(v.device.type == "cpu" and v.dtype == torch.float32 and v.dim() == 3
+                                and v.is_contiguous() and v.shape == values[0].shape for v in values) \
+        and values[0].shape[-1] <= native.MAX_HEAD_DIM
+    if not values[0].is_cuda and _use_native(fits, "contiguous fp32 CPU layers of one shape"):
+        err, ref = native.value_residual_sq_native(values, group)
+        return (err / ref.clamp_min(eps)).sqrt()
+    return value_residual_4bit(torch.stack([v.float() for v in values]), group, eps)

@@ -495,3 +495,73 @@ int pkv_quantize(const pkv_qjob *jobs, int n_jobs, int n_threads, int64_t *start
     pkv_work w = {(const char *)jobs, sizeof(pkv_qjob), starts, starts[n_jobs], quantize_item, 0};
     return run_pool(&w, n_threads);
 }
+
+/* ---------------------------------------------------------------- 4-bit value residual (precision policy) */
+
+/* quant.value_residual_sq over L layers in one pass: per token, the squared error of the 4-bit per-token
+ * value quantizer (groups of v_group channels, the scale/zero/code of pkv_quantize) and the squared norm,
+ * summed over layers, heads and channels. Element errors and squares are the reference's fp32 operations;
+ * the sums run in double (the reference sums fp32 in torch's order), so results agree to ~1e-7 relative. */
+typedef struct {
+    const float *const *layers; /* L pointers to contiguous fp32 [H, N, D] values */
+    int32_t L, H, D, v_group;
+    int64_t N;
+    float *err, *ref;           /* [N] outputs */
+} pkv_rjob;
+
+#define RESID_ROWS 64
+
+static void residual_item(const void *job, int64_t local) {
+    const pkv_rjob *j = (const pkv_rjob *)job;
+    int64_t n0 = local * RESID_ROWS, n1 = n0 + RESID_ROWS < j->N ? n0 + RESID_ROWS : j->N;
+    double e[RESID_ROWS], r[RESID_ROWS];
+    for (int64_t i = 0; i < n1 - n0; i++) e[i] = r[i] = 0.0;
+    int D = j->D, g = j->v_group;
+    for (int l = 0; l < j->L; l++) {
+        for (int h = 0; h < j->H; h++) {
+            const float *base = j->layers[l] + ((int64_t)h * j->N) * D;
+            for (int64_t n = n0; n < n1; n++) {
+                const float *x = base + n * D;
+                double ed = 0.0, rd = 0.0;
+                for (int c0 = 0; c0 < D; c0 += g) {
+                    int c1 = c0 + g < D ? c0 + g : D;
+                    float mn = x[c0], mx = x[c0];
+                    for (int c = c0 + 1; c < c1; c++) {
+                        mn = x[c] < mn ? x[c] : mn;
+                        mx = x[c] > mx ? x[c] : mx;
+                    }
+                    uint16_t s16, z16;
+                    float sf, zf;
+                    scale_zero(mn, mx, 15.0f, &s16, &z16, &sf, &zf);
+                    for (int c = c0; c < c1; c++) {
+                        float q = (float)code(x[c], sf, zf, 15.0f);
+                        float d = x[c] - (q * sf + zf), sq = d * d, xx = x[c] * x[c];
+                        ed += (double)sq;
+                        rd += (double)xx;
+                    }
+                }
+                e[n - n0] += ed;
+                r[n - n0] += rd;
+            }
+        }
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        j->err[n] = (float)e[n - n0];
+        j->ref[n] = (float)r[n - n0];
+    }
+}
+
+/* Residual sums of one job (starts: scratch of 2 entries); 0, -1 (a thread failed to start, result
+ * complete) or a PKV_E_* code for bad arguments. */
+int pkv_value_residual(const pkv_rjob *job, int n_threads, int64_t *starts) {
+    if (!job || !starts || !job->layers || !job->err || !job->ref) return PKV_E_NULL;
+    if (job->L < 1 || job->H < 1 || job->D < 1 || job->D > PKV_MAX_D || job->N < 0) return PKV_E_DIMS;
+    if (job->v_group < 1) return PKV_E_GROUP;
+    for (int l = 0; l < job->L; l++)
+        if (!job->layers[l]) return PKV_E_NULL;
+    starts[0] = 0;
+    starts[1] = (job->N + RESID_ROWS - 1) / RESID_ROWS;
+    if (starts[1] == 0) return 0;
+    pkv_work w = {(const char *)job, sizeof(pkv_rjob), starts, starts[1], residual_item, 0};
+    return run_pool(&w, n_threads);
+}

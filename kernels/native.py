@@ -122,6 +122,53 @@ def _set_sizes(j: _Job, p: RunPayload, *, dst_rows: int, angles: int) -> None:
         setattr(j, f"n_{name}", 0 if t is None else t.numel())
 
 
+class _RJob(ctypes.Structure):
+    _fields_ = [("layers", ctypes.c_void_p), ("L", ctypes.c_int32), ("H", ctypes.c_int32), ("D", ctypes.c_int32),
+                ("v_group", ctypes.c_int32), ("N", ctypes.c_int64), ("err", ctypes.c_void_p), ("ref", ctypes.c_void_p)]
+
+
+def value_residual_sq_native(values: Sequence[torch.Tensor], group: int, n_threads: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.value_residual_sq`` of the stacked layers in one native pass, without stacking them.
+
+    Element errors and squares are the reference's fp32 operations (same scale, zero and codes); the sums
+    over layers, heads and channels run in double, so they agree with the reference's fp32 sums to ~1e-7
+    relative (``tests/test_host_path.py`` checks the residual and the precision tags it gives).
+
+    Args:
+        values: per layer ``[H, N, D]`` contiguous float32 CPU tensors of one shape.
+        group: value group size (as in the K8V4 format).
+        n_threads: worker threads (default ``torch.get_num_threads()``).
+
+    Returns:
+        ``(err_sq, ref_sq)``, float32 ``[N]`` each.
+
+    Raises:
+        RuntimeError: the library is unavailable (check :func:`available` first).
+        ValueError: layers of other shapes, dtypes or devices, or not contiguous.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native value residual {status()}")
+    if not values:
+        raise ValueError("values must hold at least one layer")
+    shape = tuple(values[0].shape)
+    for v in values:
+        if (v.dim() != 3 or tuple(v.shape) != shape or v.dtype != torch.float32 or v.device.type != "cpu"
+                or not v.is_contiguous()):
+            raise ValueError("native value residual needs contiguous float32 CPU layers [H, N, D] of one shape")
+    h, n, d = shape
+    err, ref = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+    ptrs = (ctypes.c_void_p * len(values))(*[v.data_ptr() for v in values])
+    j = _RJob(layers=ctypes.cast(ptrs, ctypes.c_void_p), L=len(values), H=h, D=d,
+              v_group=effective_v_group(d, group), N=n, err=err.data_ptr(), ref=ref.data_ptr())
+    starts = (ctypes.c_int64 * 2)()
+    rc = lib.pkv_value_residual(ctypes.byref(j), max(1, n_threads or torch.get_num_threads()), starts)
+    if rc < -1:
+        raise ValueError(f"native value residual refused its arguments: {error_text(rc) or rc}")
+    return err, ref
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _why: str | None = None  # reason the library is unavailable (None: not tried yet or loaded)
@@ -284,6 +331,8 @@ def load(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.POINTER(job), ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
         fn.restype = ctypes.c_int
+    lib.pkv_value_residual.argtypes = [ctypes.POINTER(_RJob), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    lib.pkv_value_residual.restype = ctypes.c_int
     return lib
 
 

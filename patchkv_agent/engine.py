@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed, count_nonfinite
 from .core.diff import Edit, diff_versions
 from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
@@ -779,6 +779,8 @@ class PatchKVEngine:
             fallback=fallback,
             extras=dict(out.stats),  # strategy-specific extras (named fields win)
         )
+        # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
+        stats.extras["nonfinite_values"] = count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions)
         exact_rows = len(new)
         if n_restore:
             exact_rows = int(np.min(plan.restore_new_positions))

@@ -285,3 +285,42 @@ def test_a_consistent_entry_that_does_not_fit_the_model_is_quarantined(engine, b
     assert fb is not None and fb.kind is FallbackKind.CORRUPT_CHECKPOINT and "does not fit" in str(fb), fb
     assert torch.equal(res.logits, exact.logits) and res.output_ids == exact.output_ids
     assert store.stats.quarantined == 1
+
+
+# ------------------------------------------------------------------ item 5: K/V beyond the fp16 range
+
+
+def _loud_engine(factor):
+    e = tiny_engine(0)
+    with torch.no_grad():  # layer 1's values (and so its attention output) far beyond fp16, or overflowing fp32
+        e.model.model.layers[1].self_attn.v_proj.weight.mul_(factor)
+    return e
+
+
+@pytest.mark.parametrize("factor", [1e5, 1e38])
+def test_checkpoint_never_raises_for_kv_beyond_fp16_and_keeps_those_blocks_full(factor):
+    e = _loud_engine(factor)
+    rng = np.random.default_rng(7)
+    ids = rng.integers(3, 200, 48).tolist()
+    ckpt = e.checkpoint(ids)  # raised ValueError("resid must be finite and non-negative") before the fix
+    v = ckpt.values[1]
+    unsafe = (~torch.isfinite(v) | (v.abs() > 6e4)).any(2).any(0).numpy()
+    assert unsafe.any()
+    blocks = np.unique(np.flatnonzero(unsafe) // 8)
+    assert (ckpt.mixed.tags[blocks] == Tag.FP16).all()  # held at the source precision (fp32), never quantized
+    assert ckpt.stats["kept_full_tokens"] == int(np.isin(np.arange(48) // 8, blocks).sum())
+    for layer in ckpt.mixed.payloads:  # every quantized payload is finite: nothing overflowed into a scale
+        for tag, p in layer.items():
+            if tag != "FP16":
+                assert all(bool(torch.isfinite(t.float()).all()) for t in p.tensors().values()), tag
+    new = ids[:20] + [5, 6, 7] + ids[22:]
+    res = e.resume(ckpt, new, max_new_tokens=2)
+    exact = e.resume(None, new, strategy="exact", max_new_tokens=2)
+    nonfinite = int((~torch.isfinite(exact.logits)).sum()) + sum(
+        int((~torch.isfinite(x)).sum()) for x in exact.keys + exact.values)
+    assert exact.stats["nonfinite_values"] == nonfinite  # every value of the exact forward is its own
+    assert (nonfinite > 0) == (factor > 1e30)
+    assert res.stats["nonfinite_values"] >= 0 and (res.stats["nonfinite_values"] > 0) == (factor > 1e30)
+    if factor < 1e30:  # finite K/V beyond fp16: restored from the fp32 rows, no overflowed scale turns them NaN
+        assert res.stats["fallback"] is None and res.stats["restore_tokens"] > 0
+        assert bool(torch.isfinite(res.logits).all())

@@ -125,3 +125,71 @@ def test_engine_carries_words_through_checkpoints_and_resumes():
     res2 = eng.resume(ck2, v2, strategy="patchkv", max_new_tokens=0)
     assert np.array_equal(res2.words, eng.words(v2))
     assert np.array_equal(eng.as_checkpoint(res2).words, eng.words(v2))
+
+
+def _values(seed: int, layers: int = 4, n: int = 300, d: int = 64) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(1, 1, d, generator=g) * 3 + 0.05
+    return [torch.randn(2, n, d, generator=g) * scale for _ in range(layers)]
+
+
+@pytest.mark.parametrize("d,group", [(64, 32), (80, 32), (96, 64), (8, 32)])
+def test_native_value_residual_matches_the_reference(d, group):
+    import torch
+
+    from patchkv_agent.kernels import native, value_residual_4bit, value_residual_layers
+    from patchkv_agent.kernels.dispatch import backend
+
+    if not native.available():
+        pytest.skip(f"native kernels {native.status()}")
+    vals = _values(d, d=d)
+    vals[1][:, 5] = 0.0  # an all-zero token in one layer
+    ref_e, ref_r = __import__("patchkv_agent.kernels.quant", fromlist=["x"]).value_residual_sq(torch.stack(vals), group)
+    err, nrm = native.value_residual_sq_native(vals, group)
+    # element errors are the reference's fp32 operations; only the summation order differs (double here)
+    torch.testing.assert_close(err, ref_e, rtol=2e-6, atol=0.0)
+    torch.testing.assert_close(nrm, ref_r, rtol=2e-6, atol=0.0)
+    with backend("native"):
+        got = value_residual_layers(vals, group)
+    with backend("torch"):
+        want = value_residual_layers(vals, group)
+    torch.testing.assert_close(want, value_residual_4bit(torch.stack(vals), group), rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-12)
+
+
+def test_native_value_residual_gives_the_same_tags():
+    """The offload's precision tags are the same with the native residual as with the torch reference."""
+    import torch
+
+    from patchkv_agent.core.checkpoint import build_mixed
+    from patchkv_agent.core.precision import PrecisionPolicy
+    from patchkv_agent.kernels import native
+    from patchkv_agent.kernels.dispatch import backend
+
+    if not native.available():
+        pytest.skip(f"native kernels {native.status()}")
+    vals = _values(7, layers=6, n=640)
+    keys = _values(8, layers=6, n=640)
+    scores = np.random.default_rng(0).random(640).astype(np.float32)
+    out = {}
+    for name in ("native", "torch"):
+        with backend(name):
+            out[name] = build_mixed(keys, vals, scores, block_size=32, policy=PrecisionPolicy()).tags
+    assert np.array_equal(out["native"], out["torch"])
+
+
+def test_native_value_residual_rejects_bad_layers():
+    import torch
+
+    from patchkv_agent.kernels import native
+
+    if not native.available():
+        pytest.skip(f"native kernels {native.status()}")
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.value_residual_sq_native([torch.zeros(2, 4, 8), torch.zeros(2, 5, 8)], 32)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.value_residual_sq_native([torch.zeros(2, 4, 8).transpose(0, 1)], 32)
+    with pytest.raises(ValueError):
+        native.value_residual_sq_native([], 32)

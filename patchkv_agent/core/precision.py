@@ -79,6 +79,7 @@ class Run(NamedTuple):
     n_blocks: int
 
 
+FP16_SAFE = 6.0e4  # |x| beyond this (or non-finite) cannot be quantized: its fp16 scale or zero would overflow
 K4V4_TAU_LL = 0.05  # the K4V4 risk threshold measured for payload <= 40 % (see the module docstring)
 DEFAULT_TAU_LL = 0.0  # K4V4 off by default: it flips edit-following answers (module docstring)
 DEFAULT_G4K = 0.045  # K4V4 4-bit key test
@@ -185,6 +186,7 @@ def assign_tags(
     block_size: int,
     policy: PrecisionPolicy = PrecisionPolicy(),
     key_resid: np.ndarray | None = None,
+    keep_full: np.ndarray | None = None,
 ) -> np.ndarray:
     """Precision tag per block.
 
@@ -196,13 +198,16 @@ def assign_tags(
         key_resid: per-token normalized 4-bit key residual ``ek_i`` ``[N]``
             (``kernels.quant.key_residual_4bit`` with the same ``block_size``), or ``None``: no
             block becomes K4V4 (the tags of the rule without K4V4).
+        keep_full: bool ``[N]``, or None: tokens no format can quantize (non-finite, or beyond
+            :data:`FP16_SAFE`); every block holding one is ``FP16`` (stored in the source dtype, which holds
+            them), whatever the rule says.
 
     Returns:
         int8 ``[ceil(N / block_size)]`` of :class:`Tag` values.
 
     Raises:
         ValueError: as :func:`block_risk`; ``key_resid`` not of ``resid``'s shape, negative or
-            non-finite.
+            non-finite; ``keep_full`` not a bool ``[N]``.
     """
     r = block_risk(attn, resid, block_size, policy.alpha)
     e_max = _block_reduce(np.asarray(resid, dtype=np.float64), block_size, np.maximum)
@@ -216,6 +221,11 @@ def assign_tags(
         ek_max = _block_reduce(ek, block_size, np.maximum)
         low = np.where((low == Tag.K8V4) & (r < policy.tau_LL) & (ek_max <= policy.g4k), Tag.K4V4, low)
     tags = np.where(r >= policy.tau_H, Tag.FP16, np.where(r >= policy.tau_L, Tag.K8V8, low))
+    if keep_full is not None:
+        kf = np.asarray(keep_full)
+        if kf.dtype != bool or kf.shape != np.shape(resid):
+            raise ValueError(f"keep_full must be bool [N] like resid, got {kf.dtype} {kf.shape}")
+        tags = np.where(_block_reduce(kf, block_size, np.logical_or), Tag.FP16, tags)
     return tags.astype(np.int8)
 
 
