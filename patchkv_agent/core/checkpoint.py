@@ -24,7 +24,7 @@ import xxhash
 
 from ..kernels import RunPayload, key_residual_sq, quantize_gather, value_residual_layers
 from .plan import DEFAULT_BLOCK_SIZE
-from .precision import PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
+from .precision import FP16_SAFE, PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -121,7 +121,9 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
         block_size: tokens per block.
         policy: precision thresholds (``tau_LL == 0``: no K4V4, and the key residual is not computed).
         timings: when given, filled with the seconds of each stage: ``value_residual_s``,
-            ``key_residual_s``, ``tags_s``, ``pack_s`` (quantize every layer's rows and checksum them).
+            ``key_residual_s``, ``tags_s``, ``pack_s`` (quantize every layer's rows and checksum them), and
+            ``kept_full_tokens``: tokens in blocks kept ``FP16`` because a K or V value of the block is
+            non-finite or beyond the fp16 range (:func:`unquantizable_tokens`; never quantized, never raised).
 
     Returns:
         The :class:`MixedKV` (payloads on the device of ``keys``).
@@ -132,14 +134,67 @@ def build_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], scores: np
     t1 = time.perf_counter()
     key_resid = key_residual(keys, block_size) if policy.tau_LL > 0 else None
     t2 = time.perf_counter()
+    keep = unquantizable_tokens(keys, values)
+    keep |= ~np.isfinite(resid)
+    resid = np.where(keep, 0.0, resid)  # those blocks are FP16 whatever their residual
+    if key_resid is not None:
+        keep |= ~np.isfinite(key_resid)
+        key_resid = np.where(keep, 0.0, key_resid)
     attn = np.ones(n, dtype=np.float64) if scores is None else np.asarray(scores, dtype=np.float64)
-    tags = assign_tags(attn, resid, block_size, policy, key_resid)
+    bad = ~np.isfinite(attn) | (attn < 0)
+    if bad.any():  # attention of a non-finite forward: unknown counts as the most attended (safer tags)
+        good = attn[~bad]
+        attn = np.where(bad, good.max() if good.size else 1.0, attn)
+    tags = assign_tags(attn, resid, block_size, policy, key_resid, keep_full=keep)
     t3 = time.perf_counter()
     mixed = quantize_mixed(keys, values, tags, block_size=block_size)
     if timings is not None:
         timings.update(value_residual_s=t1 - t0, key_residual_s=t2 - t1, tags_s=t3 - t2,
                        pack_s=time.perf_counter() - t3)
+        timings["kept_full_tokens"] = int(np.isin(np.arange(n) // block_size,
+                                                  np.unique(np.flatnonzero(keep) // block_size)).sum())
     return mixed
+
+
+def unquantizable_tokens(keys: list[torch.Tensor], values: list[torch.Tensor]) -> np.ndarray:
+    """Tokens whose K or V, in any layer or head, are non-finite or beyond ``precision.FP16_SAFE``.
+
+    No quantized format holds them (the fp16 scale or zero of their group would overflow and decode to
+    NaN); :func:`build_mixed` keeps their blocks ``FP16`` (the source dtype).
+
+    Args:
+        keys, values: per layer ``[H, N, D]``.
+
+    Returns:
+        bool ``[N]``.
+    """
+    out = None
+    for x in (*keys, *values):
+        bad = (~torch.isfinite(x) | (x.abs() > FP16_SAFE)).any(2).any(0)
+        out = bad if out is None else out | bad
+    return out.cpu().numpy() if out is not None else np.zeros(0, dtype=bool)
+
+
+def count_nonfinite(logits: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    rows: np.ndarray | None = None) -> int:
+    """Non-finite values a forward produced: in ``logits`` and in rows ``rows`` of every layer's K/V.
+
+    Args:
+        logits: the forward's logits.
+        keys, values: per layer ``[1, H, N, D]``.
+        rows: the positions the forward computed (None: all).
+
+    Returns:
+        The count (0 for a healthy forward).
+    """
+    n = int((~torch.isfinite(logits)).sum())
+    idx = None
+    if rows is not None and len(rows) != (keys[0].shape[2] if keys else 0):
+        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64), device=keys[0].device) if keys else None
+    for x in (*keys, *values):
+        x = x if idx is None else x.index_select(2, idx)
+        n += int((~torch.isfinite(x)).sum())
+    return n
 
 
 def quantize_mixed(keys: list[torch.Tensor], values: list[torch.Tensor], tags: np.ndarray, *,
