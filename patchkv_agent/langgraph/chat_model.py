@@ -48,8 +48,8 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validat
 from ..core.sampling import Sampler, SamplingParams
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
-from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, parse_tool_calls, plain_messages, to_trace_messages,
-                    tool_schemas, with_tool_protocol)
+from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, new_call_id, parse_tool_calls, plain_messages,
+                    to_trace_messages, tool_schemas, with_tool_protocol)
 
 log = logging.getLogger(__name__)
 _KEY_KWARG = "patchkv_thread_key"
@@ -266,7 +266,9 @@ class PatchKVChatModel(BaseChatModel):
             A runnable returning the parsed output.
 
         Raises:
-            ValueError: an unknown method or keyword argument, or a method that needs a schema without one.
+            ValueError: an unknown method or keyword argument, a method that needs a schema without one, or
+                a schema LangChain cannot convert.
+            TypeError: a schema of the wrong type (a string, a list, a number, an empty dict).
         """
         from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
         from langchain_core.runnables import RunnableMap, RunnablePassthrough
@@ -280,6 +282,10 @@ class PatchKVChatModel(BaseChatModel):
             raise ValueError(f"with_structured_output: unknown method {method!r}; supported: {list(STRUCTURED_METHODS)}")
         if schema is None and method != "json_mode":
             raise ValueError(f"with_structured_output(method={method!r}) needs a schema (json_mode works without one)")
+        if schema is not None and (isinstance(schema, (str, bytes, list, tuple, set, int, float, bool))
+                                   or (isinstance(schema, dict) and not schema)):
+            raise TypeError(f"with_structured_output: schema must be a pydantic class, a TypedDict, a JSON schema dict "
+                            f"or an OpenAI function dict, got {type(schema).__name__} {schema!r:.60}")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         ls_format = {"kwargs": {"method": method}, "schema": schema}
         if method == "function_calling":
@@ -288,12 +294,17 @@ class PatchKVChatModel(BaseChatModel):
             parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
                       else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
         else:
-            if schema is None:
+            if schema is None:  # any JSON object, under the json_object grammar (no schema to trace)
                 rf: dict[str, Any] = {"type": "json_object"}
-                llm = self.bind(response_format=rf, ls_structured_output_format={"kwargs": {"method": method}})
+                llm = self.bind(response_format=rf)
             else:
-                js = (schema.model_json_schema() if is_pydantic and hasattr(schema, "model_json_schema")
-                      else convert_to_json_schema(schema))
+                try:
+                    js = (schema.model_json_schema() if is_pydantic and hasattr(schema, "model_json_schema")
+                          else convert_to_json_schema(schema))
+                except (ValueError, TypeError, KeyError, AttributeError) as e:
+                    first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+                    raise ValueError(f"with_structured_output: cannot read a JSON schema from {schema!r:.60}: "
+                                     f"{first}") from None
                 rf = {"type": "json_schema", "json_schema": {"name": js.get("title", "output"), "schema": js}}
                 llm = self.bind(response_format=rf, ls_structured_output_format=ls_format)
             parser = _CompletePydantic(pydantic_object=schema) if is_pydantic else _CompleteJson()
@@ -428,7 +439,9 @@ class PatchKVChatModel(BaseChatModel):
 
         opt = self._call_options(kwargs)
         tool_choice, rf = opt["tool_choice"], opt["response_format"]
-        tools = [] if tool_choice == "none" else list(opt["tools"] or [])
+        tools = tool_schemas(opt["tools"]) if opt["tools"] is not None else []  # checks call-time tools too
+        if isinstance(tool_choice, str) and tool_choice == "none":
+            tools = []
         spec = spec_for(tools=tools, tool_choice=tool_choice, response_format=rf)  # validates either way
         if rf is not None and tools:
             raise ValueError("pass tools or response_format (structured output), not both")
@@ -470,6 +483,13 @@ class PatchKVChatModel(BaseChatModel):
                                       truncated=not complete)
         else:
             parsed = ParsedOutput(content=text)
+        if (processor is not None and spec["kind"] == "forced_call" and not complete and not parsed.tool_calls
+                and not parsed.invalid_tool_calls):
+            # cut off before the call's opening tag was complete (or before any token): under the grammar
+            # every token is the call's, so this is a cut-off call, not text
+            parsed = ParsedOutput(content="", invalid_tool_calls=[{
+                "name": None, "args": text.strip(), "id": new_call_id(), "type": "invalid_tool_call",
+                "error": "tool call cut off by the token limit (raise max_tokens)"}])
         if not parsed.content.startswith(emitted):  # pragma: no cover - held_back guards this
             raise RuntimeError("bug: streamed text is not a prefix of the final content")
         if parsed.tool_calls and not parsed.invalid_tool_calls:

@@ -175,6 +175,8 @@ def spec_for(*, tools: Sequence[dict] | None = None, tool_choice: Any = None,
     Raises:
         ValueError: an unknown ``tool_choice`` or tool name, a forced call without tools, or a
             ``response_format`` of unknown type.
+        TypeError: a ``tool_choice`` of the wrong type (e.g. ``{"function": 3}``), or tools that are not a
+            list of well-formed schemas (see :func:`~patchkv_agent.langgraph.tools.check_tool_schema`).
     """
     if response_format is not None:
         rtype = response_format.get("type") if isinstance(response_format, dict) else None
@@ -187,14 +189,20 @@ def spec_for(*, tools: Sequence[dict] | None = None, tool_choice: Any = None,
         if rtype == "json_object":
             return {"kind": "json_object"}
         raise ValueError(f"response_format type must be 'json_schema' or 'json_object', got {response_format!r}")
-    tools = list(tools or [])
-    if tool_choice == "none":
+    from .tools import check_tool_schema
+
+    if tools is not None and (isinstance(tools, (str, bytes, dict)) or not hasattr(tools, "__iter__")):
+        raise TypeError(f"tools must be a list of OpenAI-format tool schemas, got {type(tools).__name__}")
+    tools = [check_tool_schema(t, f"tools[{i}]") for i, t in enumerate(tools or [])]
+    if isinstance(tool_choice, str) and tool_choice == "none":
         return None
     names = [t["function"]["name"] for t in tools]
     if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-        if not isinstance(tool_choice, str):
-            raise ValueError("tool_choice dict must name a function: {'type': 'function', 'function': {'name': ...}}")
+        tool_choice = _tool_choice_name(tool_choice)
+    elif tool_choice is not None and not isinstance(tool_choice, (str, bool)):
+        raise TypeError(f"tool_choice must be 'auto', 'any', 'required', 'none', a tool name, True or "
+                        f"{{'type': 'function', 'function': {{'name': ...}}}}; got {type(tool_choice).__name__} "
+                        f"{tool_choice!r:.60}")
     if tool_choice in (None, "auto"):
         return {"kind": "auto_calls", "tools": tools} if tools else None
     if not tools:
@@ -206,4 +214,28 @@ def spec_for(*, tools: Sequence[dict] | None = None, tool_choice: Any = None,
             raise ValueError(f"tool_choice {tool_choice!r} is not a bound tool; bound: {names}")
         return {"kind": "forced_call", "tools": [tools[names.index(tool_choice)]]}
     raise ValueError(f"tool_choice must be 'auto', 'any', 'required', 'none', a tool name or a function dict; "
-                     f"got {tool_choice!r}")
+                     f"got {tool_choice!r:.60}")
+
+
+def _tool_choice_name(choice: dict) -> str:
+    """The tool name of a dict ``tool_choice`` (``{"type": "function", "function": {"name": ...}}`` or
+    ``{"name": ...}``).
+
+    Raises:
+        TypeError: ``function`` that is not a dict, or a name that is not a string.
+        ValueError: a dict that names no function.
+    """
+    form = "{'type': 'function', 'function': {'name': 'my_tool'}}"
+    fn = choice.get("function")
+    if fn is not None and not isinstance(fn, dict):
+        raise TypeError(f"tool_choice['function'] must be a dict like {{'name': 'my_tool'}}, got {type(fn).__name__} "
+                        f"{fn!r:.60}; pass {form}")
+    if "type" in choice and choice["type"] != "function":
+        raise ValueError(f"tool_choice['type'] must be 'function', got {choice['type']!r:.60}; pass {form}")
+    name = (fn or {}).get("name", choice.get("name"))
+    if name is None:
+        raise ValueError(f"tool_choice dict must name a function: {form}")
+    if not isinstance(name, str):
+        raise TypeError(f"tool_choice's function name must be a string, got {type(name).__name__} {name!r:.60}; "
+                        f"pass {form}")
+    return name

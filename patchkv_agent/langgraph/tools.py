@@ -65,8 +65,94 @@ def new_call_id() -> str:
 # --------------------------------------------------------------------------- protocol
 
 def tool_schemas(tools: Iterable[Any]) -> list[dict[str, Any]]:
-    """OpenAI-format tool schemas of LangChain tools, functions, pydantic classes or dicts."""
-    return [convert_to_openai_tool(t) for t in tools]
+    """OpenAI-format tool schemas of LangChain tools, functions, pydantic classes or dicts, checked.
+
+    Args:
+        tools: a list (any iterable but a string or a dict) of tools.
+
+    Returns:
+        One ``{"type": "function", "function": {"name", "description", "parameters"}}`` dict per tool.
+
+    Raises:
+        TypeError: ``tools`` is a string, a dict or not iterable; a tool that is not a tool, function,
+            pydantic class or dict; a schema whose fields have the wrong types (e.g. ``parameters`` given
+            as a list or a string) or that is not JSON-serializable. The message names the tool and field.
+        ValueError: a tool without a name, two tools with the same name, or a tool LangChain cannot
+            convert.
+    """
+    if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Iterable):
+        raise TypeError(f"tools must be a list of tools (LangChain tools, functions, pydantic classes or "
+                        f"OpenAI-format dicts), got {type(tools).__name__}; wrap a single tool in a list")
+    out: list[dict[str, Any]] = []
+    for i, t in enumerate(tools):
+        if t is None or isinstance(t, (str, bytes, int, float, list, tuple, set, frozenset)):
+            raise TypeError(f"tools[{i}] must be a LangChain tool, a function, a pydantic class or an OpenAI-format "
+                            f"dict, got {type(t).__name__} {_short(t)}")
+        try:
+            schema = convert_to_openai_tool(t)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise ValueError(f"tools[{i}]: cannot read a tool schema from {type(t).__name__} {_short(t)}: {first}") from None
+        out.append(check_tool_schema(schema, f"tools[{i}]"))
+    names = [t["function"]["name"] for t in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"tools: two tools are named {dup[0]!r}; tool names must be unique")
+    return out
+
+
+def _short(x: Any, n: int = 60) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def check_tool_schema(schema: Any, where: str = "tool") -> dict[str, Any]:
+    """Check one OpenAI-format tool schema's structure (what the grammar and the prompt read).
+
+    Args:
+        schema: ``{"type": "function", "function": {...}}`` (or the bare function dict).
+        where: how to name it in errors (e.g. ``"tools[2]"``).
+
+    Returns:
+        The schema in the ``{"type": "function", "function": {...}}`` form.
+
+    Raises:
+        TypeError: a field of the wrong type (``function``, ``name``, ``description``, ``parameters``,
+            ``properties``, ``required``) or a schema that is not JSON-serializable.
+        ValueError: an empty name.
+    """
+    if not isinstance(schema, dict):
+        raise TypeError(f"{where}: a tool schema must be a dict, got {type(schema).__name__} {_short(schema)}")
+    fn = schema.get("function", schema) if schema.get("type", "function") == "function" else schema
+    if not isinstance(fn, dict):
+        raise TypeError(f"{where}: 'function' must be a dict like {{'name': ..., 'parameters': {{...}}}}, got "
+                        f"{type(fn).__name__} {_short(fn)}")
+    name = fn.get("name")
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: the tool name must be a string, got {type(name).__name__} {_short(name)}")
+    if not name.strip():
+        raise ValueError(f"{where}: the tool name is empty")
+    desc = fn.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise TypeError(f"{where} ({name}): 'description' must be a string, got {type(desc).__name__}")
+    params = fn.get("parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise TypeError(f"{where} ({name}): 'parameters' must be a JSON schema dict (e.g. {{'type': 'object', "
+                            f"'properties': {{...}}}}), got {type(params).__name__} {_short(params)}")
+        props = params.get("properties")
+        if props is not None and not (isinstance(props, dict) and all(isinstance(v, (dict, bool)) for v in props.values())):
+            raise TypeError(f"{where} ({name}): 'parameters.properties' must map argument names to JSON schemas, got "
+                            f"{_short(props)}")
+        req = params.get("required")
+        if req is not None and not (isinstance(req, list) and all(isinstance(r, str) for r in req)):
+            raise TypeError(f"{where} ({name}): 'parameters.required' must be a list of argument names, got "
+                            f"{_short(req)}")
+    try:
+        json.dumps(fn)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where} ({name}): the schema is not JSON-serializable ({e})") from None
+    return {"type": "function", "function": fn}
 
 
 def tool_protocol_prompt(tools: Sequence[dict[str, Any]]) -> str:
@@ -238,14 +324,16 @@ def _call_from(obj: Any) -> tuple[str | None, dict | None, str | None]:
     return name, args, None
 
 
-def _decode(blob: str, calls: list, invalid: list, cut: str | None = None) -> None:
+def _decode(blob: str, calls: list, invalid: list, cut: str | None = None, raw: str | None = None) -> None:
     """Read one call blob into ``calls`` / ``invalid``. A blob that needs repairing (truncated JSON) is
-    never a call: it is an invalid call, with ``cut`` as the error when the output was cut off."""
+    never a call: it is an invalid call, with ``cut`` as the error when the output was cut off. ``raw``
+    (the call's whole text, tags included) is an invalid single call's ``args``: text no JSON reader
+    turns back into a call (a streamed message's chunks are re-parsed with partial-JSON repair)."""
     try:
         obj = _loads(blob, repair=False)
     except ValueError:
         m = _NAME.search(blob)
-        invalid.append({"name": m.group(1) if m else None, "args": blob.strip(), "id": new_call_id(),
+        invalid.append({"name": m.group(1) if m else None, "args": raw or blob.strip(), "id": new_call_id(),
                         "error": cut or "tool call is not valid JSON", "type": "invalid_tool_call"})
         return
     for o in obj if isinstance(obj, list) else [obj]:
@@ -253,8 +341,9 @@ def _decode(blob: str, calls: list, invalid: list, cut: str | None = None) -> No
         if err is None:
             calls.append({"name": name, "args": args, "id": new_call_id(), "type": "tool_call"})
         else:
-            invalid.append({"name": name, "args": json.dumps(o) if not isinstance(o, str) else o,
-                            "id": new_call_id(), "error": err, "type": "invalid_tool_call"})
+            text = raw if (raw and not isinstance(obj, list)) else (json.dumps(o) if not isinstance(o, str) else o)
+            invalid.append({"name": name, "args": text, "id": new_call_id(), "error": err,
+                            "type": "invalid_tool_call"})
 
 
 def _bare_calls(text: str, tool_names: set[str] | None) -> list[tuple[int, int, Any]]:
@@ -303,27 +392,34 @@ def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None, *, bare
         text: the decoded model output.
         tool_names: names of the bound tools (None: any name).
         bare: also read untagged JSON calls (off under a grammar, which only admits tagged calls).
-        truncated: the output was cut off by the token limit: an unterminated last tagged call is an
-            invalid call saying so, even if its JSON happens to parse.
+        truncated: the output was cut off by the token limit: an unterminated last tagged call, or an
+            opening tag cut off at the end (``<tool_c``), is an invalid call saying so, even if its JSON
+            happens to parse.
 
     Returns:
         A :class:`ParsedOutput`: ``content`` is the text without the call spans (stripped); calls carry
-        fresh ids; unreadable calls are ``invalid_tool_calls`` with the raw text as ``args``.
+        fresh ids; unreadable calls are ``invalid_tool_calls`` with the raw text as ``args`` (a tagged
+        call's whole text, tags included, so that no partial-JSON reader repairs it into a call).
     """
     names = set(tool_names) if tool_names is not None else None
     calls: list[dict] = []
     invalid: list[dict] = []
     cut_msg = "tool call cut off by the token limit (raise max_tokens)"
     tagged = list(_TAGGED.finditer(text))
+    partial = _partial_open(text) if truncated and not tagged else 0
+    if partial:  # cut off inside the opening tag (``<tool_ca``): a call was starting
+        invalid.append({"name": None, "args": text[len(text) - partial:], "id": new_call_id(), "error": cut_msg,
+                        "type": "invalid_tool_call"})
+        text = text[:len(text) - partial]
     if tagged:
         for m in tagged:
             unterminated = not m.group(0).endswith(TOOL_CALL_CLOSE)
             if unterminated and truncated:
                 nm = _NAME.search(m.group(1))
-                invalid.append({"name": nm.group(1) if nm else None, "args": m.group(1).strip(), "id": new_call_id(),
+                invalid.append({"name": nm.group(1) if nm else None, "args": m.group(0).strip(), "id": new_call_id(),
                                 "error": cut_msg, "type": "invalid_tool_call"})
                 continue
-            _decode(m.group(1), calls, invalid, cut_msg if (unterminated and truncated) else None)
+            _decode(m.group(1), calls, invalid, None, raw=m.group(0).strip())
         content = _TAGGED.sub("", text)
     elif bare:
         spans = _bare_calls(text, names)
@@ -345,6 +441,14 @@ def parse_tool_calls(text: str, tool_names: Iterable[str] | None = None, *, bare
     else:
         content = text
     return ParsedOutput(content=content.strip(), tool_calls=calls, invalid_tool_calls=invalid)
+
+
+def _partial_open(text: str) -> int:
+    """Length of a trailing proper prefix of ``<tool_call>`` (at least ``<t``) at the end of ``text``, else 0."""
+    for k in range(len(TOOL_CALL_OPEN) - 1, 1, -1):
+        if text.endswith(TOOL_CALL_OPEN[:k]):
+            return k
+    return 0
 
 
 def held_back(text: str, markers: Sequence[str]) -> int:
