@@ -1,0 +1,352 @@
+"""Host-side cost of a resume, stage by stage, with a forward of negligible cost (``patchkv-agent bench-host``).
+
+On an accelerator a selective resume of a few hundred tokens takes tens of milliseconds, so what the host
+does around the forward must be far below that. This benchmark runs the resume path's host stages exactly
+as :meth:`PatchKVEngine.resume <patchkv_agent.engine.PatchKVEngine.resume>` calls them, on synthetic
+checkpoints of 2k to 128k tokens with 1 / 4 / 16 edits, and times each stage:
+
+- ``validate``: :meth:`PatchKVEngine.validate_ids` of ``C_new`` as a Python list (what a tokenizer gives)
+  and, separately, as an int64 array (``validate_np``);
+- ``diff``: :func:`~patchkv_agent.core.diff.diff_versions` of the checkpoint's ids and ``C_new``;
+- ``words``: :meth:`Edit.new_words <patchkv_agent.core.diff.Edit.new_words>`, the new version's word ids
+  from the checkpoint's carried ones (only the edited words are read);
+- ``plan``: the ``patchkv`` strategy's plan (lexical readers on, stored attention);
+- ``bookkeeping``: :class:`~patchkv_agent.core.recovery.RecoveryBuffers` (plan checks, destination K/V);
+- ``kv_copy``: its ``restore`` from the mixed-precision runs (the ``patchkv`` path: prefix rows copied,
+  suffix rows dequantized and RoPE-shifted), and ``kv_copy_fp`` from the full-precision rows;
+- ``cache``: :func:`~patchkv_agent.core.recovery.to_dynamic_cache` of the recovered K/V.
+
+``host_ms`` is the sum of every stage but the forward and the KV copy (validation of the list form). Beside
+it, the KV copy's bandwidth (destination bytes written per second) against a plain ``copy_`` of the same
+bytes on the same device: the physical limit. The model is a one-layer llama built from a config (random
+weights, no forward is run) unless ``--model`` names a real one, whose shapes are then used.
+
+Boundary: knows the engine, diff, plan, strategies and recovery through their public functions; writes
+JSON and a PNG. Timings are medians over ``--repeats``; nothing here is asserted by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+__all__ = ["run_host_bench", "tiny_engine", "plot_host", "add_cli", "main"]
+
+STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
+DEFAULT_LENGTHS = (2048, 8192, 32768, 131072)
+DEFAULT_EDITS = (1, 4, 16)
+TARGETS_MS = {8192: 1.0, 32768: 3.0, 131072: 10.0}  # issue 21: one edit, host time outside forward and KV copy
+
+_WORDS = ["the", "result", "Sofia", "tool", "call", "json", "value", "id", "name", "error", "ok", "city",
+          "of", "in", "to", "data", "query", "page", "x", "42"]
+
+
+def _piece(i: int) -> str:
+    """A deterministic stand-in vocabulary: words with and without a leading space, digits, punctuation."""
+    w = _WORDS[i % len(_WORDS)]
+    kind = (i // len(_WORDS)) % 5
+    return ("Ġ" + w, w, w.upper(), "Ġ" + w[:2], ".,:{}()\"Ċ"[i % 9])[kind]
+
+
+def tiny_engine(*, layers: int = 1, kv_heads: int = 2, head_dim: int = 64, max_positions: int = 140_000,
+                device: str = "cpu"):
+    """A :class:`PatchKVEngine` over a one-layer llama from a config (random weights), with a word index.
+
+    Args:
+        layers, kv_heads, head_dim: the KV shapes.
+        max_positions: the model's maximum positions.
+        device: where the (never run) model and the destination K/V live.
+
+    Returns:
+        The engine (``profile=None``: built-in settings, block 32).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..core.lexicon import WordIndex
+    from ..engine import PatchKVEngine
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=kv_heads * head_dim, intermediate_size=64,
+                      num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, max_position_embeddings=max_positions, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device).eval()
+    eng = PatchKVEngine(model, None, profile=None)
+    eng.words = WordIndex(_piece)
+    return eng
+
+
+def _versions(n: int, n_edits: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, vocab, n).astype(np.int64)
+    parts, cut = [], 0
+    for k in range(n_edits):  # each edit replaces 10 tokens by 20, spread evenly
+        s = (k + 1) * n // (n_edits + 1)
+        parts += [old[cut:s], rng.integers(0, vocab, 20)]
+        cut = s + 10
+    parts.append(old[cut:])
+    return old, np.concatenate(parts).astype(np.int64)
+
+
+def _checkpoint(eng, old: np.ndarray, seed: int):
+    """A checkpoint of ``old`` with random K/V of the engine's shapes, mixed runs and carried words."""
+    from ..core.checkpoint import Checkpoint, build_mixed
+
+    spec = eng.spec
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec.num_kv_heads, len(old), spec.head_dim)
+    keys = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
+    values = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
+    scores = np.random.default_rng(seed).random(len(old)).astype(np.float32)
+    mixed = build_mixed(keys, values, scores, block_size=eng.block_size, policy=eng.precision_policy)
+    if torch.cuda.is_available():
+        keys, values = [k.pin_memory() for k in keys], [v.pin_memory() for v in values]
+    return Checkpoint(token_ids=old, keys=keys, values=values, fingerprint=spec.fingerprint, scores=scores,
+                      mixed=mixed, words=eng.words(old) if eng.words is not None else None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def _memcpy_s(nbytes: int, device: torch.device, repeats: int, *, fresh: bool = False) -> float:
+    """Median seconds of a plain ``copy_`` of ``nbytes`` (fp32) on ``device`` (host to device on CUDA), into
+    one warm destination, or (``fresh``) into a newly allocated one each time as a restore writes."""
+    n = max(1, nbytes // 4)
+    dst = torch.empty(n, dtype=torch.float32, device=device)
+    src = torch.ones(n, dtype=torch.float32)
+    src = src.pin_memory() if device.type == "cuda" else src
+    ts = []
+    for _ in range(repeats + 1):
+        if fresh:
+            ts.append(_timed(lambda: torch.empty(n, dtype=torch.float32, device=device).copy_(src, non_blocking=True),
+                             device)[0])
+        else:
+            ts.append(_timed(lambda: dst.copy_(src, non_blocking=True), device)[0])
+    return statistics.median(ts[1:])
+
+
+def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats: int = 5, seed: int = 0,
+                   progress: bool = True) -> dict[str, Any]:
+    """Time the resume path's host stages per (context length, edit count).
+
+    Args:
+        eng: a :class:`PatchKVEngine` (its model's shapes, device and word index are used; no forward runs).
+        lengths: context lengths in tokens (each below the model's maximum positions).
+        edits: edit counts (each replaces 10 tokens by 20).
+        repeats: timed repetitions per configuration (medians are reported), ``>= 1``.
+        seed: RNG seed of ids, K/V and scores.
+        progress: show a progress bar.
+
+    Returns:
+        ``{"device", "model", "rows": [...], "targets_ms", "notes"}``; each row has the configuration,
+        ``<stage>_ms`` medians, ``host_ms``, ``kv_copy_ms`` / ``kv_copy_fp_ms``, ``kv_bytes``, the copy
+        bandwidths and ``memcpy_gbps`` of the same bytes.
+
+    Raises:
+        ValueError: ``repeats < 1``, or a length beyond the model's maximum positions.
+    """
+    from ..core.recovery import RecoveryBuffers, to_dynamic_cache
+    from ..strategies import get_strategy
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    maxpos = eng.spec.max_positions
+    for n in lengths:
+        if maxpos is not None and n + 20 * max(edits) > maxpos:
+            raise ValueError(f"length {n} (plus edits) exceeds the model's {maxpos} positions")
+    device = eng.device
+    strat = get_strategy("patchkv", readers="lexical")
+    vocab = int(eng.spec.vocab_size or 4096)
+    rows = []
+    bar = tqdm(total=len(lengths) * len(edits), desc="bench-host", disable=not progress, file=sys.stderr)
+    for n in lengths:
+        for n_edits in edits:
+            old, new = _versions(n, n_edits, vocab, seed + n + n_edits)
+            ckpt = _checkpoint(eng, old, seed)
+            new_list = new.tolist()
+            times: dict[str, list[float]] = {k: [] for k in (*STAGES, "validate_np", "kv_copy", "kv_copy_fp")}
+            info: dict[str, Any] = {}
+            for _ in range(repeats):
+                from ..core.diff import diff_versions
+
+                t, ids = _timed(lambda: eng.validate_ids(new_list, "new_token_ids"), device)
+                times["validate"].append(t)
+                times["validate_np"].append(_timed(lambda: eng.validate_ids(new, "new_token_ids"), device)[0])
+                t, edit = _timed(lambda: diff_versions(ckpt.token_ids, ids, words=eng.words, old_words=ckpt.words),
+                                 device)
+                times["diff"].append(t)
+                times["words"].append(_timed(edit.new_words, device)[0])
+                t, plan = _timed(lambda: strat.plan(eng.settings, ckpt, edit), device)
+                times["plan"].append(t)
+                ids_t = torch.from_numpy(ids)
+                t, buf = _timed(lambda: RecoveryBuffers(eng.model, eng.spec, ids_t, plan), device)
+                times["bookkeeping"].append(t)
+                times["kv_copy"].append(_timed(lambda: buf.restore(ckpt.keys, ckpt.values, ckpt.mixed), device)[0])
+                buf_fp = RecoveryBuffers(eng.model, eng.spec, ids_t, plan)
+                times["kv_copy_fp"].append(_timed(lambda: buf_fp.restore(ckpt.keys, ckpt.values, None), device)[0])
+                times["cache"].append(_timed(lambda: to_dynamic_cache(eng.model, buf.keys, buf.values), device)[0])
+                info = {"restore_tokens": int(plan.n_restore), "recompute_tokens": int(plan.n_recompute),
+                        "prefix_tokens": int(plan.prefix_len), "restore_kernel": buf.kernel,
+                        "payload_bytes": int(buf.payload_bytes)}
+            med = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+            spec = eng.spec
+            row_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * buf.keys[0].element_size()
+            kv_bytes = (info["prefix_tokens"] + info["restore_tokens"]) * row_bytes  # destination bytes written
+            mem_s = _memcpy_s(kv_bytes, device, repeats)
+            fresh_s = _memcpy_s(kv_bytes, device, repeats, fresh=True)
+            row = {"tokens": int(len(new)), "edits": n_edits, **info, **med,
+                   "host_ms": sum(med[f"{k}_ms"] for k in STAGES),
+                   "kv_bytes": int(kv_bytes), "memcpy_ms": mem_s * 1e3,
+                   "kv_copy_gbps": kv_bytes / max(med["kv_copy_ms"] / 1e3, 1e-12) / 1e9,
+                   "kv_copy_fp_gbps": kv_bytes / max(med["kv_copy_fp_ms"] / 1e3, 1e-12) / 1e9,
+                   "memcpy_gbps": kv_bytes / max(mem_s, 1e-12) / 1e9,
+                   "memcpy_fresh_ms": fresh_s * 1e3, "memcpy_fresh_gbps": kv_bytes / max(fresh_s, 1e-12) / 1e9}
+            row["kv_copy_fp_vs_memcpy"] = row["kv_copy_fp_gbps"] / max(row["memcpy_gbps"], 1e-12)
+            row["kv_copy_vs_memcpy"] = row["kv_copy_gbps"] / max(row["memcpy_gbps"], 1e-12)
+            row["kv_copy_fp_vs_fresh_memcpy"] = row["kv_copy_fp_gbps"] / max(row["memcpy_fresh_gbps"], 1e-12)
+            rows.append(row)
+            bar.update(1)
+    bar.close()
+    spec = eng.spec
+    return {"device": str(device), "model": getattr(eng.model, "patchkv_source", None) or "tiny-llama-1layer",
+            "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "torch_threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
+            "targets_ms": {str(k): v for k, v in TARGETS_MS.items()},
+            "notes": "host_ms = validate (list input) + diff + words + plan + bookkeeping + cache; the forward "
+                     "and the KV copy are outside it. kv_copy: restore from the mixed-precision runs "
+                     "(dequantize + RoPE shift); kv_copy_fp: from the full-precision rows; memcpy: a plain "
+                     "copy_ of the same destination bytes into a warm buffer (memcpy) and into a newly allocated one "
+                     "(memcpy_fresh: page faults included, as the restore's fresh destination pays them)."}
+
+
+def format_host(summary: dict[str, Any]) -> str:
+    """The rows as an aligned text table."""
+    head = ["tokens", "edits", "validate", "val_np", "diff", "words", "plan", "bookkeep", "cache", "host_ms",
+            "kv_copy", "kv_fp", "memcpy", "fresh", "fp/memcpy", "fp/fresh"]
+    lines = [head]
+    for r in summary["rows"]:
+        lines.append([str(r["tokens"]), str(r["edits"])] + [f"{r[k]:.2f}" for k in (
+            "validate_ms", "validate_np_ms", "diff_ms", "words_ms", "plan_ms", "bookkeeping_ms", "cache_ms",
+            "host_ms", "kv_copy_ms", "kv_copy_fp_ms", "memcpy_ms", "memcpy_fresh_ms")] + [
+            f"{r['kv_copy_fp_vs_memcpy']:.2f}", f"{r['kv_copy_fp_vs_fresh_memcpy']:.2f}"])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+def plot_host(summary: dict[str, Any], path: str | Path) -> None:
+    """Host time (outside forward and KV copy) against context length, one line per edit count, with the
+    issue's targets; and the KV copy's bandwidth against memcpy's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for e in sorted({r["edits"] for r in summary["rows"]}):
+        rs = [r for r in summary["rows"] if r["edits"] == e]
+        ax.plot([r["tokens"] for r in rs], [r["host_ms"] for r in rs], "o-", label=f"{e} edit(s)")
+    tg = sorted((int(k), v) for k, v in summary["targets_ms"].items())
+    ax.plot([k for k, _ in tg], [v for _, v in tg], "k--", label="target (1 edit)")
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="host ms (outside forward, KV copy)",
+           title=f"host time per resume ({summary['device']})")
+    ax.legend()
+    rs = [r for r in summary["rows"] if r["edits"] == min(r["edits"] for r in summary["rows"])]
+    x = [r["tokens"] for r in rs]
+    bx.plot(x, [r["memcpy_gbps"] for r in rs], "k--", label="memcpy, same bytes")
+    bx.plot(x, [r["memcpy_fresh_gbps"] for r in rs], "k:", label="memcpy into a fresh buffer")
+    bx.plot(x, [r["kv_copy_fp_gbps"] for r in rs], "o-", label="KV restore, full precision")
+    bx.plot(x, [r["kv_copy_gbps"] for r in rs], "s-", label="KV restore, mixed runs")
+    bx.set(xscale="log", xlabel="context tokens", ylabel="GB/s (destination bytes)", title="KV copy bandwidth")
+    bx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_cli(sub) -> None:
+    """Register ``bench-host`` on the ``patchkv-agent`` subcommands (argument errors exit 2)."""
+    p = sub.add_parser("bench-host", help="host time of the resume path per stage (validate, diff, words, plan, "
+                                          "bookkeeping, cache, KV copy) at 2k-128k tokens; JSON + plot")
+    p.add_argument("--lengths", type=lambda t: _int_list(t, "--lengths"), default=DEFAULT_LENGTHS,
+                   help="context lengths (default 2048,8192,32768,131072)")
+    p.add_argument("--edits", type=lambda t: _int_list(t, "--edits"), default=DEFAULT_EDITS,
+                   help="edit counts (default 1,4,16)")
+    p.add_argument("--repeats", type=_positive, default=5)
+    p.add_argument("--model", default=None,
+                   help="use this model's KV shapes (HF id, dir, .gguf or 'smollm2-135m'; default: a one-layer "
+                        "llama from a config)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench_host_out")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    """Run ``bench-host`` from parsed arguments; writes ``host.json`` and ``host.png`` under ``--out-dir``."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        print(f"patchkv-agent bench-host: error: --device {device!r}: expected 'cpu' or 'cuda' (with a GPU)",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"patchkv-agent bench-host: error: cannot create {out}: {e}", file=sys.stderr)
+        return 2
+    if args.model:
+        from ..core.lexicon import WordIndex
+        from ..engine import PatchKVEngine
+
+        eng = PatchKVEngine.from_pretrained(args.model, device=device, profile=None)
+        if eng.words is None:
+            eng.words = WordIndex(_piece)
+    else:
+        eng = tiny_engine(device=device, max_positions=max(args.lengths) + 20 * max(args.edits) + 1024)
+    summary = run_host_bench(eng, lengths=args.lengths, edits=args.edits, repeats=args.repeats, seed=args.seed)
+    (out / "host.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_host(summary, out / "host.png")
+    print(format_host(summary))
+    print(f"wrote {out / 'host.json'}, {out / 'host.png'}", file=sys.stderr)
+    return 0
