@@ -193,3 +193,36 @@ def test_native_value_residual_rejects_bad_layers():
         native.value_residual_sq_native([torch.zeros(2, 4, 8).transpose(0, 1)], 32)
     with pytest.raises(ValueError):
         native.value_residual_sq_native([], 32)
+
+
+def test_gpu_check_script_runs_in_its_small_mode(tmp_path):
+    """scripts/gpu_check.sh at CI sizes: Triton kernels under the interpreter against their references (every
+    format), and bench-host; both write JSON under one folder. No GPU is needed or used."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GPU_CHECK_SMALL="1", GPU_CHECK_OUT=str(tmp_path / "out"), PYTHON=sys.executable,
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    kern = json.loads((tmp_path / "out" / "kernels.json").read_text())
+    assert kern["ok"] and set(kern["formats"]) == {"FP16", "K8V8", "K8V4", "K4V4"}
+    host = json.loads((tmp_path / "out" / "host_tiny" / "host.json").read_text())
+    assert [r["edits"] for r in host["rows"]] == [1, 2]
+    assert all(r["host_ms"] > 0 and r["kv_bytes"] > 0 for r in host["rows"])
+    assert (tmp_path / "out" / "host_tiny" / "host.png").stat().st_size > 0
+
+
+def test_bench_host_rejects_bad_arguments(capsys):
+    from patchkv_agent.cli import main
+
+    for argv in (["bench-host", "--lengths", "2048,x"], ["bench-host", "--edits", "0"], ["bench-host", "--repeats", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    assert "--edits" in capsys.readouterr().err
