@@ -95,7 +95,7 @@ def test_a_cut_inside_the_opening_tag_is_an_invalid_call_for_the_parser():
      TypeError, r"'parameters.required' must be a list"),
     ([{"type": "function", "function": "x"}], TypeError, r"'function' must be a dict"),
     ([{"type": "function", "function": {"name": 3}}], TypeError, r"tool name must be a string"),
-    ([lookup, {"type": "function", "function": {"name": "lookup"}}], ValueError, r"two tools are named 'lookup'"),
+    ([{"type": "function", "function": {"name": " "}}], ValueError, r"tool name is empty"),
 ])
 def test_malformed_tool_schemas_raise_naming_the_problem(model, tools, exc, match):
     with pytest.raises(exc, match=match) as e:

@@ -77,8 +77,7 @@ def tool_schemas(tools: Iterable[Any]) -> list[dict[str, Any]]:
         TypeError: ``tools`` is a string, a dict or not iterable; a tool that is not a tool, function,
             pydantic class or dict; a schema whose fields have the wrong types (e.g. ``parameters`` given
             as a list or a string) or that is not JSON-serializable. The message names the tool and field.
-        ValueError: a tool without a name, two tools with the same name, or a tool LangChain cannot
-            convert.
+        ValueError: a tool with an empty name, or a tool LangChain cannot convert.
     """
     if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Iterable):
         raise TypeError(f"tools must be a list of tools (LangChain tools, functions, pydantic classes or "
@@ -94,10 +93,6 @@ def tool_schemas(tools: Iterable[Any]) -> list[dict[str, Any]]:
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise ValueError(f"tools[{i}]: cannot read a tool schema from {type(t).__name__} {_short(t)}: {first}") from None
         out.append(check_tool_schema(schema, f"tools[{i}]"))
-    names = [t["function"]["name"] for t in out]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"tools: two tools are named {dup[0]!r}; tool names must be unique")
     return out
 
 
