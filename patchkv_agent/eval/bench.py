@@ -39,14 +39,20 @@ _COLUMNS = (  # (summary key, Markdown header, format)
     ("top1_agree", "top-1 agree", ".3f"),
     ("tf_agree", "TF agree", ".3f"),
     ("exact_continuation", "exact cont.", ".3f"),
+    ("next_action", "next action", ".3f"),
+    ("next_action_restore", "next action (restored)", ".3f"),
+    ("next_action_after", "next action (after)", ".3f"),
+    ("vs_floor", "TTFT / no-edit floor", ".2f"),
 )
+# agent columns: shown when some group has a value (agent workloads; next action needs a tokenizer)
+_AGENT_COLUMNS = frozenset({"next_action", "next_action_restore", "next_action_after", "vs_floor"})
 
 
 # --------------------------------------------------------------------------- running
 
 def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir: str | Path, *,
               max_new_tokens: int = 16, model_name: str = "", resume: bool = False, warmup: bool = True,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, heal: Sequence[str] = ("patchkv",)) -> dict[str, Any]:
     """Replay traces under strategies, append rows to ``out_dir/results.jsonl``, write the summary.
 
     Each episode's rows are appended (and flushed) when the episode finishes, so the file only ever
@@ -64,6 +70,8 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
         warmup: replay the first pending episode once (1 token, rows discarded) before timing, so first
             calls do not pay one-off allocation costs.
         progress: show a tqdm progress bar.
+        heal: strategies healed between versions, as the thread registry does while a tool runs (see
+            :func:`~patchkv_agent.eval.replay.replay_episode`); ``()`` carries every approximation forward.
 
     Returns:
         The summary (see :func:`summarize`) of every row in the results file, with ``files`` and
@@ -98,7 +106,8 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
         for tr, todo in bar:
             bar.set_postfix_str(str(tr.get("id")))
             try:
-                rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name))
+                rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name,
+                                           heal=heal))
             except ValueError as e:
                 errors.append({"id": tr.get("id"), "error": str(e)})
                 bar.write(f"skipped {tr.get('id')}: {e}")
@@ -163,8 +172,23 @@ def _group(rows: list[dict], prefix_ttft: float | None, exact: dict[tuple, dict]
         "top1_agree": _mean(r.get("top1_agree") for r in rows),
         "tf_agree": _mean(r.get("tf_agree") for r in rows),
         "exact_continuation": _mean(r.get("exact_continuation") for r in rows),
+        "next_action": _mean(r.get("next_action") for r in rows),
+        "next_action_restore": _mean(r.get("next_action") for r in rows if r.get("restore_tokens")),
+        "next_action_restore_n": sum(1 for r in rows if r.get("restore_tokens") and r.get("next_action") is not None),
+        "next_action_after": _mean(r.get("next_action") for r in rows if r.get("after_restore")),
+        "next_action_after_n": sum(1 for r in rows if r.get("after_restore") and r.get("next_action") is not None),
+        "vs_floor": _floor_ratio(rows),
+        "heal_s_mean": _mean(r.get("heal_s") for r in rows),
         "fallbacks": sum(1 for r in rows if r.get("fallback")),
     }
+
+
+def _floor_ratio(rows: list[dict]) -> float | None:
+    """Median TTFT over the median no-edit floor (``floor_ttft_s``) of the same rows; None without floors."""
+    pairs = [(float(r["ttft_s"]), float(r["floor_ttft_s"])) for r in rows if r.get("floor_ttft_s")]
+    if not pairs:
+        return None
+    return statistics.median(t for t, _ in pairs) / max(1e-9, statistics.median(f for _, f in pairs))
 
 
 def _by_strategy(rows: list[dict], strategies: list[str]) -> dict[str, dict]:
@@ -216,7 +240,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    """One Markdown table, a row per workload x strategy (see :func:`summarize` for the columns).
+    """One Markdown table, a row per workload x strategy (see :func:`summarize` for the columns; the agent
+    columns, next-action agreement and TTFT over the no-edit floor, only when some row has them).
 
     Args:
         summary: the output of :func:`summarize`.
@@ -224,12 +249,14 @@ def markdown_table(summary: dict[str, Any]) -> str:
     Returns:
         The table (``-`` for null values), ending with a newline.
     """
-    head = ["workload", "strategy"] + [h for _, h, _ in _COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * len(_COLUMNS)]
+    groups_all = [g for groups in summary["by_workload"].values() for g in groups.values()]
+    cols = [c for c in _COLUMNS if c[0] not in _AGENT_COLUMNS or any(g.get(c[0]) is not None for g in groups_all)]
+    head = ["workload", "strategy"] + [h for _, h, _ in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * len(cols)]
     for w, groups in summary["by_workload"].items():
         for s, g in groups.items():
             cells = [w, s]
-            for key, _, spec in _COLUMNS:
+            for key, _, spec in cols:
                 v = g.get(key)
                 cells.append("-" if v is None else format(v, spec) + ("x" if key == "speedup_vs_prefix" else ""))
             lines.append("| " + " | ".join(cells) + " |")

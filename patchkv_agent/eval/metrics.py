@@ -170,3 +170,41 @@ def fidelity(engine, res, ref) -> dict[str, Any]:
         "tf_agree": teacher_forced_agreement(engine, res, ref_out),
         "exact_continuation": bool(list(res.output_ids) == ref_out),
     }
+
+
+NEXT_ACTION_TOKENS = 48  # greedy tokens an agent replay decodes: the next tool call, or this much text
+
+
+def next_action(text: str) -> tuple:
+    """The agent's next action in a greedy continuation: its first tool call, else its text.
+
+    Args:
+        text: the decoded continuation (special tokens skipped).
+
+    Returns:
+        ``("call", name, arguments as canonical JSON)`` for a ``<tool_call>{...}</tool_call>`` block
+        that parses (the first one; text after it is not part of the action), ``("call-text", raw)`` for
+        an opened call that does not parse, else ``("text", text stripped)``.
+    """
+    import json
+
+    from ..langgraph.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+    start = text.find(TOOL_CALL_OPEN)
+    if start < 0:
+        return ("text", text.strip())
+    end = text.find(TOOL_CALL_CLOSE, start)
+    body = text[start + len(TOOL_CALL_OPEN): end if end >= 0 else len(text)]
+    try:
+        call = json.loads(body)
+        name, args = call["name"], call.get("arguments", call.get("args", {}))
+        return ("call", str(name), json.dumps(args, sort_keys=True))
+    except (ValueError, KeyError, TypeError):
+        return ("call-text", body.strip())
+
+
+def next_action_agree(text: str, ref_text: str) -> bool:
+    """Whether a continuation takes the same next action as the exact one (:func:`next_action`): the same
+    tool name and arguments, or, without a call, the same text (both cut at the same token budget)."""
+    return next_action(text) == next_action(ref_text)
+

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from ..engine import PatchKVEngine, ResumeResult
-from .metrics import answer_match, fidelity, token_f1
+from .metrics import NEXT_ACTION_TOKENS, answer_match, fidelity, next_action_agree, token_f1
 from .traces import RESULT_FIELDS, version_ids
 
 __all__ = ["RESULT_FIELDS", "replay_episode"]
@@ -25,11 +25,15 @@ __all__ = ["RESULT_FIELDS", "replay_episode"]
 # --------------------------------------------------------------------------- replay
 
 def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *, max_new_tokens: int = 16,
-                   model_name: str = "") -> Iterator[dict[str, Any]]:
+                   model_name: str = "", heal: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """Replay one episode; yields one result row (``docs/TRACES.md`` fields) per version >= 1 and strategy.
 
     Rows come out as they finish (version by version, strategies in the given order), so a caller can
-    write each one before the next resume starts.
+    write each one before the next resume starts. Agent workloads (``workload`` starting with ``agent-``)
+    decode at least :data:`~.metrics.NEXT_ACTION_TOKENS` tokens so that ``next_action`` sees the whole next
+    call. A version with ``unedited`` (the same call had the context not been edited) adds
+    ``floor_ttft_s``: the previous version's exact KV served from cache, the appended messages computed
+    (``prefix`` from it), the no-edit floor.
 
     Args:
         engine: the engine.
@@ -37,6 +41,9 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
         strategies: names; ``exact`` is always run (it is the reference) and reported if listed.
         max_new_tokens: greedy tokens per resume.
         model_name: value of the ``model`` field.
+        heal: strategies whose state is healed (:meth:`~patchkv_agent.engine.PatchKVEngine.heal`, what the
+            thread registry does while a tool runs) before it becomes their next version's base; the row
+            records ``heal_s`` (off the resume path).
 
     Raises:
         ValueError: malformed trace (fewer than two versions), or as ``engine.checkpoint`` / ``resume``
@@ -45,18 +52,36 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
     versions = trace.get("versions") or []
     if len(versions) < 2:
         raise ValueError(f"trace {trace.get('id')!r} needs at least two versions to replay")
+    heal = set(heal)
+    if str(trace.get("workload") or "").startswith("agent-"):
+        max_new_tokens = max(max_new_tokens, NEXT_ACTION_TOKENS)
     ids = [version_ids(engine, v) for v in versions]
     base = engine.checkpoint(ids[0])
     chain = {s: base for s in strategies if s != "exact"}
+    restored = {s: False for s in strategies}
     answers = trace.get("answers")
+    prev_exact = base
     for k in range(1, len(ids)):
         ref = engine.resume(None, ids[k], strategy="exact", max_new_tokens=max_new_tokens)
+        floor = None
+        if isinstance(versions[k].get("unedited"), dict):
+            floor = engine.resume(prev_exact, version_ids(engine, versions[k]["unedited"]), strategy="prefix",
+                                  max_new_tokens=0).stats["ttft_s"]
         for s in strategies:
             res = ref if s == "exact" else engine.resume(chain[s], ids[k], strategy=s, max_new_tokens=max_new_tokens)
             row = _row(engine, trace, k, s, res, ref, versions[k].get("answers") or answers, model_name)
+            row["floor_ttft_s"] = floor
+            row["after_restore"] = restored.get(s, False)  # the previous call of this chain restored rows
+            restored[s] = bool(res.stats.get("restore_tokens"))
             if s != "exact" and k < len(ids) - 1:  # the last version has no successor to resume
+                if s in heal:
+                    healed = engine.heal(res)
+                    row["heal_s"] = healed.stats.get("heal_s", 0.0) if healed is not res else 0.0
+                    res = healed
                 chain[s] = engine.checkpoint_from(res)
             yield row
+        if k < len(ids) - 1 and any(isinstance(v.get("unedited"), dict) for v in versions[k + 1:k + 2]):
+            prev_exact = engine.checkpoint_from(ref)
 
 
 def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answers, model_name) -> dict:
@@ -75,9 +100,12 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
     row["output_ids"] = list(res.output_ids)
     row["output_text"] = text
     if strategy == "exact":
-        row.update(first_token_kl=None, top1_agree=None, tf_agree=None, exact_continuation=None)
+        row.update(first_token_kl=None, top1_agree=None, tf_agree=None, exact_continuation=None, next_action=None)
     else:
         row.update(fidelity(engine, res, ref))
+        ref_text = engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True) if engine.tokenizer else ""
+        row["next_action"] = next_action_agree(text, ref_text) if engine.tokenizer else \
+            bool(list(res.output_ids) == list(ref.output_ids))
     row["f1"] = token_f1(text, answers) if answers else None
     gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
     if gold and old:  # edit-following episodes carry a gold answer per version
