@@ -176,9 +176,9 @@ def check_payload(p: RunPayload) -> str:
     except ValueError as e:
         raise ValueError(f"payload: {e}") from None
     h, r, d, bs, g = p.num_kv_heads, p.n_rows, p.head_dim, p.block_size, p.v_group
-    if not all(_int(x) for x in (h, r, d, bs, g)) or h < 1 or r < 0 or d < 1:
+    if not all(_int(x) for x in (h, r, d, bs, g)) or not (0 < h < 2**31 and 0 < d < 2**31 and 0 <= r < 2**62):
         raise ValueError(f"payload header is out of range (heads {h}, rows {r}, head_dim {d})")
-    if bs < 1 or g < 1 or g & (g - 1):
+    if not (0 < bs < 2**31 and 0 < g < 2**31) or g & (g - 1):
         raise ValueError(f"payload block size {bs} or value group {g} is invalid (need >= 1; the group a power of two)")
     if tag == FP16:
         want = {"k_data": ((h, r, d), None), "v_data": ((h, r, d), None)}

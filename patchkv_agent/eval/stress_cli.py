@@ -1,5 +1,6 @@
-"""The ``patchkv-agent stress`` command: the load test (:mod:`.stress`) or, with ``--faults``, the fault mode
-(:mod:`.faults`).
+"""The ``patchkv-agent stress`` command: the load test (:mod:`.stress`), with ``--faults`` the fault mode
+(:mod:`.faults`), or with ``--fuzz`` the store-entry fuzzer (:mod:`.entry_fuzz`, under AddressSanitizer when
+the compiler supports it).
 
 The command sits above both modules (the fault mode reuses the load test's episodes and tiny engine), so
 neither of them imports the other's command line.
@@ -40,10 +41,17 @@ def add_stress_cli(subparsers) -> None:
                         "(patchkv_agent.eval.faults); no property check")
     p.add_argument("--tiers", default=None, help="with --faults: comma-separated tiers (default memory,disk[,redis])")
     p.add_argument("--writer-kills", type=int, default=4, help="with --faults: SIGKILLs of the disk writer process")
+    p.add_argument("--fuzz", action="store_true",
+                   help="fuzz mode: hostile store entries with consistent checksums through the codec and every "
+                        "restore path, native.c built with AddressSanitizer when the compiler supports it "
+                        "(patchkv_agent.eval.entry_fuzz); needs the test extra")
+    p.add_argument("--fuzz-examples", type=int, default=20000, help="with --fuzz: Hypothesis examples")
     p.set_defaults(func=cmd_stress)
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
+    if getattr(args, "fuzz", False):
+        return _cmd_fuzz(args)
     if getattr(args, "faults", False):
         return _cmd_faults(args)
     examples = args.property_examples
@@ -101,3 +109,33 @@ def _cmd_faults(args: argparse.Namespace) -> int:
     with open(out, "w") as f:
         json.dump(s, f, indent=2)
     return 0 if s["ok"] else 1
+
+
+def _cmd_fuzz(args: argparse.Namespace) -> int:
+    if args.fuzz_examples < 1:
+        raise SystemExit("patchkv-agent stress --fuzz: --fuzz-examples must be >= 1")
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        from .properties import HYPOTHESIS_HINT
+
+        raise SystemExit(f"patchkv-agent stress --fuzz: {HYPOTHESIS_HINT}") from None
+    from . import entry_fuzz
+
+    lib, why = entry_fuzz.asan_runtime()
+    if lib is None:
+        print(f"AddressSanitizer unavailable ({why}); fuzzing in process with the regular native build")
+        s = entry_fuzz.run_fuzz(args.fuzz_examples, args.seed)
+        s.update(asan=False, crashed=False, sanitizer_reports=0)
+    else:
+        s = entry_fuzz.run_fuzz_asan(args.fuzz_examples, args.seed, timeout=max(600.0, args.fuzz_examples * 0.1))
+    ok = s["failures"] == 0 and not s["crashed"] and s["sanitizer_reports"] == 0 and s["examples"] == args.fuzz_examples
+    print(f"entry fuzz: {s['examples']} examples ({s.get('refused', 0)} refused, "
+          f"{s.get('accepted', 0)} accepted), {s['failures']} escaped exceptions or path differences, "
+          f"{int(bool(s['crashed']))} crashes, {s['sanitizer_reports']} sanitizer reports; native: {s.get('native')}")
+    if not ok:
+        print(s.get("first_failure") or s.get("stderr_tail", "")[-3000:])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=2)
+    return 0 if ok else 1

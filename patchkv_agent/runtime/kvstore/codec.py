@@ -40,6 +40,8 @@ MAX_META_BYTES = 64 << 20   # stored metadata larger than this is refused unread
 MAX_LAYERS = 4096
 MAX_DIMS = 8
 MAX_ENTRY_BYTES = 1 << 42   # 4 TiB: a size beyond this is damage, not data
+MAX_HEADS = MAX_HEAD_DIM = 1 << 16  # K/V heads and head_dim (a zero-row blob can claim any, so they are bounded)
+MAX_GROUP = 1 << 30  # block size and value group (the kernels hold them as int32)
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
              "int8": 1, "uint8": 1, "bool": 1}
 _NUMPY_DTYPES = frozenset(_ITEMSIZE) - {"bfloat16"}
@@ -321,7 +323,7 @@ def _check_structure(meta: Mapping[str, Any], specs: Mapping[str, Mapping[str, A
         k, v = specs[f"k.{i}"], specs[f"v.{i}"]
         if (k["kind"] != "torch" or v["kind"] != "torch" or k["dtype"] not in _FLOATS or v["dtype"] != k["dtype"]
                 or len(k["shape"]) != 3 or v["shape"] != k["shape"] or k["shape"][1] != n
-                or k["shape"][0] < 1 or k["shape"][2] < 1):
+                or not 1 <= k["shape"][0] <= MAX_HEADS or not 1 <= k["shape"][2] <= MAX_HEAD_DIM):
             raise CorruptCheckpoint(f"K/V of layer {i} are not float [H, {n}, D] tensors of one shape and dtype")
         layers.append((k["shape"][0], k["shape"][2], k["dtype"]))
     mixed = meta["mixed"]
@@ -331,6 +333,8 @@ def _check_structure(meta: Mapping[str, Any], specs: Mapping[str, Mapping[str, A
             raise CorruptCheckpoint(f"blob {extra[0]} belongs to no mixed-precision layout")
         return
     bs, tags = mixed["block_size"], mixed["tags"]
+    if bs > MAX_GROUP:
+        raise CorruptCheckpoint(f"the block size {bs} is out of range")
     nb = -(-n // bs)
     t = specs["mixed.tags"]
     if t["kind"] != "numpy" or t["dtype"] != "int8" or t["shape"] != [nb]:
@@ -358,7 +362,7 @@ def _check_structure(meta: Mapping[str, Any], specs: Mapping[str, Mapping[str, A
                 raise CorruptCheckpoint(
                     f"the {tag} payload header of layer {i} says {hdr['n_rows']} rows, {hdr['num_kv_heads']} heads, "
                     f"head_dim {hdr['head_dim']}, block {hdr['block_size']}; its blobs have {rows[tag]}, {h}, {d}, {bs}")
-            if g < 1 or g & (g - 1) or (tag != "FP16" and tag != "K8V8" and d % 2):
+            if g < 1 or g & (g - 1) or g > MAX_GROUP or (tag != "FP16" and tag != "K8V8" and d % 2):
                 raise CorruptCheckpoint(f"the {tag} payload of layer {i} has value group {g} / head_dim {d}")
             want = _payload_specs(tag, h, rows[tag], d, bs, g, kv_dtype)
             have = {f for f in _PAYLOAD_FIELDS if f"p.{i}.{tag}.{f}" in specs}
