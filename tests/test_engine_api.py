@@ -130,14 +130,16 @@ def test_resume_stats_dict_has_exactly_the_old_keys(eng, pair):
     assert ResumeStats.keys() == OLD_KEYS
     res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
     assert isinstance(res.stats, dict)
-    assert tuple(res.stats) == OLD_KEYS + ("restore_kernel",)
+    extras = ("restore_kernel", "nonfinite_values", "approx_rows")
+    assert tuple(res.stats) == OLD_KEYS + extras
     exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
-    assert tuple(exact.stats) == OLD_KEYS + ("restore_kernel",)
+    assert tuple(exact.stats) == OLD_KEYS + extras and exact.stats["approx_rows"] == 0
+    assert res.stats["approx_rows"] == len(new) - res.exact_rows > 0
     assert exact.stats["offload_s"] is None and exact.stats["fallback"] is None
     json.dumps({k: v for k, v in res.stats.items()})  # a trace row's fields stay JSON values
     typed = ResumeStats.from_dict(res.stats)
     assert typed.recompute_tokens == res.stats["recompute_tokens"] and typed.extras == {
-        "restore_kernel": res.stats["restore_kernel"]}
+        k: res.stats[k] for k in extras}
     assert typed.to_dict() == res.stats
 
 
