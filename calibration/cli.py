@@ -21,15 +21,27 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces"]
+__all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces", "check_calibrate_args"]
 
 
 def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x.strip())
+    try:
+        out = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated numbers, got {s!r}")
+    return out
 
 
 def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
+    try:
+        out = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated integers, got {s!r}")
+    return out
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,7 +119,9 @@ def add_calibrate_cli(subparsers) -> argparse.ArgumentParser:
 
 def build_calibrate_parser() -> argparse.ArgumentParser:
     """A stand-alone parser (``python -m patchkv_agent.calibration.cli``)."""
-    ap = argparse.ArgumentParser(prog="patchkv-agent calibrate", description=__doc__.splitlines()[0])
+    from patchkv_agent.usage import OneLineParser
+
+    ap = OneLineParser(prog="patchkv-agent calibrate", description=__doc__.splitlines()[0])
     _add_arguments(ap)
     ap.set_defaults(func=calibrate_main)
     return ap
@@ -125,10 +139,14 @@ def _target(s: str) -> float | str | None:
     try:
         return float(s)
     except ValueError:
-        raise SystemExit(f"--target must be 'default', 'none' or a number, got {s!r}") from None
+        from patchkv_agent.usage import UsageError
+
+        raise UsageError(f"--target must be 'default', 'none' or a number, got {s!r}") from None
 
 
 def _policy_grid(spec: str | None) -> tuple[tuple[float, float], ...]:
+    from patchkv_agent.usage import UsageError
+
     from .profile import DEFAULT_POLICY_GRID
 
     if not spec:
@@ -136,9 +154,9 @@ def _policy_grid(spec: str | None) -> tuple[tuple[float, float], ...]:
     try:
         grid = tuple((float(a), float(b)) for a, b in (item.split(":") for item in spec.split(",")))
     except ValueError:
-        raise SystemExit(f"--policy-grid must look like 0.5:4,1:8 (tau_L:tau_H pairs), got {spec!r}") from None
-    if any(not 0 <= a < b for a, b in grid):
-        raise SystemExit(f"--policy-grid: every pair needs 0 <= tau_L < tau_H, got {spec!r}")
+        raise UsageError(f"--policy-grid must look like 0.5:4,1:8 (tau_L:tau_H pairs), got {spec!r}") from None
+    if not grid or any(not 0 <= a < b < float("inf") for a, b in grid):
+        raise UsageError(f"--policy-grid: every pair needs 0 <= tau_L < tau_H, got {spec!r}")
     return grid
 
 
@@ -146,8 +164,13 @@ def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
     """``"a,b:1800"`` -> ``{"a": default_tokens, "b": 1800}``.
 
     Raises:
-        SystemExit: an empty list or a bad token count.
+        UsageError: an empty list, an unknown workload or a bad token count.
     """
+    from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
+    from patchkv_agent.eval.workloads import WORKLOADS
+    from patchkv_agent.usage import UsageError
+
+    known = sorted(set(WORKLOADS) | set(FOLLOW_WORKLOADS))
     out = {}
     for item in (x.strip() for x in spec.split(",")):
         if not item:
@@ -156,10 +179,62 @@ def _parse_workloads(spec: str, default_tokens: int) -> dict[str, int]:
         try:
             out[name.strip()] = int(tokens) if tokens else default_tokens
         except ValueError:
-            raise SystemExit(f"bad workload spec {item!r}: expected NAME or NAME:TOKENS") from None
+            raise UsageError(f"--workload: bad spec {item!r}: expected NAME or NAME:TOKENS") from None
+        if name.strip() not in known:
+            raise UsageError(f"--workload: unknown workload {name.strip()!r}; choose from {known}")
+        if out[name.strip()] < 1:
+            raise UsageError(f"--workload: {item!r}: the token count must be >= 1")
     if not out:
-        raise SystemExit("--workload names no workload")
+        raise UsageError("--workload names no workload")
     return out
+
+
+def _number_or_none(flag: str, s: str, lo: float, hi: float) -> float | None:
+    from patchkv_agent.usage import UsageError
+
+    if s == "none":
+        return None
+    try:
+        v = float(s)
+    except ValueError:
+        raise UsageError(f"{flag} must be a number or 'none', got {s!r}") from None
+    if not lo <= v <= hi:
+        raise UsageError(f"{flag} must be in [{lo:g}, {hi:g}] or 'none', got {s!r}")
+    return v
+
+
+def check_calibrate_args(args: argparse.Namespace) -> None:
+    """Every check of ``calibrate``'s arguments that needs no model (run before the model loads).
+
+    Args:
+        args: from :func:`add_calibrate_cli`'s parser.
+    Raises:
+        UsageError: (exit status 2) the first bad argument, in one line naming the fix.
+    """
+    from patchkv_agent.core.plan import READERS
+    from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
+    from patchkv_agent.eval.workloads import EDITS
+    from patchkv_agent.usage import UsageError, check_ranges
+
+    check_ranges(args)
+    _parse_workloads(args.workload, args.target_tokens)
+    if args.edit not in (*EDITS, "all"):
+        raise UsageError(f"--edit: unknown edit {args.edit!r}; choose from {[*EDITS, 'all']}")
+    follow = [w.strip() for w in args.follow_workloads.split(",") if w.strip()]
+    if follow != ["none"]:
+        unknown = sorted(set(follow) - set(FOLLOW_WORKLOADS))
+        if unknown:
+            raise UsageError(f"--follow-workloads: unknown {unknown}; choose from {sorted(FOLLOW_WORKLOADS)} or 'none'")
+    readers = tuple(r.strip() for r in args.readers.split(",") if r.strip())
+    if not readers or set(readers) - set(READERS):
+        raise UsageError(f"--readers must list some of {list(READERS)}, got {args.readers!r}")
+    _number_or_none("--follow-target", args.follow_target, 0.0, 1.0)
+    _number_or_none("--precision-target", args.precision_target, 0.0, float("inf"))
+    _target(args.target)
+    _policy_grid(args.policy_grid)
+    for flag, path in (("--out", args.out), ("--drift-out", args.drift_out)):
+        if path and Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a directory; pass a file path")
 
 
 def calib_traces(workload: str, edit: str, n: int, **build_kwargs) -> list[dict]:
@@ -213,6 +288,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.eval.traces import plain_messages
     from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
+
+    check_calibrate_args(args)  # before the model loads (the lead CLI has run it already: cheap)
 
     if args.threads:
         import torch
@@ -297,10 +374,20 @@ def calibrate_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m patchkv_agent.calibration.cli``."""
+    """Entry point for ``python -m patchkv_agent.calibration.cli``.
+
+    Raises:
+        SystemExit: status 2 with one line on stderr for a bad argument.
+    """
+    from patchkv_agent.usage import UsageError, report
+
     args = build_calibrate_parser().parse_args(argv)
     args._command = "python -m patchkv_agent.calibration.cli " + shlex.join(sys.argv[1:] if argv is None else argv)
-    return calibrate_main(args)
+    try:
+        return calibrate_main(args)
+    except UsageError as e:
+        report("patchkv-agent calibrate", e)
+        raise
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from .core.inputs import InvalidInput, non_negative_int
+from .usage import OneLineParser, UsageError, check_ranges, report
 
 
 def _max_new_tokens(text: str) -> int:
@@ -101,23 +103,27 @@ def _replay_traces(args) -> list[dict]:
     from .eval.traces import read_traces
 
     if (args.traces is None) == (args.from_checkpointer is None):
-        raise SystemExit("replay: pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH (one of them)")
+        raise UsageError("pass a traces file (JSON Lines) or --from-checkpointer sqlite:PATH (one of them)")
     if args.from_checkpointer is not None:
         from .eval.replay import traces_from_checkpointer
 
         try:
             traces = traces_from_checkpointer(args.from_checkpointer, args.thread or None)
         except (ValueError, OSError) as e:
-            raise SystemExit(f"replay: --from-checkpointer: {e}") from None
+            raise UsageError(f"--from-checkpointer: {_reason(e)}") from None
         if not traces:
-            raise SystemExit(f"replay: no thread in {args.from_checkpointer} has two or more model contexts")
+            raise UsageError(f"no thread in {args.from_checkpointer} has two or more model contexts; nothing to "
+                             "replay")
         print(f"{len(traces)} threads from {args.from_checkpointer}: "
               + ", ".join(f"{t['id']} ({len(t['versions'])} versions)" for t in traces), file=sys.stderr)
         return traces[: args.limit] if args.limit else traces
     try:
         traces = read_traces(args.traces)
     except (ValueError, OSError) as e:  # names file:line and the field; no model was loaded
-        raise SystemExit(f"replay: invalid trace file: {e}") from None
+        raise UsageError(f"invalid trace file: {_reason(e)}") from None
+    if not traces:
+        raise UsageError(f"{args.traces} holds no traces; build one with `patchkv-agent traces build` "
+                         "(docs/TRACES.md)")
     return traces[: args.limit] if args.limit else traces
 
 
@@ -132,7 +138,7 @@ def _check_strategies(names: str) -> list[str]:
     strategies = [s.strip() for s in names.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if not strategies or unknown:
-        raise SystemExit(f"--strategies: unknown {unknown or names!r}; choose from {sorted(STRATEGIES)}")
+        raise UsageError(f"--strategies: unknown {unknown or names!r}; choose from {sorted(STRATEGIES)}")
     return strategies
 
 
@@ -152,7 +158,7 @@ def cmd_replay(args) -> int:
     try:
         results = ResultsFile(args.out, resume=args.resume)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"replay: --out: {_reason(e)}") from None
+        raise UsageError(f"--out: {_reason(e)}") from None
     with results:
         todo = []
         for tr in traces:  # per episode, the strategies with a row still missing (exact always runs)
@@ -227,9 +233,9 @@ def _shard(spec: str) -> tuple[int, int]:
     try:
         i, k = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise SystemExit(f"--shard must look like I/K (e.g. 0/2), got {spec!r}") from None
+        raise UsageError(f"--shard must look like I/K (e.g. 0/2), got {spec!r}") from None
     if not 0 <= i < k:
-        raise SystemExit(f"--shard {spec}: need 0 <= I < K")
+        raise UsageError(f"--shard {spec}: need 0 <= I < K")
     return i, k
 
 
@@ -268,16 +274,16 @@ def cmd_bench_loop(args) -> int:
     try:
         lats = [float(x) for x in args.tool_latencies.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"patchkv-agent bench-loop: --tool-latencies takes numbers, got {args.tool_latencies!r}") from None
-    if not lats or min(lats) < 0 or args.versions < 2:
-        raise SystemExit("patchkv-agent bench-loop: need tool latencies >= 0 and --versions >= 2")
+        raise UsageError(f"--tool-latencies takes comma-separated seconds, got {args.tool_latencies!r}") from None
+    if not lats or not all(0 <= x < float("inf") for x in lats) or args.versions < 2:
+        raise UsageError("need --tool-latencies >= 0 (comma-separated seconds) and --versions >= 2")
     strategies = _check_strategies(args.strategies)
     out = Path(args.out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "loop.json").touch()
     except OSError as e:
-        raise SystemExit(f"patchkv-agent bench-loop: cannot write to {out}: {e}") from None
+        raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
     eng = _engine(args)
     count = _count_tokens(eng)
     traces = []
@@ -321,7 +327,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="patchkv-agent", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="patchkv-agent", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="replay one edited episode on the embedded model and print the table")
@@ -399,9 +405,155 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# ------------------------------------------------------------------------ argument checks (no model loads)
+
+
+def _check_model(args) -> None:
+    from .core.models import EMBEDDED_MODELS, _looks_like_path
+
+    model = getattr(args, "model", None)
+    if not model or model in EMBEDDED_MODELS:
+        return
+    p = Path(model).expanduser()
+    if p.exists():
+        if p.is_file() and p.suffix != ".gguf":
+            raise UsageError(f"--model {model} is a file but not a .gguf; pass a .gguf file, a model directory, an HF id "
+                             f"or one of {sorted(EMBEDDED_MODELS)}")
+    elif _looks_like_path(model):
+        raise UsageError(f"--model {model} does not exist; pass an existing .gguf file or model directory, an HF id "
+                         f"or one of {sorted(EMBEDDED_MODELS)}")
+
+
+def _check_profile(args) -> None:
+    prof = getattr(args, "profile", None)
+    if prof in (None, "auto", "none"):
+        return
+    from .profiles import resolve_profile_arg
+
+    try:
+        resolve_profile_arg(prof)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--profile {prof}: {_reason(e)}; pass 'auto', 'none' or a profile JSON path") from None
+
+
+def _check_out_file(flag: str, path: str | None) -> None:
+    if path and Path(path).is_dir():
+        raise UsageError(f"{flag} {path} is a directory; pass a file path")
+
+
+def _check_out_dir(flag: str, path: str | None) -> None:
+    if path and Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"{flag} {path} exists and is not a directory; pass a directory")
+
+
+def _check_workloads(flag: str, spec: str) -> list[str]:
+    """Workload names checked against the registry (eval.workloads + the edit-following ones)."""
+    from .eval import workloads as wl
+    from .eval.follow import FOLLOW_WORKLOADS
+
+    known = set(wl.WORKLOADS) | set(FOLLOW_WORKLOADS)
+    names = [w.strip() for w in spec.split(",") if w.strip()]
+    unknown = [w for w in names if w not in known]
+    if not names or unknown:
+        raise UsageError(f"{flag}: unknown workloads {unknown or spec!r}; choose from {sorted(known)}")
+    return names
+
+
+def _check_edit(args) -> None:
+    from .eval.workloads import EDITS
+
+    edit = getattr(args, "edit", None)
+    if edit is not None and edit not in (*EDITS, "all"):
+        raise UsageError(f"--edit: unknown edit {edit!r}; choose from {[*EDITS, 'all']}")
+
+
+def _check_command(args) -> None:
+    """Command-specific checks beyond :func:`patchkv_agent.usage.check_ranges`."""
+    cmd = args.command
+    if cmd in ("demo", "replay", "bench", "bench-loop"):
+        _check_strategies(args.strategies)
+    if cmd == "demo":
+        _check_workloads("--workload", args.workload)
+    if cmd in ("bench", "bench-loop") and not getattr(args, "summarize", None):
+        _check_workloads("--workloads", args.workloads)
+    if cmd in ("demo", "bench", "bench-loop"):
+        _check_edit(args)
+    if cmd == "replay" and args.traces is not None and Path(args.traces).is_file() and \
+            Path(args.traces).stat().st_size == 0:
+        raise UsageError(f"{args.traces} is empty; pass a trace file with at least one episode (docs/TRACES.md)")
+    if cmd == "bench":
+        _shard(args.shard)
+        for f in args.summarize or []:
+            if not Path(f).is_file():
+                raise UsageError(f"--summarize: no results file at {f}")
+            if Path(f).stat().st_size == 0:
+                raise UsageError(f"--summarize: {f} is empty; pass results.jsonl files with rows")
+        _check_out_dir("--out-dir", args.out_dir)
+    if cmd == "bench-loop":
+        _check_out_dir("--out-dir", args.out_dir)
+    if cmd in ("demo", "bench-transport"):
+        _check_out_file("--out", args.out)
+    if cmd == "stress":
+        _check_out_file("--json", args.json)
+        if args.root:
+            _check_out_dir("--root", args.root)
+        if getattr(args, "tiers", None) is not None:
+            tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+            bad = [t for t in tiers if t not in ("memory", "disk", "redis")]
+            if not tiers or bad:
+                raise UsageError(f"--tiers: unknown {bad or args.tiers!r}; choose from memory, disk, redis")
+    if cmd == "traces":
+        if args.traces_command == "build":
+            _check_out_file("--out", args.out)
+        elif args.traces_command == "validate":
+            p = Path(args.path)
+            if not p.is_file():
+                raise UsageError(f"no trace file at {args.path}")
+            if not p.read_text(errors="replace").strip():
+                raise UsageError(f"{args.path} is empty; a trace file holds one episode per line (docs/TRACES.md)")
+    if cmd == "bench-host":
+        if getattr(args, "device", None) not in (None, "cpu", "cuda"):
+            raise UsageError(f"--device {args.device!r}: expected 'cpu' or 'cuda'")
+        _check_out_dir("--out-dir", args.out_dir)
+    if cmd == "calibrate":
+        from .calibration.cli import check_calibrate_args
+
+        check_calibrate_args(args)
+
+
+def check_args(args) -> None:
+    """Every check of a parsed command line that needs no model, run before the command starts.
+
+    Raises:
+        UsageError: (exit status 2) the first bad argument, in one line naming the fix.
+    """
+    check_ranges(args)
+    _check_model(args)
+    _check_profile(args)
+    _check_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``patchkv-agent``.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit status.
+
+    Raises:
+        SystemExit: status 2 with one line on stderr for a bad argument (:class:`~patchkv_agent.usage.UsageError`
+            re-raised after printing it); argparse's own errors are one line too.
+    """
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    prog = f"patchkv-agent {args.command}"
+    try:
+        check_args(args)
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        report(prog, e)
+        raise
 
 
 if __name__ == "__main__":

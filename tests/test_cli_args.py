@@ -1,0 +1,174 @@
+"""Every subcommand's bad arguments: one line on stderr naming the fix, exit status 2, no traceback, and
+no model loaded (issue 22). Also: empty inputs are errors, out-of-range values are rejected.
+
+Runs ``cli.main([...])`` in-process with every model loader replaced by one that fails the test.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from patchkv_agent import cli
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Every way a command loads a model raises (a bad argument must be caught before)."""
+    from patchkv_agent import engine
+    from patchkv_agent.core import models
+    from patchkv_agent.eval import stress_cli
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_engine", boom)
+    monkeypatch.setattr(engine.PatchKVEngine, "from_pretrained", classmethod(boom))
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(stress_cli, "tiny_engine", boom)
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notgguf.txt").write_text("x")
+    return tmp_path
+
+
+# (argv, a regex the one error line must match); {d} is a temporary directory with the files above
+BAD = [
+    # argparse's own errors
+    (["nope"], r"invalid choice"),
+    (["demo", "--no-such-flag"], r"unrecognized arguments"),
+    (["demo", "--target-tokens", "lots"], r"--target-tokens: invalid int value"),
+    (["replay", "--max-new-tokens", "-1"], r"--max-new-tokens"),
+    (["calibrate", "--kappas", "a,b"], r"--kappas: expected comma-separated numbers"),
+    (["calibrate", "--blocks", ","], r"--blocks: expected one or more"),
+    (["traces", "build", "--dataset", "nope", "--out", "x"], r"--dataset: invalid choice"),
+    (["traces"], r"required: traces_command|arguments are required"),
+    # common options
+    (["demo", "--threads", "0"], r"--threads must be >= 1"),
+    (["demo", "--block-size", "0"], r"--block-size must be >= 1"),
+    (["demo", "--dirty-window", "-3"], r"--dirty-window must be >= 0"),
+    (["demo", "--seed", "-1"], r"--seed must be in \[0, "),
+    (["demo", "--model", "./no/such/model.gguf"], r"--model \./no/such/model\.gguf does not exist"),
+    (["demo", "--model", "{d}/notgguf.txt"], r"is a file but not a \.gguf"),
+    (["demo", "--profile", "{d}/missing.json"], r"--profile .*missing\.json.*'auto', 'none'"),
+    (["demo", "--strategies", "exact,magic"], r"--strategies: unknown \['magic'\]"),
+    (["demo", "--workload", "nope-e"], r"--workload: unknown workloads \['nope-e'\]"),
+    (["demo", "--edit", "swap"], r"--edit: unknown edit 'swap'"),
+    (["demo", "--target-tokens", "0"], r"--target-tokens must be >= 1"),
+    (["demo", "--out", "{d}/adir"], r"--out .*adir is a directory"),
+    # replay
+    (["replay"], r"pass a traces file .* or --from-checkpointer"),
+    (["replay", "{d}/empty.jsonl"], r"empty\.jsonl is empty"),
+    (["replay", "{d}/blank.jsonl"], r"blank\.jsonl holds no traces"),
+    (["replay", "{d}/missing.jsonl"], r"invalid trace file: .*No such file"),
+    (["replay", "--limit", "-2", "{d}/empty.jsonl"], r"--limit: must be >= 0"),
+    (["replay", "--from-checkpointer", "redis:x"], r"--from-checkpointer takes sqlite:PATH"),
+    (["replay", "--from-checkpointer", "sqlite:{d}/none.sqlite"], r"no SQLite checkpoint database"),
+    (["replay", "--from-checkpointer", "sqlite:{d}/empty.jsonl"], r"not a LangGraph SqliteSaver database"),
+    (["replay", "--from-checkpointer", "sqlite:{d}/notgguf.txt"], r"SqliteSaver database|SQLite checkpoint database"),
+    # bench
+    (["bench", "--workloads", "hotpotqa-e,nope"], r"--workloads: unknown workloads \['nope'\]"),
+    (["bench", "--n", "0"], r"--n must be >= 1"),
+    (["bench", "--shard", "2/2"], r"--shard 2/2: need 0 <= I < K"),
+    (["bench", "--shard", "x"], r"--shard must look like I/K"),
+    (["bench", "--summarize", "{d}/missing.jsonl"], r"--summarize: no results file"),
+    (["bench", "--summarize", "{d}/empty.jsonl"], r"--summarize: .*empty"),
+    (["bench", "--out-dir", "{d}/notgguf.txt"], r"--out-dir .* is not a directory"),
+    (["bench", "--edit", "nope"], r"--edit: unknown edit"),
+    # bench-loop
+    (["bench-loop", "--tool-latencies", "0,x"], r"--tool-latencies takes comma-separated seconds"),
+    (["bench-loop", "--tool-latencies", "-1"], r"--tool-latencies >= 0"),
+    (["bench-loop", "--versions", "1"], r"--versions must be >= 2"),
+    (["bench-loop", "--agents-tool-s", "nan"], r"--agents-tool-s must be >= 0"),
+    (["bench-loop", "--workloads", "x"], r"--workloads: unknown workloads"),
+    # bench-transport
+    (["bench-transport", "--tau-ll", "5"], r"--tau-ll must be in \[0, 1\], got 5"),
+    (["bench-transport", "--tau-ll", "-0.1"], r"--tau-ll must be in \[0, 1\]"),
+    (["bench-transport", "--tokens", "0"], r"--tokens must be >= 1"),
+    (["bench-transport", "--repeats", "0"], r"--repeats must be >= 1"),
+    (["bench-transport", "--max-payload", "0"], r"--max-payload must be in \(0, 1\]"),
+    (["bench-transport", "--max-kl-increase", "inf"], r"--max-kl-increase must be >= 0"),
+    (["bench-transport", "--out", "{d}/adir"], r"--out .* is a directory"),
+    # bench-host
+    (["bench-host", "--repeats", "0"], r"--repeats"),
+    (["bench-host", "--seed", "-1"], r"--seed must be in \[0, "),
+    (["bench-host", "--device", "tpu"], r"--device 'tpu': expected 'cpu' or 'cuda'"),
+    (["bench-host", "--model", "./none.gguf"], r"--model .* does not exist"),
+    (["bench-host", "--out-dir", "{d}/notgguf.txt"], r"--out-dir .* is not a directory"),
+    # stress
+    (["stress", "--threads", "0"], r"--threads must be >= 1"),
+    (["stress", "--versions", "1"], r"--versions must be >= 2"),
+    (["stress", "--budget-entries", "0"], r"--budget-entries must be > 0"),
+    (["stress", "--tool-s", "-1"], r"--tool-s must be >= 0"),
+    (["stress", "--property-examples", "-5"], r"--property-examples must be >= 0"),
+    (["stress", "--faults", "--writer-kills", "-1"], r"--writer-kills must be >= 0"),
+    (["stress", "--faults", "--tiers", "memory,tape"], r"--tiers: unknown \['tape'\]"),
+    (["stress", "--json", "{d}/adir"], r"--json .* is a directory"),
+    (["stress", "--root", "{d}/notgguf.txt"], r"--root .* is not a directory"),
+    # calibrate
+    (["calibrate", "--gamma", "0"], r"--gamma must be in \(0, 1\]"),
+    (["calibrate", "--quantile", "1"], r"--quantile must be in \(0, 1\)"),
+    (["calibrate", "--val-share", "1.5"], r"--val-share must be in \(0, 1\)"),
+    (["calibrate", "--kappas", "0,-0.1"], r"--kappas must be >= 0, got -0\.1"),
+    (["calibrate", "--blocks", "32,0"], r"--blocks must be >= 1, got 0"),
+    (["calibrate", "--tau-v", "0"], r"--tau-v must be > 0"),
+    (["calibrate", "--workload", "nope"], r"--workload: unknown workload 'nope'"),
+    (["calibrate", "--workload", "hotpotqa-e:x"], r"--workload: bad spec"),
+    (["calibrate", "--workload", "hotpotqa-e:0"], r"token count must be >= 1"),
+    (["calibrate", "--edit", "nope"], r"--edit: unknown edit"),
+    (["calibrate", "--readers", "magic"], r"--readers must list some of"),
+    (["calibrate", "--follow-workloads", "follow-nope"], r"--follow-workloads: unknown"),
+    (["calibrate", "--follow-target", "2"], r"--follow-target must be in \[0, 1\]"),
+    (["calibrate", "--follow-target", "high"], r"--follow-target must be a number or 'none'"),
+    (["calibrate", "--precision-target", "x"], r"--precision-target must be a number or 'none'"),
+    (["calibrate", "--target", "best"], r"--target must be 'default', 'none' or a number"),
+    (["calibrate", "--policy-grid", "1:0.5"], r"--policy-grid: every pair needs 0 <= tau_L < tau_H"),
+    (["calibrate", "--policy-grid", "a"], r"--policy-grid must look like"),
+    (["calibrate", "--n", "0"], r"--n must be >= 1"),
+    (["calibrate", "--threads", "0"], r"--threads must be >= 1"),
+    (["calibrate", "--out", "{d}/adir"], r"--out .* is a directory"),
+    # traces
+    (["traces", "build", "--dataset", "hotpotqa-e", "--out", "x", "--versions", "1"], r"--versions must be >= 2"),
+    (["traces", "build", "--dataset", "hotpotqa-e", "--out", "x", "--n", "0"], r"--n must be >= 1"),
+    (["traces", "build", "--dataset", "hotpotqa-e", "--out", "{d}/adir"], r"--out .* is a directory"),
+    (["traces", "build", "--dataset", "hotpotqa-e", "--out", "x", "--model", "./none.gguf"], r"--model .* does not exist"),
+    (["traces", "validate", "{d}/empty.jsonl"], r"empty\.jsonl is empty"),
+    (["traces", "validate", "{d}/missing.jsonl"], r"no trace file at"),
+]
+
+
+@pytest.mark.parametrize("argv,pattern", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_give_one_line_and_exit_2_before_any_model_loads(argv, pattern, files, no_model, capsys,
+                                                                      monkeypatch):
+    monkeypatch.chdir(files)  # default output paths (results.jsonl, bench_out/ ...) land here, if anywhere
+    argv = [a.replace("{d}", str(files)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert e.value.code == 2, (e.value.code, err)
+    assert len(lines) == 1, err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in err and lines[0].startswith("patchkv-agent")
+
+
+def test_every_subcommand_is_in_the_table():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    covered = {argv[0] for argv, _ in BAD}
+    assert set(sub.choices) - covered == set(), "add bad-argument rows for the new subcommand"
+
+
+def test_the_calibration_entry_point_prints_one_line(capsys):
+    from patchkv_agent.calibration.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--gamma", "2"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and "--gamma must be in (0, 1]" in lines[0]
