@@ -32,6 +32,7 @@ from pathlib import Path
 
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
+from pydantic import BaseModel, Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from research_agent import PassageSearch, render_passage  # noqa: E402  (the demo's search tool)
@@ -44,6 +45,12 @@ from patchkv_agent.runtime.threads import thread_key  # noqa: E402
 SYSTEM = ("You are a research assistant with a `search` tool that returns one encyclopedia passage per call. "
           "Search for evidence, then answer the user's question with a short phrase.")
 SUMMARY_HEAD = "Here is a summary of the conversation to date"
+
+
+class SearchArgs(BaseModel):
+    """Arguments of ``search`` (a bounded query, so a forced call always closes within ``--max-tokens``)."""
+
+    query: str = Field(description="what to look up", max_length=60)
 
 
 def action_of(msg: AIMessage) -> tuple:
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = list(ex["passages"]) + [p for other in data[q + 1:q + 6] for p in other["passages"]]
         search, shown = PassageSearch(pool), set()
 
-        @tool("search")
+        @tool("search", args_schema=SearchArgs)
         def search_tool(query: str) -> str:
             """Search the encyclopedia; returns one passage."""
             time.sleep(args.tool_latency)
