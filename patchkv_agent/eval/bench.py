@@ -98,7 +98,9 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     errors: list[dict] = []
     if warmup and pending:
         try:
-            list(replay_episode(engine, pending[0][0], list(strategies), max_new_tokens=1))
+            first = pending[0][0]
+            list(replay_episode(engine, dict(first, versions=first["versions"][:2]), list(strategies),
+                                max_new_tokens=1))
         except ValueError:
             pass  # reported when the episode itself runs
     bar = tqdm(pending, desc="bench", unit="episode", disable=not progress, file=sys.stderr)
