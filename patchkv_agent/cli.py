@@ -255,8 +255,10 @@ def cmd_bench(args) -> int:
                                    seed=args.seed, count_tokens=count)
         i, k = _shard(args.shard)
         traces = [t for j, t in enumerate(traces) if j % k == i]
+        heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]
         summary = run_bench(eng, traces, args.strategies.split(","), args.out_dir,
-                            max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume)
+                            max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume,
+                            heal=heal)
         for e in summary["errors"]:
             print(f"skipped {e['id']}: {e['error']}", file=sys.stderr)
     print(markdown_table(summary))
@@ -365,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip episodes already in it")
+    p.add_argument("--heal", default="patchkv",
+                   help="strategies whose state is healed between versions, as the thread registry does while a "
+                        "tool runs (comma-separated; 'none': every approximation is carried forward)")
     p.add_argument("--shard", default="0/1", metavar="I/K",
                    help="run only episodes I, I+K, I+2K, ... (0-based) of the list; run K processes with their own "
                         "--out-dir, then merge with --summarize DIR0/results.jsonl DIR1/results.jsonl ...")
@@ -449,9 +454,10 @@ def _check_out_dir(flag: str, path: str | None) -> None:
 def _check_workloads(flag: str, spec: str) -> list[str]:
     """Workload names checked against the registry (eval.workloads + the edit-following ones)."""
     from .eval import workloads as wl
+    from .eval.agent_workloads import AGENT_WORKLOADS
     from .eval.follow import FOLLOW_WORKLOADS
 
-    known = set(wl.WORKLOADS) | set(FOLLOW_WORKLOADS)
+    known = set(wl.WORKLOADS) | set(FOLLOW_WORKLOADS) | set(AGENT_WORKLOADS)
     names = [w.strip() for w in spec.split(",") if w.strip()]
     unknown = [w for w in names if w not in known]
     if not names or unknown:
@@ -483,6 +489,12 @@ def _check_command(args) -> None:
         raise UsageError(f"{args.traces} is empty; pass a trace file with at least one episode (docs/TRACES.md)")
     if cmd == "bench":
         _shard(args.shard)
+        heal = [x.strip() for x in args.heal.split(",") if x.strip()]
+        if heal != ["none"]:
+            try:
+                _check_strategies(",".join(heal) or args.heal)
+            except UsageError as e:
+                raise UsageError(str(e).replace("--strategies:", "--heal:", 1)) from None
         for f in args.summarize or []:
             if not Path(f).is_file():
                 raise UsageError(f"--summarize: no results file at {f}")

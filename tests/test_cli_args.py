@@ -77,6 +77,7 @@ BAD = [
     (["bench", "--n", "0"], r"--n must be >= 1"),
     (["bench", "--shard", "2/2"], r"--shard 2/2: need 0 <= I < K"),
     (["bench", "--shard", "x"], r"--shard must look like I/K"),
+    (["bench", "--heal", "patchkv,bogus"], r"--heal: unknown \[.bogus.\]"),
     (["bench", "--summarize", "{d}/missing.jsonl"], r"--summarize: no results file"),
     (["bench", "--summarize", "{d}/empty.jsonl"], r"--summarize: .*empty"),
     (["bench", "--out-dir", "{d}/notgguf.txt"], r"--out-dir .* is not a directory"),
