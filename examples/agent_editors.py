@@ -69,7 +69,8 @@ def build_middlewares(llm: PatchKVChatModel, args, rows: list[dict]):
                                              SummarizationMiddleware)
 
     class SearchFirst(AgentMiddleware):
-        """The first ``--searches`` calls must call ``search`` (grammar-forced); later ones choose."""
+        """The first ``--searches`` calls must call ``search`` (grammar-forced); the next two choose
+        (``auto``); then the tools are hidden and the model answers."""
 
         def __init__(self):
             super().__init__()
@@ -79,6 +80,8 @@ def build_middlewares(llm: PatchKVChatModel, args, rows: list[dict]):
             self.calls += 1
             if self.calls <= args.searches:
                 request = request.override(tool_choice="search")
+            elif self.calls > args.searches + 2:
+                request = request.override(tool_choice="none")
             return handler(request)
 
     class Shadow(AgentMiddleware):
@@ -166,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--searches", type=int, default=12, help="forced search calls before the model may answer")
     ap.add_argument("--clear-trigger", type=int, default=1800)
     ap.add_argument("--clear-keep", type=int, default=3)
-    ap.add_argument("--summary-trigger", type=int, default=3000)
-    ap.add_argument("--summary-keep", type=int, default=8)
+    ap.add_argument("--summary-trigger", type=int, default=2400)
+    ap.add_argument("--summary-keep", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96,
                     help="tokens per model call (room for a whole search call: the next action)")
     ap.add_argument("--tool-latency", type=float, default=0.2, help="seconds each search takes (simulated)")
