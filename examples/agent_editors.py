@@ -135,7 +135,8 @@ def build_middlewares(llm: PatchKVChatModel, args, rows: list[dict]):
                    "exact_action": action_of(ref), "recompute": st.get("recompute_tokens"),
                    "prefix_recompute": rst.get("recompute_tokens"), "base": st.get("base"),
                    "strategy": st.get("strategy"), "fallback": st.get("fallback"),
-                   "healed": st.get("base_healed_rows"), "context": st.get("context")}
+                   "healed": st.get("base_healed_rows"), "heal_wait_s": st.get("heal_wait_s") or 0.0,
+                   "context": st.get("context")}
             rows.append(row)
             print_row(row)
             self.prev_view, self.prev_summary, self.prev_cleared = msgs, summary, cleared
@@ -155,7 +156,8 @@ def print_row(r: dict) -> None:
 
     act = r["action"]
     what = f"{act[1]}({act[2][:40]})" if act[0] == "call" else repr(str(act[-1])[:40])
-    heal = f", base healed ({r['healed']} rows)" if r.get("healed") else ""
+    heal = (f", base healed ({r['healed']} rows, waited {r['heal_wait_s'] * 1e3:.0f} ms)"
+            if r.get("healed") else "")
     print(f"  call {r['call']:2d} {r['tokens'] or 0:5d} tok  {r['edit']:<44} TTFT ms patchkv {ms(r['patchkv_s'])} "
           f"prefix {ms(r['prefix_s'])} floor {ms(r['floor_s'])}  next action "
           f"{'== exact' if r['same_action'] else '!= exact'}: {what}  [{r['strategy']}, recompute "
@@ -222,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
               f"floor {med(resumed, 'floor_s') * 1e3:.0f} ms; next action equal to exact's in "
               f"{sum(r['same_action'] for r in resumed)}/{len(resumed)} calls "
               f"({sum(r['same_action'] for r in edited)}/{len(edited)} edited); "
-              f"{sum(1 for r in resumed if r['fallback'])} exact fallbacks")
+              f"{sum(1 for r in resumed if r['fallback'])} exact fallbacks; median wait for the base's heal "
+              f"{statistics.median(r['heal_wait_s'] for r in resumed) * 1e3:.0f} ms (the heal runs while the tool "
+              f"runs; on this CPU it can outlast a {args.tool_latency:.1f} s tool)")
     return 0
 
 
