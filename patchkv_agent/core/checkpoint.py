@@ -190,7 +190,7 @@ def count_nonfinite(logits: torch.Tensor, keys: list[torch.Tensor], values: list
     n = int((~torch.isfinite(logits)).sum())
     idx = None
     if rows is not None and len(rows) != (keys[0].shape[2] if keys else 0):
-        idx = torch.as_tensor(np.asarray(rows, dtype=np.int64), device=keys[0].device) if keys else None
+        idx = torch.as_tensor(np.array(rows, dtype=np.int64), device=keys[0].device) if keys else None
     for x in (*keys, *values):
         x = x if idx is None else x.index_select(2, idx)
         n += int((~torch.isfinite(x)).sum())
