@@ -245,14 +245,14 @@ def cmd_bench(args) -> int:
     if args.summarize:
         summary = write_summary([r for f in args.summarize for r in read_results(f)], args.out_dir)
     else:
-        from .eval.workloads import build_traces
+        from .eval.bench import build_workload_traces
 
         eng = _engine(args)
         count = _count_tokens(eng)
         traces = []
         for wl in args.workloads.split(","):
-            traces += build_traces(wl, args.edit, n=args.n, split="eval", target_tokens=args.target_tokens,
-                                   seed=args.seed, count_tokens=count)
+            traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
+                                            seed=args.seed, count_tokens=count)
         i, k = _shard(args.shard)
         traces = [t for j, t in enumerate(traces) if j % k == i]
         heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]

@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     from patchkv_agent import PatchKVEngine
     from patchkv_agent.eval.metrics import NEXT_ACTION_TOKENS, next_action_agree
     from patchkv_agent.eval.traces import plain_messages, version_ids
-    from patchkv_agent.eval.workloads import build_traces
+    from patchkv_agent.eval.bench import build_workload_traces
 
     eng = PatchKVEngine.from_pretrained(args.model)
     count = lambda msgs: len(eng.encode(plain_messages(msgs)))  # noqa: E731
-    traces = build_traces("agent-summarize", "all", n=args.n, target_tokens=args.target_tokens, count_tokens=count)
+    traces = build_workload_traces("agent-summarize", n=args.n, target_tokens=args.target_tokens, count_tokens=count)
     cases = []
     for tr in traces:
         for k, e in enumerate(tr["meta"]["edits"]):

@@ -48,6 +48,41 @@ _COLUMNS = (  # (summary key, Markdown header, format)
 _AGENT_COLUMNS = frozenset({"next_action", "next_action_restore", "next_action_after", "vs_floor"})
 
 
+# --------------------------------------------------------------------------- traces
+
+def build_workload_traces(workload: str, edit: str = "all", *, n: int | None = None, target_tokens: int = 3000,
+                          n_versions: int = 2, seed: int = 0, count_tokens=None) -> list[dict]:
+    """The evaluation traces of any benchmark workload: QA and edit-following ones
+    (:func:`.workloads.build_traces`) or the agent workloads edited by LangChain's middlewares
+    (:func:`.agent_workloads.build_agent_traces`; there ``target_tokens`` is the largest version, at least
+    2,000 tokens, ``n_versions`` the versions kept per episode (2: the default 5), ``edit`` does not apply).
+
+    Args:
+        workload: a workload name.
+        edit: the QA workloads' edit kind (or ``all``).
+        n: episodes at most.
+        target_tokens: QA: version-0 length; agent: largest version.
+        n_versions: versions per episode.
+        seed: the builders' seed.
+        count_tokens: ``trace messages -> token count`` (the model's chat-template count), or None.
+
+    Returns:
+        Trace dicts (``docs/TRACES.md``).
+
+    Raises:
+        ValueError: an unknown workload, edit or split.
+    """
+    from .agent_workloads import AGENT_WORKLOADS, build_agent_traces, from_langchain
+    from .workloads import build_traces
+
+    if workload in AGENT_WORKLOADS:
+        count = (lambda msgs: count_tokens(from_langchain(msgs))) if count_tokens is not None else None
+        return build_agent_traces(workload, n=n, count_tokens=count, max_tokens=max(2000, target_tokens),
+                                  max_versions=5 if n_versions <= 2 else n_versions, seed=seed)
+    return build_traces(workload, edit, n=n, split="eval", target_tokens=target_tokens, n_versions=n_versions,
+                        seed=seed, count_tokens=count_tokens)
+
+
 # --------------------------------------------------------------------------- running
 
 def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir: str | Path, *,

@@ -445,21 +445,13 @@ def build_traces(workload: str, edit: str, *, n: int | None = None, split: str =
     The edit-following workloads (``follow-lookup``, ``follow-twohop``, ``follow-count``,
     ``follow-retract``; :mod:`.follow`) are built here too: their episodes are templates with their own
     fixed edit and length, so ``edit``, ``target_tokens`` and ``n_versions`` do not apply to them, and
-    ``n=None`` means 40. The agent workloads (``agent-clear``, ``agent-summarize``, ``agent-offload``;
-    :mod:`.agent_workloads`: LangChain's own editing middlewares over agent histories) are built here too:
-    ``target_tokens`` is their largest version (at least 2,000 tokens), ``n_versions`` the versions kept
-    per episode (2 means the default 5), ``edit`` and ``split`` do not apply.
+    ``n=None`` means 40.
 
     Raises:
         ValueError: unknown workload, edit or split, or n_versions < 2.
     """
-    from .agent_workloads import AGENT_WORKLOADS, build_agent_traces, from_langchain
     from .follow import build_follow_traces, is_follow_workload
 
-    if workload in AGENT_WORKLOADS:
-        count = (lambda msgs: count_tokens(from_langchain(msgs))) if count_tokens is not None else None
-        return build_agent_traces(workload, n=n, count_tokens=count, max_tokens=max(2000, target_tokens),
-                                  max_versions=5 if n_versions <= 2 else n_versions, seed=seed)
     if is_follow_workload(workload):
         return build_follow_traces(workload, n=40 if n is None else n, split=split, seed=seed,
                                    count_tokens=count_tokens)
