@@ -788,6 +788,8 @@ class PatchKVEngine:
         if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
             exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
         stats.extras["approx_rows"] = len(new) - exact_rows
+        if getattr(plan, "head_rewrite", False):  # the plan's head-rewrite rule recomputed the whole suffix
+            stats.extras["head_rewrite"] = True
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
                             context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
                             scores=scores, exact_rows=exact_rows, words=new_words)

@@ -66,3 +66,30 @@ def test_exact_strategies_are_exact_and_approximation_is_carried_to_the_next_ver
     ref_logits, ref = oracle(engine.model, nxt)
     torch.testing.assert_close(from_healed.logits, ref_logits, atol=TOL, rtol=0)
     _kv_equal(from_healed, ref, engine.model.config.num_hidden_layers)
+
+
+def test_head_rewrite_rule_recomputes_the_whole_suffix_and_is_exact(engine):
+    """A summary replacing most of the history: every suffix token recomputed, the result equals a prefill."""
+    from patchkv_agent.core.plan import head_rewrite_share
+
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(7)
+    head, tail = rng.integers(0, vocab, 120).tolist(), rng.integers(0, vocab, 60).tolist()
+    old = head[:4] + rng.integers(0, vocab, 100).tolist() + tail
+    new = head[:4] + rng.integers(0, vocab, 10).tolist() + tail  # 100 tokens of history -> a 10-token summary
+    ckpt = engine.checkpoint(old)
+    res = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
+    edit = res.edit
+    assert head_rewrite_share(edit, ckpt.scores) >= 0.35
+    assert res.stats.get("head_rewrite") is True and res.stats["restore_tokens"] == 0 and res.approx_rows == 0
+    ref_logits, ref = oracle(engine.model, new)
+    torch.testing.assert_close(res.logits, ref_logits, atol=TOL, rtol=0)
+    _kv_equal(res, ref, engine.model.config.num_hidden_layers)
+    off = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0, rewrite_share=1.0)
+    assert "head_rewrite" not in off.stats and off.stats["restore_tokens"] > 0
+    # a small edit in the middle is no rewrite: the plan restores as before
+    small = old[:80] + [1, 2, 3] + old[84:]
+    r = engine.resume(ckpt, small, strategy="patchkv", max_new_tokens=0)
+    assert "head_rewrite" not in r.stats and head_rewrite_share(r.edit, ckpt.scores) < 0.35
+    with pytest.raises(ValueError, match="rewrite_share"):
+        engine.resume(ckpt, new, strategy="patchkv", rewrite_share=1.5)

@@ -53,10 +53,19 @@ __all__ = [
     "plan_full",
     "plan_direct",
     "bench_plan",
+    "head_rewrite_share",
+    "DEFAULT_REWRITE_SHARE",
 ]
 
 DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, transfer and precision tags
 DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
+
+# head-rewrite rule (plan_repair): share of the old context removed, attention-weighted (head_rewrite_share), at
+# which every suffix token is recomputed; set on 8 summarization resumes of agent-summarize (SmolLM2:
+# scripts/rewrite_study.py, docs/RESULTS.md "Head rewrites"): their shares were 0.39-0.62, a 94-token
+# removal's 0.04
+DEFAULT_REWRITE_SHARE = 0.35
+REWRITE_ATTENTION = 4.0  # removed attention share counts this many times (recent queries read ~1/4 of a summarized head)
 
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
 DEFAULT_READER_BUDGET = 0.25  # reader blocks add at most this share to the plan's recompute tokens (in blocks) ...
@@ -325,6 +334,7 @@ class RepairPlan:
     n_dirty: int = 0  # |D|
     n_high: int = 0  # |H|
     n_readers: int = 0  # reader blocks added beyond BlockRound(D | H)
+    head_rewrite: bool = False  # the rewrite rule fired: every suffix token is recomputed
 
     @property
     def n_recompute(self) -> int:
@@ -372,7 +382,7 @@ def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
 
 def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strategy: str, prefix_len: int,
            d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0,
-           n_readers: int = 0) -> RepairPlan:
+           n_readers: int = 0, head_rewrite: bool = False) -> RepairPlan:
     """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
     new_len = edit.new_len
     tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
@@ -406,6 +416,7 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         n_dirty=int(n_dirty),
         n_high=int(n_high),
         n_readers=int(n_readers),
+        head_rewrite=bool(head_rewrite),
     )
 
 
@@ -501,9 +512,36 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     return out / total
 
 
+def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
+    """The share of the old context an edit removes, weighted by what the stored attention read.
+
+    ``min(removed tokens / old tokens, REWRITE_ATTENTION * removed attention / total attention)``
+    when statistics exist (tokens only, otherwise), so that a long removal the recent queries ignored
+    does not count as a rewrite of what the tail depends on.
+
+    Args:
+        edit: the diff.
+        scores: stored attention per old position, or None.
+
+    Returns:
+        A share in ``[0, 1]``.
+    """
+    if edit.old_len == 0 or not edit.spans:
+        return 0.0
+    removed = np.concatenate([np.arange(sp.old_start, sp.old_end, dtype=np.int64) for sp in edit.spans])
+    share = removed.shape[0] / edit.old_len
+    if scores is not None and removed.shape[0]:
+        sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
+        total = float(sc.sum())
+        if sc.shape[0] == edit.old_len and total > 0:
+            share = min(share, REWRITE_ATTENTION * float(sc[removed].sum()) / total)
+    return float(min(1.0, share))
+
+
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
                 block_size: int = DEFAULT_BLOCK_SIZE, readers: str = "none",
-                reader_budget: float = DEFAULT_READER_BUDGET) -> RepairPlan:
+                reader_budget: float = DEFAULT_READER_BUDGET,
+                rewrite_share: float = DEFAULT_REWRITE_SHARE) -> RepairPlan:
     """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L`` and the last token; restore ``F``.
 
     Args:
@@ -517,11 +555,16 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             blocks and rounded up, or :data:`READER_MIN_BLOCKS` blocks if that is more, the highest scores
             first (ties: the earlier block), in ``[0, 1]`` (0 adds none). A cost bound: the TTFT of a resume
             grows about linearly in recomputed tokens.
+        rewrite_share: the head-rewrite rule: when :func:`head_rewrite_share` of the edit is at least this,
+            every suffix token is recomputed (``head_rewrite`` in the plan): after a summary replaced the
+            history, every restored row was computed with the removed history in view, its drift grows
+            with depth, and no selective plan held the next action (docs/RESULTS.md, "Head rewrites"),
+            in ``[0, 1]`` (1.0: off).
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``; when there are any and ``scores``
         is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention).
     Raises:
-        ValueError: on an empty new context, ``kappa`` or ``reader_budget`` outside ``[0, 1]``, an unknown
+        ValueError: on an empty new context, ``kappa``, ``reader_budget`` or ``rewrite_share`` outside ``[0, 1]``, an unknown
             ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
     """
     if not 0.0 <= kappa <= 1.0:
@@ -530,7 +573,13 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         raise ValueError(f"readers must be one of {READERS}, got {readers!r}")
     if not 0.0 <= reader_budget <= 1.0:
         raise ValueError(f"reader_budget must be in [0, 1], got {reader_budget}")
+    if not 0.0 <= rewrite_share <= 1.0:
+        raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
     prefix_len, blocks = _prep(edit, block_size)
+    if rewrite_share < 1.0 and blocks.n_blocks and head_rewrite_share(edit, scores) >= rewrite_share:
+        p, e, s = span_features(edit)
+        return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="patchkv", prefix_len=prefix_len,
+                      d_hat=length_model.predict(p, e, s), kappa=kappa, head_rewrite=True)
     p, e, s = span_features(edit)
     d_hat = length_model.predict(p, e, s)
     # d_hat is per span in new order; each suffix token's window is that of the span preceding its segment

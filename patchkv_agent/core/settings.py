@@ -17,7 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, READERS, LengthModel
+from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, DEFAULT_REWRITE_SHARE, READERS,
+                   LengthModel)
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
@@ -49,6 +50,10 @@ class RecoverySettings:
             ``"none"``).
         reader_budget: reader blocks add at most this share of the plan's other recompute (in blocks,
             rounded up), in ``[0, 1]``.
+        rewrite_share: an edit that removes at least this share of the old context, tokens the stored
+            attention read (a head rewrite: a summary replacing the history), recomputes every suffix
+            token (see :func:`~patchkv_agent.core.plan.plan_repair`), in ``[0, 1]``; 1.0 turns the rule
+            off.
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -63,13 +68,14 @@ class RecoverySettings:
     mixed_precision: bool = True
     readers: str = "lexical"
     reader_budget: float = DEFAULT_READER_BUDGET
+    rewrite_share: float = DEFAULT_REWRITE_SHARE
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
             raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
-        for name in ("kappa", "reader_budget"):  # shares in [0, 1], stored as floats
+        for name in ("kappa", "reader_budget", "rewrite_share"):  # shares in [0, 1], stored as floats
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")

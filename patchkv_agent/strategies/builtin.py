@@ -65,6 +65,7 @@ class PatchKVStrategy(Strategy):
             without mixed runs is restored as stored) or ``"fp16"``.
         readers: ``"lexical"`` or ``"none"``: the reader-block signal (default: the settings').
         reader_budget: the most suffix blocks (a share) added as reader blocks.
+        rewrite_share: the head-rewrite rule's threshold (1.0: off; default: the settings').
 
     Raises:
         ValueError: an option outside its range.
@@ -74,10 +75,10 @@ class PatchKVStrategy(Strategy):
 
     def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
                  block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
-                 reader_budget: float | None = None):
+                 reader_budget: float | None = None, rewrite_share: float | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
-                           reader_budget=reader_budget)
+                           reader_budget=reader_budget, rewrite_share=rewrite_share)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
@@ -89,4 +90,4 @@ class PatchKVStrategy(Strategy):
         s = self.resolve(settings)
         scores = ckpt.scores if ckpt is not None else None
         return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
-                           readers=s.readers, reader_budget=s.reader_budget)
+                           readers=s.readers, reader_budget=s.reader_budget, rewrite_share=s.rewrite_share)
