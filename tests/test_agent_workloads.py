@@ -93,6 +93,12 @@ def test_replay_of_an_agent_trace_reports_next_action_floor_and_heal(one_torch_t
     tr = agent_episode(research_histories(1, calls=12)[0], "agent-summarize", (3500, 2), count_tokens=count,
                        min_tokens=1000, max_tokens=3900, max_versions=3)
     assert tr["meta"]["edits"][1:] == ["summarize", "none"]  # the summary, then an append-only call
+    # the shipped head-rewrite rule makes the summary's resume exact: nothing restored, nothing to heal
+    gated = [r for r in replay_episode(eng, tr, ["patchkv"], heal=["patchkv"]) if r["strategy"] == "patchkv"]
+    assert gated[0]["head_rewrite"] is True and gated[0]["restore_tokens"] == 0 and gated[0]["approx_rows"] == 0
+    assert gated[0]["next_action"] is True and gated[0]["first_token_kl"] < 1e-6
+    # without it (rewrite_share 1.0) the summary's resume restores its tail: approximate, healed afterwards
+    eng.settings = eng.settings.replace(rewrite_share=1.0)
     rows = list(replay_episode(eng, tr, ["exact", "prefix", "patchkv"], heal=["patchkv"]))
     assert len(rows) == 3 * (len(tr["versions"]) - 1)
     for r in rows:
