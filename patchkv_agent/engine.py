@@ -19,6 +19,7 @@ import contextlib
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
@@ -256,7 +257,9 @@ class PatchKVEngine:
         # explicit arguments win over the profile (and over `settings`)
         self.settings: RecoverySettings = base.replace(**{k: v for k, v in explicit.items() if v is not None})
         self.device = next(model.parameters()).device
-        self.forward_lock = threading.RLock()
+        # one forward at a time per *model*: engines sharing a model instance share the lock (a background
+        # heal of one engine's thread must not run inside another engine's forward or attention capture)
+        self.forward_lock = _model_lock(model)
         self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
         self._params: list | None = None
         self._registrations_seen = -1
@@ -793,6 +796,23 @@ class PatchKVEngine:
         return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
                             context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
                             scores=scores, exact_rows=exact_rows, words=new_words)
+
+
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def _model_lock(model) -> threading.RLock:
+    """The forward lock of a model instance, shared by every engine over it (weakly keyed: no attribute is
+    added to the model, which stays copyable)."""
+    with _MODEL_LOCKS_GUARD:
+        try:
+            lock = _MODEL_LOCKS.get(model)
+            if lock is None:
+                lock = _MODEL_LOCKS[model] = threading.RLock()
+            return lock
+        except TypeError:  # not weak-referenceable: this engine's own lock
+            return threading.RLock()
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)
