@@ -25,6 +25,7 @@ the same model and grammar on separate threads, after the agent's call.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -37,7 +38,6 @@ from pydantic import BaseModel, Field
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from research_agent import PassageSearch, render_passage  # noqa: E402  (the demo's search tool)
 
-from patchkv_agent.eval.metrics import next_action  # noqa: E402
 from patchkv_agent.eval.workloads import load_qa, split_of  # noqa: E402
 from patchkv_agent.langgraph import PatchKVChatModel, PatchKVMiddleware  # noqa: E402
 from patchkv_agent.runtime.threads import thread_key  # noqa: E402
@@ -55,10 +55,9 @@ class SearchArgs(BaseModel):
 
 def action_of(msg: AIMessage) -> tuple:
     """The next action of a response: its first tool call (name, arguments), else its text."""
-    if msg.tool_calls:
+    if msg.tool_calls:  # the canonical form of eval.metrics.next_action: name, arguments as sorted JSON
         c = msg.tool_calls[0]
-        return next_action(f'<tool_call>{{"name": "{c["name"]}", "arguments": '
-                           f'{__import__("json").dumps(c["args"])}}}</tool_call>')
+        return ("call", str(c["name"]), json.dumps(c["args"], sort_keys=True))
     if msg.invalid_tool_calls:
         return ("invalid", str(msg.invalid_tool_calls[0].get("args")))
     return ("text", str(msg.content).strip())

@@ -202,14 +202,14 @@ def _run_replay(args, todo, results) -> tuple[list[dict], list[tuple[str, str]]]
 
 def cmd_demo(args) -> int:
     from .eval.replay import replay_episode
+    from .eval.bench import build_workload_traces
     from .eval.traces import ResultsFile
-    from .eval.workloads import build_traces
 
     results = ResultsFile(args.out) if args.out else None  # fail on an unwritable --out before the model loads
 
     eng = _engine(args)
-    traces = build_traces(args.workload, args.edit, n=1, split="eval", target_tokens=args.target_tokens,
-                          seed=args.seed, count_tokens=_count_tokens(eng))
+    traces = build_workload_traces(args.workload, args.edit, n=1, target_tokens=args.target_tokens,
+                                   seed=args.seed, count_tokens=_count_tokens(eng))
     tr = traces[0]
     strategies = args.strategies.split(",")
     print(f"episode {tr['id']} ({tr['edit']}), strategies {strategies}; warming up ...", file=sys.stderr)
@@ -270,8 +270,8 @@ def cmd_bench_loop(args) -> int:
     import json
     from pathlib import Path
 
+    from .eval.bench import build_workload_traces
     from .eval.loop_bench import format_loop, plot_loop, run_loop_bench
-    from .eval.workloads import build_traces
 
     try:
         lats = [float(x) for x in args.tool_latencies.split(",") if x.strip()]
@@ -290,8 +290,8 @@ def cmd_bench_loop(args) -> int:
     count = _count_tokens(eng)
     traces = []
     for wl in args.workloads.split(","):
-        traces += build_traces(wl, args.edit, n=args.n, split="eval", target_tokens=args.target_tokens,
-                               n_versions=args.versions, seed=args.seed, count_tokens=count)
+        traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
+                                        n_versions=args.versions, seed=args.seed, count_tokens=count)
     summary = run_loop_bench(eng, traces, strategies=strategies, tool_latencies=lats,
                              max_new_tokens=args.max_new_tokens, threads=args.agents,
                              threads_tool_s=args.agents_tool_s)

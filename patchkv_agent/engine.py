@@ -627,9 +627,9 @@ class PatchKVEngine:
             its ids (to fp tolerance), ``exact_rows`` = all rows, and ``stats["heal_s"]`` /
             ``stats["healed_rows"]`` recorded (the resume's own stats are copied, not changed).
         """
-        n = int(result.keys[0].shape[-2]) if result.keys else 0
-        if result.exact_rows is None or result.exact_rows >= n or n == 0:
+        if not result.approx_rows:
             return result
+        n = int(result.keys[0].shape[-2])
         ids = np.asarray(result.context_ids, dtype=np.int64)[:n]
         start = max(0, int(result.exact_rows))
         t0 = time.perf_counter()

@@ -37,6 +37,7 @@ most ``max_versions`` of them, centred on the edits (a summarization and the app
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -195,6 +196,7 @@ def from_langchain(messages: Iterable[Any]) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------- editors
 
+@functools.lru_cache(maxsize=None)
 def _summarizer_cls():
     from langchain_core.language_models.chat_models import BaseChatModel
     from langchain_core.messages import AIMessage
@@ -247,6 +249,7 @@ def ExtractiveSummarizer(**kwargs):  # noqa: N802 - a class built on first use (
     return _summarizer_cls()(**kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def _offload_edit_cls():
     from langchain.agents.middleware.context_editing import ContextEdit
     from langchain_core.messages import ToolMessage

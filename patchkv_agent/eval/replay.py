@@ -80,7 +80,7 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
                     res = healed
                 chain[s] = engine.checkpoint_from(res)
             yield row
-        if k < len(ids) - 1 and any(isinstance(v.get("unedited"), dict) for v in versions[k + 1:k + 2]):
+        if k < len(ids) - 1 and isinstance(versions[k + 1].get("unedited"), dict):  # the next version's floor
             prev_exact = engine.checkpoint_from(ref)
 
 

@@ -669,7 +669,7 @@ class ThreadRegistry:
                 return th.pending
             if th.resident is None:
                 return None
-            th.healing = threading.Event() if self.heal and th.resident.approx_rows else None
+            th.healing = self._heal_event(th)
             th.pending = self._executor.submit(self._offload_job, th, th.version, "background", release)
             return th.pending
 
@@ -687,6 +687,11 @@ class ThreadRegistry:
         """Wait for a pending offload of ``key``; returns the seconds waited."""
         th = self._thread(self.active(key), create=False) if key is not None else None
         return self._wait_pending(th) if th is not None else 0.0
+
+    def _heal_event(self, th: _Thread) -> threading.Event | None:
+        """The event an offload job of ``th`` sets after healing, when its resident KV needs one (caller holds
+        ``th.lock``); None: the job has no heal stage."""
+        return threading.Event() if self.heal and th.resident is not None and th.resident.approx_rows else None
 
     def _wait_heal(self, th: _Thread) -> float:
         """Wait until the heal stage of ``th``'s pending job is over (a resume wants the exact base)."""
@@ -778,7 +783,7 @@ class ThreadRegistry:
                     continue
                 total -= _kv_bytes(th.resident)
                 if self.on_evict == "offload":
-                    th.healing = threading.Event() if self.heal and th.resident.approx_rows else None
+                    th.healing = self._heal_event(th)
                     th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
