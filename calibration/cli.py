@@ -24,24 +24,22 @@ from pathlib import Path
 __all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces", "check_calibrate_args"]
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected one or more comma-separated numbers, got {s!r}")
-    return out
+def _numbers(kind: type, what: str):
+    """argparse type: one or more comma-separated ``kind`` values (``what`` names them in the error)."""
+    def parse(s: str) -> tuple:
+        try:
+            out = tuple(kind(x) for x in s.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {s!r}") from None
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected one or more comma-separated {what}, got {s!r}")
+        return out
+
+    return parse
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not out:
-        raise argparse.ArgumentTypeError(f"expected one or more comma-separated integers, got {s!r}")
-    return out
+_floats = _numbers(float, "numbers")
+_ints = _numbers(int, "integers")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
