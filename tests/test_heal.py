@@ -93,3 +93,39 @@ def test_head_rewrite_rule_recomputes_the_whole_suffix_and_is_exact(engine):
     assert "head_rewrite" not in r.stats and head_rewrite_share(r.edit, ckpt.scores) < 0.35
     with pytest.raises(ValueError, match="rewrite_share"):
         engine.resume(ckpt, new, strategy="patchkv", rewrite_share=1.5)
+
+
+def test_a_late_offload_job_never_releases_a_newer_jobs_heal(engine):
+    """v1's offload job runs only after v2 was resumed and v2's own job (with a heal stage) was queued. Its
+    early return must not signal v2's heal as over: v3 must resume from v2's healed, exact KV (the flake of
+    test_two_registries_and_direct_callers_share_one_engine: a stale job set the newer job's event)."""
+    import threading
+
+    from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
+
+    reg = ThreadRegistry(engine)
+    key = thread_key("late-job")
+    v1, v2 = edited_pair(engine.model.config.vocab_size, seed=11, n=160)
+    v3 = v2[:100] + [7, 8, 9] + v2[103:]
+    gate = threading.Event()
+    reg.generate(key, v1, max_new_tokens=0)
+    reg._executor.submit(gate.wait, 30)  # the worker is busy: v1's job waits behind it
+    reg.offload_async(key)
+    r2 = reg.generate(key, v2, max_new_tokens=0)
+    assert r2.stats["base"] == "resident" and r2.approx_rows > 0
+    reg.offload_async(key)  # v2's job: heal, then checkpoint, queued behind v1's
+    done = threading.Event()
+    out = {}
+
+    def resume_v3():
+        out["r3"] = reg.generate(key, v3, max_new_tokens=0)
+        done.set()
+
+    t = threading.Thread(target=resume_v3)
+    t.start()
+    gate.set()  # v1's job runs now (stale: returns at once), then v2's heals
+    t.join(60)
+    assert done.is_set()
+    r3 = out["r3"]
+    assert r3.stats["base_approx_rows"] == 0 and r3.stats["base_healed_rows"] == r2.approx_rows
+    reg.close()

@@ -669,8 +669,7 @@ class ThreadRegistry:
                 return th.pending
             if th.resident is None:
                 return None
-            th.healing = self._heal_event(th)
-            th.pending = self._executor.submit(self._offload_job, th, th.version, "background", release)
+            th.pending = self._submit_offload(th, "background", release)
             return th.pending
 
     def offload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
@@ -688,14 +687,18 @@ class ThreadRegistry:
         th = self._thread(self.active(key), create=False) if key is not None else None
         return self._wait_pending(th) if th is not None else 0.0
 
-    def _heal_event(self, th: _Thread) -> threading.Event | None:
-        """The event an offload job of ``th`` sets after healing, when its resident KV needs one (caller holds
-        ``th.lock``); None: the job has no heal stage."""
-        return threading.Event() if self.heal and th.resident is not None and th.resident.approx_rows else None
+    def _submit_offload(self, th: _Thread, source: str, release: bool = False) -> Future:
+        """Queue an offload job of ``th``'s current version (caller holds ``th.lock``). The job owns its heal
+        event (set once its heal stage is over; None: nothing to heal): a job that runs late, after its
+        thread moved on, sets only its own event, never the one a newer job's resume is waiting on."""
+        healing = threading.Event() if self.heal and th.resident is not None and th.resident.approx_rows else None
+        th.healing = healing
+        return self._executor.submit(self._offload_job, th, th.version, source, release, healing)
 
     def _wait_heal(self, th: _Thread) -> float:
         """Wait until the heal stage of ``th``'s pending job is over (a resume wants the exact base)."""
-        evt, fut = th.healing, th.pending
+        with th.lock:
+            evt, fut = th.healing, th.pending
         if evt is None or evt.is_set() or fut is None or fut.done():
             return 0.0
         t0 = time.perf_counter()
@@ -715,7 +718,8 @@ class ThreadRegistry:
             log.exception("background offload of thread %s failed", th.key)
         return time.perf_counter() - t0
 
-    def _offload_job(self, th: _Thread, version: int, source: str, release: bool = False) -> float | None:
+    def _offload_job(self, th: _Thread, version: int, source: str, release: bool = False,
+                     healing: threading.Event | None = None) -> float | None:
         """Write ``version``'s resident KV as a checkpoint: a snapshot under the thread lock, the checkpoint
         (quantization, copies; no forward, so no forward lock) outside it, then installed only if the
         thread still holds that state. ``"evicted"`` (and ``release``) offloads then drop the resident KV;
@@ -723,11 +727,10 @@ class ThreadRegistry:
         eviction."""
         with th.lock:
             if th.version != version or th.resident is None:
-                if th.healing is not None:
-                    th.healing.set()
+                if healing is not None:
+                    healing.set()
                 return None
             snap = th.resident
-            healing = th.healing
         t0 = time.perf_counter()
         if healing is not None:
             try:
@@ -783,8 +786,7 @@ class ThreadRegistry:
                     continue
                 total -= _kv_bytes(th.resident)
                 if self.on_evict == "offload":
-                    th.healing = self._heal_event(th)
-                    th.pending = self._executor.submit(self._offload_job, th, th.version, "evicted")
+                    th.pending = self._submit_offload(th, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
                     th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "
