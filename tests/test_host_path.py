@@ -226,3 +226,89 @@ def test_bench_host_rejects_bad_arguments(capsys):
             main(argv)
         assert e.value.code == 2
     assert "--edits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
+    """The resume's cache is assembled without copying the context's K/V (full and sliding layers): the same
+    layer state as ``DynamicCache.update`` builds, and decoding from it gives the same logits."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from patchkv_agent.core.recovery import decode_step, to_dynamic_cache
+    from tiny_models import tiny_model
+
+    model = tiny_model(family)
+    cfg = model.config
+    n, shape = 40, (1, cfg.num_key_value_heads, 40, cfg.head_dim)
+    g = torch.Generator().manual_seed(0)
+    keys = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]  # full-length rows per layer
+    values = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]
+    before = [k.clone() for k in keys]
+    adopted = to_dynamic_cache(model, keys, values)
+    ref = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        ref.update(k, v, i)
+    for a, b, k in zip(adopted.layers, ref.layers, keys):
+        assert type(a) is type(b)
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+        assert a.get_seq_length() == b.get_seq_length()
+        assert a.keys.data_ptr() >= k.data_ptr()  # a view of the given rows, not a copy
+        assert a.keys.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    tok, pos = 5, n
+    for _ in range(30):  # past gemma3's 24-token window
+        la, lb = decode_step(model, adopted, tok, pos), decode_step(model, ref, tok, pos)
+        torch.testing.assert_close(la, lb, rtol=0, atol=0)
+        tok, pos = int(la.argmax()), pos + 1
+    for k, k0 in zip(keys, before):  # decoding never wrote into the adopted rows
+        torch.testing.assert_close(k, k0, rtol=0, atol=0)
+
+
+def _lexical_reference(edit, blocks, max_df=0.1, min_df=3):
+    """lexical_reader_scores spelled out with Python sets (the oracle of the vectorized version)."""
+    old, new = edit.words() if edit.words() is not None else (edit.old_ids, edit.new_ids)
+    old_side = {int(t) for s in edit.spans for t in old[s.old_start:s.old_end]}
+    new_side = {int(t) for s in edit.spans for t in new[s.new_start:s.new_end]}
+    changed = {t for t in old_side ^ new_side if t >= 0}
+    n_ctx = -(-len(new) // blocks.block_size)
+    blocks_of: dict[int, set[int]] = {}
+    for i, t in enumerate(new.tolist()):
+        if t in changed and (i == 0 or new[i - 1] != t):
+            blocks_of.setdefault(t, set()).add(i // blocks.block_size)
+    weight = {}
+    for t in changed:
+        df = len(blocks_of.get(t, ()))
+        if df <= max(min_df, max_df * n_ctx):
+            weight[t] = float(np.log((1 + n_ctx) / (1 + df)))
+    out = np.zeros(blocks.n_blocks)
+    total = sum(weight.values())
+    if total <= 0:
+        return out
+    for b in range(blocks.n_blocks):
+        sel = blocks.token_block == b
+        held = {int(t) for t in new[blocks.new_positions[sel]]} & set(weight)
+        out[b] = sum(weight[t] for t in held) / total
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vectorized_reader_scores_and_block_attention_match_their_oracles(seed):
+    from patchkv_agent.core.plan import block_attention, lexical_reader_scores, suffix_blocks
+
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(4, 300))
+    old = rng.integers(0, vocab, int(rng.integers(20, 1500))).astype(np.int64)
+    new = _edited(rng, old, int(rng.integers(1, 6))) % vocab
+    if len(new) < 2:
+        return
+    edit = diff_versions(old, new)
+    blocks = suffix_blocks(edit, block_size=int(rng.choice([4, 16, 32])))
+    np.testing.assert_allclose(lexical_reader_scores(edit, blocks), _lexical_reference(edit, blocks), atol=1e-12)
+    scores = rng.random(len(old))
+    scores[rng.integers(0, len(old), 3)] = np.nan
+    ref = np.full(blocks.n_blocks, -np.inf)
+    for b in range(blocks.n_blocks):
+        sel = blocks.old_positions[blocks.token_block == b]
+        ref[b] = np.nan_to_num(scores[sel], nan=0.0).max()
+    np.testing.assert_array_equal(block_attention(blocks, scores), ref)

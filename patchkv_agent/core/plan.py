@@ -366,6 +366,27 @@ def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     return out
 
 
+_PAIR_TABLE_MAX = 1 << 22  # pairs deduplicated in a dense boolean table up to this many cells, else sorted
+
+
+def _distinct_pairs(a: np.ndarray, b: np.ndarray, na: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct pairs ``(a[i], b[i])`` with ``0 <= a < na``, ``0 <= b < nb``, ordered by ``(a, b)``: a dense
+    table when ``na * nb`` is small (one scatter, no sort), else a sort of one int64 key per pair."""
+    if na * nb <= _PAIR_TABLE_MAX:
+        table = np.zeros(na * nb, dtype=bool)
+        table[a * nb + b] = True
+        key = np.flatnonzero(table)
+    else:
+        key = np.unique(a * nb + b)
+    return key // nb, key % nb
+
+
+def _distinct_counts(tok: np.ndarray, grid: np.ndarray, n_tok: int, n_grid: int) -> np.ndarray:
+    """For each ``t < n_tok``, the number of distinct ``grid`` values paired with it (``int64 [n_tok]``)."""
+    t, _ = _distinct_pairs(tok, grid, n_tok, n_grid)
+    return np.bincount(t, minlength=n_tok)
+
+
 def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
     """Indices of the top ``ceil(kappa*n)`` values; ties broken by lower index (deterministic)."""
     n = values.shape[0]
@@ -436,10 +457,21 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
     Returns:
         float64 ``[n_blocks]`` (``-inf`` for an empty block).
     """
-    sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
+    sc = _clean_scores(scores)
     out = np.full(blocks.n_blocks, -np.inf)
-    np.maximum.at(out, blocks.token_block, sc[blocks.old_positions])
+    if blocks.n_blocks == 0:
+        return out
+    # token_block is non-decreasing (suffix order): each block's tokens are one contiguous run
+    first = np.flatnonzero(np.diff(blocks.token_block, prepend=-1))
+    out[blocks.token_block[first]] = np.maximum.reduceat(sc[blocks.old_positions], first)
     return out
+
+
+def _clean_scores(scores) -> np.ndarray:
+    """Stored attention as a flat float64 array, NaN read as 0 and infinities clipped (``np.nan_to_num``); an
+    already clean float64 array is returned as is, after one read-only pass."""
+    sc = np.asarray(scores, dtype=np.float64).ravel()
+    return sc if np.isfinite(sc).all() else np.nan_to_num(sc, nan=0.0)
 
 
 def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
@@ -491,24 +523,23 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     in_changed = _member(new, changed)  # changed is sorted (setxor1d)
     in_changed[1:] &= new[1:] != new[:-1]  # one occurrence per word: the block of its first token
     pos = np.flatnonzero(in_changed)
-    tok, grid = new[pos], pos // size
-    # document frequency of each changed token over the context's blocks (distinct (block, token) pairs)
-    pairs = np.unique(np.stack([tok, grid], axis=1), axis=0) if pos.size else np.zeros((0, 2), np.int64)
-    df_tok, df = np.unique(pairs[:, 0], return_counts=True)
-    rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)
-    weight = dict(zip(df_tok[rare].tolist(), np.log((1.0 + n_ctx) / (1.0 + df[rare])).tolist()))
-    # changed tokens absent from the new context (removed by the edit) are rare too: df 0
-    for t in np.setdiff1d(changed, df_tok).tolist():
-        weight[int(t)] = float(np.log(1.0 + n_ctx))
-    total = float(sum(weight.values()))
-    if not weight or total <= 0:
+    # document frequency of each changed token over the context's blocks: the distinct (token, block) pairs,
+    # one int64 key each (token rank * n_ctx + block), counted per token
+    df = _distinct_counts(np.searchsorted(changed, new[pos]), pos // size, changed.size, n_ctx)
+    rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)  # a changed token the edit removed has df 0: rare
+    weight = np.where(rare, np.log((1.0 + n_ctx) / (1.0 + df)), 0.0)
+    total = float(weight.sum())
+    if not rare.any() or total <= 0:
         return out
+    rare_tok = changed[rare]  # sorted
     sfx_tok = new[blocks.new_positions]
-    hit = np.flatnonzero(_member(sfx_tok, np.sort(np.fromiter(weight, dtype=np.int64))))
+    hit = np.flatnonzero(_member(sfx_tok, rare_tok))
     if hit.size == 0:
         return out
-    uniq = np.unique(np.stack([blocks.token_block[hit], sfx_tok[hit]], axis=1), axis=0)
-    np.add.at(out, uniq[:, 0], np.asarray([weight[int(t)] for t in uniq[:, 1]], dtype=np.float64))
+    # each distinct (block, rare changed token) pair adds the token's weight to the block
+    blk, tok = _distinct_pairs(blocks.token_block[hit], np.searchsorted(changed, sfx_tok[hit]), blocks.n_blocks,
+                               changed.size)
+    out += np.bincount(blk, weights=weight[tok], minlength=blocks.n_blocks)
     return out / total
 
 
@@ -531,7 +562,7 @@ def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
     removed = np.concatenate([np.arange(sp.old_start, sp.old_end, dtype=np.int64) for sp in edit.spans])
     share = removed.shape[0] / edit.old_len
     if scores is not None and removed.shape[0]:
-        sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
+        sc = _clean_scores(scores)
         total = float(sc.sum())
         if sc.shape[0] == edit.old_len and total > 0:
             share = min(share, REWRITE_ATTENTION * float(sc[removed].sum()) / total)
@@ -576,7 +607,12 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     if not 0.0 <= rewrite_share <= 1.0:
         raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
     prefix_len, blocks = _prep(edit, block_size)
-    if rewrite_share < 1.0 and blocks.n_blocks and head_rewrite_share(edit, scores) >= rewrite_share:
+    sc = None
+    if scores is not None:
+        sc = _clean_scores(scores)
+        if sc.shape[0] != edit.old_len:
+            raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
+    if rewrite_share < 1.0 and blocks.n_blocks and head_rewrite_share(edit, sc) >= rewrite_share:
         p, e, s = span_features(edit)
         return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="patchkv", prefix_len=prefix_len,
                       d_hat=length_model.predict(p, e, s), kappa=kappa, head_rewrite=True)
@@ -588,11 +624,6 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     dirty = blocks.distance < d_hat[tok_span] if d_hat.size else np.zeros(blocks.distance.shape, dtype=bool)
 
     high = np.zeros_like(dirty)
-    sc = None
-    if scores is not None:
-        sc = np.nan_to_num(np.asarray(scores, dtype=np.float64).ravel(), nan=0.0)
-        if sc.shape[0] != edit.old_len:
-            raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
     if sc is not None and kappa > 0:
         outside = np.flatnonzero(~dirty)
         high[outside[_top_fraction(sc[blocks.old_positions[outside]], kappa)]] = True

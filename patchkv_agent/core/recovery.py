@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
 from ..kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
@@ -420,8 +420,35 @@ def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]
     keep their window), so ``model(next_ids, cache=...)`` continues decoding."""
     cache = DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k, v, layer)
+        if not _adopt(cache, layer, k, v):
+            cache.update(k, v, layer)
     return cache
+
+
+def _adopt(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Hand ``k`` / ``v`` to an empty layer of ``cache`` without a copy, leaving it as ``update`` would.
+
+    ``DynamicLayer.update`` on an empty layer concatenates the states onto an empty tensor: a full copy of
+    the context's K/V on the resume path (138 ms at 128k tokens on a CPU). For the two layer types whose
+    state is exactly (keys, values[, cumulative length]) the tensors are adopted instead; a sliding layer
+    keeps the last ``sliding_window - 1`` rows, as its update does. Any other layer type (or a transformers
+    version whose layers differ) returns False and takes ``update``. The cache then shares storage with
+    ``k`` / ``v``: decoding concatenates (new tensors), nothing writes into them in place.
+    """
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer >= len(layers):
+        return False
+    lay = layers[layer]
+    kind = type(lay)
+    if kind not in (DynamicLayer, DynamicSlidingWindowLayer) or getattr(lay, "is_initialized", True) or getattr(lay, "record_past", False):
+        return False
+    lay.lazy_initialization(k, v)
+    if kind is DynamicSlidingWindowLayer:
+        lay.cumulative_length += k.shape[-2]
+        k, v = k[:, :, -lay.sliding_window + 1:, :], v[:, :, -lay.sliding_window + 1:, :]
+    lay.keys, lay.values = k, v
+    return True
+
 
 
 @torch.no_grad()
