@@ -3,7 +3,7 @@
 Usage::
 
     python scripts/figures.py --profile calibration/profiles/smollm2-135m.json \
-        --drift calibration/profiles/smollm2-135m.drift.npz --out docs/figures/value_cosine_by_distance.png
+        --drift calibration/profiles/smollm2-135m.drift.npz --out runs/figures/value_cosine_by_distance.png
 
 Left panel: value cosine similarity (stale restored V vs exact V, mean over profiled layers and KV
 heads) by distance from the edit, in 32-token blocks: per block the least similar token (what ``d*``
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="calibration/profiles/smollm2-135m.json")
     ap.add_argument("--drift", default=None, help="drift .npz (default: beside the profile)")
-    ap.add_argument("--out", default="docs/figures/value_cosine_by_distance.png")
+    ap.add_argument("--out", default="runs/figures/value_cosine_by_distance.png")
     ap.add_argument("--block", type=int, default=32)
     args = ap.parse_args(argv)
     prof = json.loads(Path(args.profile).read_text())

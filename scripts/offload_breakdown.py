@@ -1,7 +1,7 @@
 """Offload stages of ``checkpoint_from`` on the default model: with the resume's own statistics (now) and with
 the tail re-capture pass it ran before (``scores=None`` forces that path), side by side in one run.
 
-    .venv/bin/python scripts/offload_breakdown.py [--tokens 3000] [--repeats 5] [--out docs/offload_breakdown.json]
+    .venv/bin/python scripts/offload_breakdown.py [--tokens 3000] [--repeats 5] [--out runs/offload_breakdown.json]
 
 Prints and writes medians of ``offload_s`` (whole call), ``stats_s`` (attention statistics), ``quantize_s``
 (mixed-precision runs: per-block tags, quantization, checksums; split into ``value_residual_s``,

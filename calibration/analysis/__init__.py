@@ -23,7 +23,7 @@ one module per figure:
 
 Command line::
 
-    python -m patchkv_agent.calibration.analysis --model smollm2-135m --n 3 --out-dir docs/figures/analysis
+    python -m patchkv_agent.calibration.analysis --model smollm2-135m --n 3 --out-dir runs/figures/analysis
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
     ap.add_argument("--target-tokens", type=int, default=3000, help="version-0 length in tokens")
     ap.add_argument("--seed", type=int, default=0, help="trace seed and random-selector seed")
-    ap.add_argument("--out-dir", default="docs/figures/analysis")
+    ap.add_argument("--out-dir", default="runs/figures/analysis")
     ap.add_argument("--figures", default="a,b,c,d", help="which figures, e.g. 'a,c'")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")

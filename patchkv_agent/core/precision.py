@@ -1,14 +1,19 @@
 """Per-block precision tags from stored attention x 4-bit value residual.
 
-Knows nothing about torch, models or kernels: numpy arrays in, tags and runs out. The residual
-``e`` comes from ``patchkv_agent.kernels.quant.value_residual_4bit``, the key residual ``ek`` from
-``patchkv_agent.kernels.quant.key_residual_4bit``; attention from the capture pass. The tag names
-and their order match the kernel formats (``kernels.quant.FORMATS``).
+What it does: given per-token attention (from the capture pass) and per-token 4-bit residuals of the
+values (and, for K4V4, of the keys), it gives every suffix block one of the four transport formats,
+FP16 / K8V8 / K8V4 / K4V4 (:class:`Tag`; names and order match ``kernels.quant.FORMATS``), and groups
+consecutive equal tags into runs (:func:`cluster_runs`). The rule in words: a block that the context
+attends to a lot *and* whose values 4 bit reconstructs poorly (high attention x residual) is kept at
+high precision, a little-read one goes to 4-bit values, and to 4-bit keys too (K4V4) only where its risk
+is lower still and its keys quantize well; a block with any value row that 4 bit reconstructs poorly
+(heavy outlier channels) keeps 8-bit values whatever its attention.
 
 Per token ``i``: ``A_i`` is the stored attention rescaled to mean 1 over the given tokens (so the
 input's own normalization does not matter and thresholds do not depend on context length), ``e_i``
-the normalized 4-bit value residual ``||v_i - Q4(v_i)|| / ||v_i||`` (its range on real values: docs/RESULTS.md).
-Per block ``b`` (``block_size`` consecutive tokens, the last block may be shorter)::
+the normalized 4-bit value residual ``||v_i - Q4(v_i)|| / ||v_i||``, ``ek_i`` the same for keys under
+the K4V4 key quantizer (per channel over the block, all layers and heads). Per block ``b``
+(``block_size`` consecutive tokens, the last block may be shorter)::
 
     r_b = alpha * max_i(A_i * e_i) + (1 - alpha) * mean_i(A_i * e_i)
     r_b >= tau_H                                 -> FP16
@@ -16,37 +21,24 @@ Per block ``b`` (``block_size`` consecutive tokens, the last block may be shorte
     r_b < tau_L and G4 fails                     -> K8V8
     r_b < tau_L and G4 passes                    -> K8V4, except:
     r_b < tau_LL and G4 passes and G4K passes    -> K4V4
-    G4 (low-bit test): max_i e_i <= g4 over the block, i.e. 4 bit reconstructs every value
-    row of the block to within a relative error g4 (fails on rows with heavy outlier channels).
-    G4K (4-bit key test): max_i ek_i <= g4k over the block, with ``ek_i = ||k_i - Q4K(k_i)|| /
-    ||k_i||`` the token's relative key error under the K4V4 key quantizer (per channel over the
-    block, all layers and heads), i.e. 4-bit keys reconstruct every key row of the block to within
-    g4k (fails on blocks whose channel ranges are set by a few outlier tokens). Without key
-    residuals (``key_resid=None``) G4K fails everywhere: no block becomes K4V4.
+    G4 (low-bit test):  max_i e_i  <= g4 over the block (4-bit values reconstruct every row within g4)
+    G4K (4-bit keys):   max_i ek_i <= g4k over the block (fails where a few outlier tokens set the
+                        channel ranges)
 
-Defaults (alpha 0.7, tau_L 1.0, tau_H 8.0, g4 0.15) come from the policy grid of
-`patchkv-agent bench-transport` on an 8k-token SmolLM2-135M-Instruct checkpoint: the largest payload
-cut whose first-token KL cost stays small. The tags and payload they gave there, the first choice they
-replaced and what the thresholds mean in multiples of the mean attention are in docs/RESULTS.md
-(section "Precision defaults"). Calibration replaces these per model.
+Without key residuals (``key_resid=None``) G4K fails everywhere: no block becomes K4V4. ``tau_LL``
+defaults to ``min(DEFAULT_TAU_LL, tau_L)``, so any ``tau_L`` (e.g. of a profile written before K4V4
+existed) gives a valid policy. K4V4 is off by default (``DEFAULT_TAU_LL = 0``); ``tau_LL=K4V4_TAU_LL``
+turns it on.
 
-The K4V4 thresholds (``tau_LL`` 0.05 = ``K4V4_TAU_LL``, ``g4k`` 0.045) came later, from the K4V4 grid of the same
-benchmark (``bench-transport --k4-grid``: tau_LL in 0..1 x g4k in 0.04..1 at tau_L 1, tau_H 8): the
-largest payload cut with payload <= 40 % of FP16 on the 8k checkpoint (37.9 %: 142 of 256 blocks
-K4V4) whose direct@mixed first-token KL over 4 edited contexts stays within +3.7 % of direct@FP16
-(+3.5 %; no K4V4: +3.7 %). Only that grid point met both; the KL differences between neighbouring
-points are of the order of the noise of 4 contexts, so recalibrate per model. SmolLM2's 4-bit key
-residuals ``ek`` are ~0.04 (median 0.039, max 0.074): ``g4k`` sits just above the median.
-``tau_LL`` defaults to ``min(DEFAULT_TAU_LL, tau_L)`` so any ``tau_L`` (e.g. of a profile written
-before K4V4 existed) gives a valid policy.
+What it knows: numpy arrays in, tags and runs out, under the thresholds of a :class:`PrecisionPolicy`.
+What it does not know: torch, models, kernels, how the residuals are computed
+(``patchkv_agent.kernels.quant``: ``value_residual_4bit``, ``key_residual_4bit``) or the attention
+captured, and whether a threshold suits a model: the built-in defaults were picked on
+SmolLM2-135M-Instruct, and calibration replaces them per model.
 
-**K4V4 is off by default** (``DEFAULT_TAU_LL = 0``; pass ``tau_LL=K4V4_TAU_LL`` to turn it on). Judged where
-a user feels it, it costs decisions the first-token KL did not show: on the edit-following benchmark
-(``scripts/bench_follow.py --n 40``, SmolLM2, shipped profile) K4V4 at 0.05 turned two of the 91 pairs
-where ``exact`` answers the new gold into other answers (two-hop episode 30, count episode 12; both
-follow again with ``tau_LL=0``, at 1 and 2 torch threads alike): pooled follow rate 0.978 instead of
-1.000. The payload cut (44.8 % -> 37.9 % of FP16 on the 8k checkpoint) is there for memory-bound
-deployments that accept it; docs/RESULTS.md has both measurements.
+The measurements behind the defaults (the policy grid, the K4V4 grid, why K4V4 is off, the residuals'
+range on real values) are in docs/RESULTS.md, section "Per-block precision: the measurements behind
+the rule".
 """
 
 from __future__ import annotations
@@ -80,8 +72,8 @@ class Run(NamedTuple):
 
 
 FP16_SAFE = 6.0e4  # |x| beyond this (or non-finite) cannot be quantized: its fp16 scale or zero would overflow
-K4V4_TAU_LL = 0.05  # the K4V4 risk threshold measured for payload <= 40 % (see the module docstring)
-DEFAULT_TAU_LL = 0.0  # K4V4 off by default: it flips edit-following answers (module docstring)
+K4V4_TAU_LL = 0.05  # the K4V4 risk threshold measured for payload <= 40 % (docs/RESULTS.md)
+DEFAULT_TAU_LL = 0.0  # K4V4 off by default: it flips edit-following answers (docs/RESULTS.md)
 DEFAULT_G4K = 0.045  # K4V4 4-bit key test
 
 
