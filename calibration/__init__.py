@@ -5,8 +5,14 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
 - :mod:`.drift`: value deviation of stale suffix rows, block deviations, the oracle boundary ``d*``.
 - :mod:`.fit`: pinball (quantile) fit of the length model, coverage, the task-level split.
 - :mod:`.select`: the selection rule (quality target, else minimax) for ``tau_V``, ``kappa`` and ``block_size``.
-- :mod:`.profile`: the profiler driving an engine end to end (incl. the precision-policy stage), and the
-  profile writer.
+- :mod:`.config`: the run's data types and defaults (``Episode``, ``CalibConfig``, ``PairProfile``).
+- :mod:`.profiling`: paired exact prefills, drift per edited span, the ``d*`` labels.
+- :mod:`.evaluation`: resumes of the kept pairs under given configurations, scored against the exact reference.
+- :mod:`.precision_stage`: the precision-policy stage (``direct`` at FP16 vs each policy; the smallest payload
+  meeting the target).
+- :mod:`.profile`: the profiler driving an engine end to end (``run_calibration``) and the profile's report;
+  re-exports the profiler's public names.
+- :mod:`.outputs`: the profile writer, the raw resume rows and the drift curves.
 - :mod:`.cli`: ``patchkv-agent calibrate`` (``add_calibrate_cli`` / ``calibrate_main``).
 - :mod:`.analysis`: the analysis figures (drift by distance, block selection, per-block precision
   sensitivity, kappa x block ablation); ``python -m patchkv_agent.calibration.analysis``.

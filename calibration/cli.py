@@ -43,7 +43,7 @@ _ints = _numbers(int, "integers")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from .profile import DEFAULT_TAU_GRID
+    from .config import DEFAULT_TAU_GRID
 
     p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
     p.add_argument("--workload", default="hotpotqa-e,2wikimqa-e:1800,nq-e",
@@ -145,7 +145,7 @@ def _target(s: str) -> float | str | None:
 def _policy_grid(spec: str | None) -> tuple[tuple[float, float], ...]:
     from patchkv_agent.usage import UsageError
 
-    from .profile import DEFAULT_POLICY_GRID
+    from .config import DEFAULT_POLICY_GRID
 
     if not spec:
         return DEFAULT_POLICY_GRID
@@ -285,7 +285,10 @@ def calibrate_main(args: argparse.Namespace) -> int:
     """
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.eval.traces import plain_messages
-    from .profile import CalibConfig, episodes_from_traces, run_calibration, save_drift, save_rows, write_profile
+    from .config import CalibConfig
+    from .outputs import save_drift, save_rows, write_profile
+    from .profile import run_calibration
+    from .profiling import episodes_from_traces
 
     check_calibrate_args(args)  # before the model loads (the lead CLI has run it already: cheap)
 

@@ -1,7 +1,7 @@
 """Choose a configuration (``kappa``, ``block_size``, ``readers``; or ``tau_V``) from measured rows by the minimax rule.
 
 Boundary: plain dict rows in (one per validation pair and configuration, as
-:func:`patchkv_agent.calibration.profile.evaluate_configs` writes them), a summary dict out. No torch.
+:func:`patchkv_agent.calibration.evaluation.evaluate_configs` writes them), a summary dict out. No torch.
 
 Rule:
 1. quality loss of a row: first-token KL to ``exact`` in nats (``quality="kl"``, the default: continuous,

@@ -24,17 +24,10 @@ import torch
 
 from . import native
 from .native import ScatterCall
-from .quant import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_V_GROUP,
-    FP16,
-    RunPayload,
-    normalize_tag,
-    reference_dequantize,
-    reference_quantize_gather,
-    torch_dequantize_scatter,
-    value_residual_4bit,
-)
+from .formats import DEFAULT_BLOCK_SIZE, DEFAULT_V_GROUP, FP16, RunPayload, normalize_tag
+from .quant import torch_dequantize_scatter
+from .reference import reference_dequantize, reference_quantize_gather
+from .residual import value_residual_4bit
 from .rope import delta_cos_sin, rope_rotate
 
 BACKENDS = ("auto", "triton", "torch", "native")
@@ -246,7 +239,7 @@ def _scatter_selected(c: ScatterCall) -> None:
 
 
 def value_residual_layers(values: list[torch.Tensor], group: int = DEFAULT_V_GROUP, eps: float = 1e-12) -> torch.Tensor:
-    """``quant.value_residual_4bit`` of the layers stacked ``[L, H, N, D]``, without stacking them.
+    """``residual.value_residual_4bit`` of the layers stacked ``[L, H, N, D]``, without stacking them.
 
     On CPU with the native kernels (contiguous fp32 layers) one pass of ``native.c`` computes it (sums in
     double: equal to the reference to ~1e-7 relative); elsewhere the torch reference on the stacked layers.

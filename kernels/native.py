@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .quant import (
+from .formats import (
     FP16,
     K4V4,
     K8V4,
@@ -50,13 +50,13 @@ from .quant import (
     K_BITS,
     V_BITS,
     RunPayload,
-    _angle_tables,
     check_destination,
     check_payload,
     check_quantize_args,
     check_scatter_args,
     effective_v_group,
 )
+from .quant import _angle_tables
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]
@@ -129,7 +129,7 @@ class _RJob(ctypes.Structure):
 
 def value_residual_sq_native(values: Sequence[torch.Tensor], group: int, n_threads: int | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quant.value_residual_sq`` of the stacked layers in one native pass, without stacking them.
+    """``residual.value_residual_sq`` of the stacked layers in one native pass, without stacking them.
 
     Element errors and squares are the reference's fp32 operations (same scale, zero and codes); the sums
     over layers, heads and channels run in double, so they agree with the reference's fp32 sums to ~1e-7

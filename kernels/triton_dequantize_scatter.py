@@ -1,9 +1,10 @@
 """Triton ``dequantize_scatter``: decode a run, RoPE-correct its keys, write rows in place.
 
-Only the ``@triton.jit`` kernel and its thin launcher (check, prepare, launch). Formats and the
-pure-torch reference live in ``quant.py``; the key rotation is exactly ``rope.rope_delta_reference``
-(same formula, same fp32 cos/sin from ``rope.delta_cos_sin``, computed in float64 on the host side
-once per distinct shift, so large position shifts lose no accuracy). Values never rotate.
+Only the ``@triton.jit`` kernel and its thin launcher (check, prepare, launch). Formats live in
+``formats.py``, the pure-torch reference in ``reference.py``; the key rotation is exactly
+``rope.rope_delta_reference`` (same formula, same fp32 cos/sin from ``rope.delta_cos_sin``, computed in
+float64 on the host side once per distinct shift, so large position shifts lose no accuracy). Values
+never rotate.
 
 The launcher expects ``delta`` on the CPU (it is read to skip all-zero shifts and to find the
 distinct shifts); ``dst_rows`` may live anywhere but is only range-checked on the CPU.
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import FP16, K_BITS, V_BITS, RunPayload, check_scatter_args, needs_rotation
+from .formats import FP16, K_BITS, V_BITS, RunPayload, check_scatter_args, needs_rotation
 from .rope import delta_cos_sin
 
 

@@ -1,9 +1,10 @@
 """Triton ``quantize_gather``: gather token rows of one layer and pack them as K8V8 / K8V4 / K4V4.
 
-Only the ``@triton.jit`` kernel and its thin launcher (check, allocate, launch). The format, the
-quantizer arithmetic and the pure-torch reference live in ``quant.py``; the kernel reproduces the
-reference bit for bit under the Triton interpreter (on GPU a code may differ by one where fp32
-division rounds differently). ``FP16`` runs are a plain row gather and use ``index_select``.
+Only the ``@triton.jit`` kernel and its thin launcher (check, allocate, launch). The format lives in
+``formats.py``, the quantizer arithmetic in ``quantizer.py`` and the pure-torch reference in
+``reference.py``; the kernel reproduces the reference bit for bit under the Triton interpreter (on
+GPU a code may differ by one where fp32 division rounds differently). ``FP16`` runs are a plain row
+gather and use ``index_select``.
 
 Importing this module imports triton; under ``TRITON_INTERPRET=1`` (set before the import) the
 kernel runs on CPU tensors, which is how the tests exercise it.
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import FP16, K_BITS, V_BITS, RunPayload, check_quantize_args, effective_v_group
+from .formats import FP16, K_BITS, V_BITS, RunPayload, check_quantize_args, effective_v_group
 
 _REL = 2.0**-10
 _TINY = 2.0**-24
@@ -23,7 +24,7 @@ _TINY = 2.0**-24
 
 @triton.jit
 def _scale_zero(mn, mx, QMAX: tl.constexpr):
-    # fp16-representable (scale, zero) covering [mn, mx], returned as fp32; mirrors quant.scale_zero
+    # fp16-representable (scale, zero) covering [mn, mx], returned as fp32; mirrors quantizer.scale_zero
     z = (mn - tl.abs(mn) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16).to(tl.float32)
     s = ((mx - z) / QMAX * 1.0009765625 + 5.960464477539063e-08).to(tl.float16).to(tl.float32)
     return s, z
@@ -123,7 +124,7 @@ def quantize_gather_triton(
 ) -> RunPayload:
     """Gather ``rows`` and encode them as one run with the Triton kernel.
 
-    Args, Returns, Raises: as ``quant.reference_quantize_gather`` (same payload, same device).
+    Args, Returns, Raises: as ``reference.reference_quantize_gather`` (same payload, same device).
     """
     tag = check_quantize_args(k, v, rows, tag, block_size, v_group)
     h, _, d = k.shape

@@ -243,7 +243,7 @@ def test_selection_keeps_the_follow_rate_not_only_the_kl():
 
 
 def test_profile_readers_reach_the_settings_and_episodes_check_their_answers():
-    from patchkv_agent.calibration.profile import Episode
+    from patchkv_agent.calibration.config import Episode
     from patchkv_agent.core.settings import RecoverySettings
     from patchkv_agent.profiles import profile_settings
 
@@ -271,7 +271,7 @@ def tiny_engine():
 
 
 def _episodes(n_tasks=5, length=160, seed=0):
-    from patchkv_agent.calibration.profile import Episode
+    from patchkv_agent.calibration.config import Episode
 
     rng = np.random.default_rng(seed)
     out = []
@@ -285,7 +285,9 @@ def _episodes(n_tasks=5, length=160, seed=0):
 
 
 def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
-    from patchkv_agent.calibration.profile import CalibConfig, run_calibration, save_drift, save_rows, write_profile
+    from patchkv_agent.calibration.config import CalibConfig
+    from patchkv_agent.calibration.outputs import save_drift, save_rows, write_profile
+    from patchkv_agent.calibration.profile import run_calibration
 
     eng = tiny_engine
     cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4,
@@ -353,7 +355,7 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
 
 
 def test_select_policy_smallest_payload_meeting_the_target():
-    from patchkv_agent.calibration.profile import select_policy
+    from patchkv_agent.calibration.precision_stage import select_policy
 
     def row(w, tl, kl16, klm, pay):
         return {"pair": f"{w}{tl}", "workload": w, "tau_L": tl, "tau_H": 8.0, "alpha": 0.7, "g4": 0.15,
@@ -394,7 +396,7 @@ def test_calibrate_cli_parses_defaults():
         _parse_workloads("nq-e:many", 1500)
 
     from patchkv_agent.calibration.cli import _policy_grid
-    from patchkv_agent.calibration.profile import DEFAULT_POLICY_GRID
+    from patchkv_agent.calibration.config import DEFAULT_POLICY_GRID
 
     assert args.precision_target == "0.2" and _policy_grid(args.policy_grid) == DEFAULT_POLICY_GRID
     assert _policy_grid("0.5:4,1:8") == ((0.5, 4.0), (1.0, 8.0))

@@ -303,8 +303,9 @@ def test_calibration_pairs_of_follow_traces_score_follows_like_the_exact_referen
     does, and every row carries the fields the selection's follow target reads."""
     from test_langgraph_common import tiny_engine
 
-    from patchkv_agent.calibration.profile import (CalibConfig, ResumeConfig, episodes_from_traces, evaluate_configs,
-                                                   profile_episodes)
+    from patchkv_agent.calibration.config import CalibConfig
+    from patchkv_agent.calibration.evaluation import ResumeConfig, evaluate_configs
+    from patchkv_agent.calibration.profiling import episodes_from_traces, profile_episodes
 
     eng = tiny_engine()
     traces = build_follow_traces("follow-lookup", n=2, split="calib")

@@ -19,7 +19,8 @@ import torch
 
 from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, plan_suffix_blocks
 from patchkv_agent.eval.metrics import first_token_kl
-from patchkv_agent.kernels.quant import FORMATS, reference_dequantize, reference_quantize_gather
+from patchkv_agent.kernels.formats import FORMATS
+from patchkv_agent.kernels.reference import reference_dequantize, reference_quantize_gather
 
 from .b_selection import _block_distance, block_scores
 from .inputs import PreparedContext, _mean

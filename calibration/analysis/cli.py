@@ -12,7 +12,7 @@ import time
 import torch
 
 from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW
-from patchkv_agent.kernels.quant import FORMATS
+from patchkv_agent.kernels.formats import FORMATS
 
 from .driver import run_analysis
 from .inputs import DEFAULT_WORKLOADS, DESCRIPTION, AnalysisConfig, build_contexts

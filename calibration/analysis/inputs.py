@@ -18,7 +18,7 @@ import torch
 from patchkv_agent.core.diff import Edit, diff_versions
 from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW
 from patchkv_agent.eval.metrics import fidelity
-from patchkv_agent.kernels.quant import FORMATS
+from patchkv_agent.kernels.formats import FORMATS
 
 DESCRIPTION = ("Analysis figures: drift by distance, block selection, per-block precision sensitivity, "
                "kappa x block ablation.")

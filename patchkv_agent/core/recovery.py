@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
-from ..kernels.quant import DEFAULT_V_GROUP, FP16, effective_v_group
+from ..kernels.formats import DEFAULT_V_GROUP, FP16, effective_v_group
 from .models import ModelSpec, text_config
 
 if TYPE_CHECKING:

@@ -270,7 +270,7 @@ def _restore_both(ckpt) -> None:
     import torch
 
     from ..kernels import backend, dequantize_scatter, native
-    from ..kernels.quant import reference_dequantize_scatter
+    from ..kernels.reference import reference_dequantize_scatter
 
     m, n = ckpt.mixed, len(ckpt)
     paths = ["torch", "native"] if native.available() else ["torch"]
