@@ -16,7 +16,9 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
 - :mod:`.cli`: ``patchkv-agent calibrate`` (``add_calibrate_cli`` / ``calibrate_main``).
 - :mod:`.analysis`: the analysis figures (drift by distance, block selection, per-block precision
   sensitivity, kappa x block ablation); ``python -m patchkv_agent.calibration.analysis``.
-- ``profiles/*.json``: the frozen profiles, read by :mod:`patchkv_agent.profiles`.
+- ``profiles/``: the drift curves of the shipped profile (``*.drift.npz``, for figures). The profiles
+  themselves are read below the engine, so they ship with :mod:`patchkv_agent.profiles`
+  (``patchkv_agent/profiles/shipped/``); ``calibrate`` writes to the user cache by default.
 
 Nothing here is imported by the resume path; this package is light to import (no torch at import time).
 """

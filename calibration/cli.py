@@ -54,7 +54,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--versions", type=int, default=3, help="context versions per episode (pairs = versions - 1)")
     p.add_argument("--target-tokens", type=int, default=1500, help="version-0 length in tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="profile JSON (default: calibration/profiles/<model>.json)")
+    p.add_argument("--out", default=None, help="profile JSON (default: <user cache>/profiles/<model>.json, where PatchKVEngine(profile='auto') "
+                   "finds it; copy it into patchkv_agent/profiles/shipped/ to ship it)")
     p.add_argument("--drift-out", default=None, help="drift curves .npz for figures (default: beside --out)")
     p.add_argument("--tau-v", type=_floats, default=DEFAULT_TAU_GRID,
                    help="value-deviation threshold for d*; two or more (comma-separated) run the tau_V stage")
@@ -298,7 +299,9 @@ def calibrate_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     command = getattr(args, "_command", None) or "patchkv-agent " + shlex.join(sys.argv[1:])
-    default_out = Path(__file__).resolve().parent / "profiles" / f"{_safe_name(args.model)}.json"
+    from patchkv_agent.loading import cache_dir
+
+    default_out = cache_dir() / "profiles" / f"{_safe_name(args.model)}.json"
     out = Path(args.out) if args.out else default_out
     drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
     rows_out = out.with_suffix(".rows.jsonl")

@@ -4,7 +4,7 @@ against the pair's exact reference (first-token KL, top-1 and teacher-forced agr
 pairs whether the resume answers the new gold or the previous one).
 
 Boundary: drives the engine through ``resume(ckpt, ids, strategy=..., **options)`` and its
-``length_model`` (restored afterwards); plain dict rows out, one per pair and configuration, as
+a configuration's length model as a strategy override (the engine's settings are never changed); plain dict rows out, one per pair and configuration, as
 :mod:`.select` reads them. Does not profile pairs (:mod:`.profiling`), fit, choose or write anything.
 """
 
@@ -33,7 +33,7 @@ class ResumeConfig:
     Attributes:
         strategy: engine strategy name.
         options: ``engine.resume`` options (``kappa=``, ``block_size=``, ``dirty_window=``).
-        length_model: set as ``engine.length_model`` for these resumes (None: leave the engine's).
+        length_model: the length model these resumes plan with (a strategy override; None: the engine's).
         tags: fields copied into each row (e.g. ``{"kappa": 0.01, "block_size": 16}``).
     """
 
@@ -49,7 +49,7 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
     """Resume every kept pair under every configuration and score it against the exact reference.
 
     Args:
-        engine: the engine; its ``length_model`` is restored afterwards.
+        engine: the engine (its settings are not changed).
         pairs: pairs (those without a kept checkpoint are skipped).
         configs: the configurations.
         bar: optional progress bar (``update(1)`` per resume).
@@ -60,32 +60,30 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
         edit-following pairs also ``follows, stale, exact_follows, exact_stale`` (the resume decodes
         ``follow_tokens`` greedy tokens, default 12, to read its answer).
     """
-    saved = engine.length_model
     rows = []
-    try:
-        for p in pairs:
-            if p.ckpt is None:
-                continue
-            full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=DEFAULT_BLOCK_SIZE).n_recompute
-            for c in configs:
-                engine.length_model = c.length_model if c.length_model is not None else saved
-                n_new = 1 if p.answers is None else follow_tokens
-                r = engine.resume(p.ckpt, p.new_ids, strategy=c.strategy, max_new_tokens=n_new, **c.options)
-                row = {**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
-                       "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
-                       "top1_agree": top1_agree(p.ref_logits, r.logits),
-                       "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
-                       "recompute_tokens": int(r.stats["recompute_tokens"]),
-                       "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])}
-                if p.answers is not None:
-                    row.update(follows=_answered(engine, r.output_ids, p.answers),
-                               stale=_answered(engine, r.output_ids, p.old_answers),
-                               exact_follows=p.exact_follows, exact_stale=p.exact_stale)
-                rows.append(row)
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        engine.length_model = saved
+    for p in pairs:
+        if p.ckpt is None:
+            continue
+        full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=DEFAULT_BLOCK_SIZE).n_recompute
+        for c in configs:
+            strat = engine.strategy(c.strategy, **c.options)
+            if c.length_model is not None:
+                strat.set_overrides(**strat.overrides, length_model=c.length_model)
+            n_new = 1 if p.answers is None else follow_tokens
+            r = engine.resume(p.ckpt, p.new_ids, strategy=strat, max_new_tokens=n_new)
+            row = {**c.tags, "pair": p.pair_id, "workload": p.workload, "strategy": c.strategy,
+                   "first_token_kl": first_token_kl(p.ref_logits, r.logits.cpu()),
+                   "top1_agree": top1_agree(p.ref_logits, r.logits),
+                   "tf_agree": teacher_forced_agreement(engine, r, p.ref_output_ids),
+                   "recompute_tokens": int(r.stats["recompute_tokens"]),
+                   "prefix_recompute_tokens": int(full), "ttft_s": float(r.stats["ttft_s"])}
+            if p.answers is not None:
+                row.update(follows=_answered(engine, r.output_ids, p.answers),
+                           stale=_answered(engine, r.output_ids, p.old_answers),
+                           exact_follows=p.exact_follows, exact_stale=p.exact_stale)
+            rows.append(row)
+            if bar is not None:
+                bar.update(1)
     return rows
 
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error(f"--checkpointer takes memory or sqlite:PATH, got {args.checkpointer!r}")
     saver = PatchKVCheckpointSaver(inner, registry)
-    print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; block {engine.block_size}, "
+    print(f"model {args.model} loaded in {time.perf_counter() - t0:.1f}s; block {engine.settings.block_size}, "
           f"{args.turns} turns x {args.questions} questions, tool latency {args.tool_latency}s", flush=True)
 
     rng = random.Random(args.seed)

@@ -6,16 +6,20 @@ Public entry point: :class:`PatchKVEngine` (checkpoint a context version, resume
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
+__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RuntimeStats", "RecoverySettings", "Fallback", "FallbackKind",
            "Checkpoint", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. for `diff` or `plan`, which are numpy-only) must not pull in torch.
-    if name in ("PatchKVEngine", "ResumeResult", "ResumeStats"):
-        from . import engine
+    if name == "PatchKVEngine":
+        from .engine import PatchKVEngine
 
-        return getattr(engine, name)
+        return PatchKVEngine
+    if name in ("ResumeResult", "ResumeStats", "RuntimeStats"):
+        from . import results
+
+        return getattr(results, name)
     if name == "RecoverySettings":
         from .core.settings import RecoverySettings
 

@@ -68,7 +68,7 @@ def _engine(args):
     eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window,
                                         profile=resolve_profile_arg(getattr(args, "profile", "auto")))
     print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s (profile: {eng.profile_path or 'none'}; "
-          f"block {eng.block_size}, kappa {eng.kappa})", file=sys.stderr)
+          f"block {eng.settings.block_size}, kappa {eng.settings.kappa})", file=sys.stderr)
     return eng
 
 
@@ -82,7 +82,7 @@ def _token_counter_for(model: str):
     """Chat-template token counter of a model's tokenizer (for `traces build --model`)."""
     from transformers import AutoTokenizer
 
-    from .core.models import EMBEDDED_MODELS, ensure_embedded
+    from .loading import EMBEDDED_MODELS, ensure_embedded
     from .eval.traces import plain_messages
 
     if model in EMBEDDED_MODELS or model.endswith(".gguf"):
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_model(args) -> None:
-    from .core.models import EMBEDDED_MODELS, _looks_like_path
+    from .loading import EMBEDDED_MODELS, looks_like_path
 
     model = getattr(args, "model", None)
     if not model or model in EMBEDDED_MODELS:
@@ -424,7 +424,7 @@ def _check_model(args) -> None:
         if p.is_file() and p.suffix != ".gguf":
             raise UsageError(f"--model {model} is a file but not a .gguf; pass a .gguf file, a model directory, an HF id "
                              f"or one of {sorted(EMBEDDED_MODELS)}")
-    elif _looks_like_path(model):
+    elif looks_like_path(model):
         raise UsageError(f"--model {model} does not exist; pass an existing .gguf file or model directory, an HF id "
                          f"or one of {sorted(EMBEDDED_MODELS)}")
 

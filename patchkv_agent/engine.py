@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,7 +32,8 @@ from .core.diff import Edit, diff_versions
 from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
-from .core.models import DEFAULT_MODEL, ModelSpec, fingerprint, load_model, model_spec
+from .core.models import ModelSpec, fingerprint, model_spec
+from .loading import DEFAULT_MODEL, load_model
 from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from .core.precision import PrecisionPolicy
 from .core.recovery import (
@@ -42,129 +44,13 @@ from .core.recovery import (
     to_dynamic_cache,
 )
 from .core.settings import RecoverySettings
+from .profiles import Profile, load_profile
+from .profiles import profile_dirs as profile_dir_list
+from .results import ResumeResult, ResumeStats
 from .strategies import Strategy, get_strategy
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
            "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
-
-
-@dataclass(kw_only=True)
-class ResumeStats:
-    """The per-resume fields of the trace-result format (docs/TRACES.md), as the engine fills them.
-
-    ``ResumeResult.stats`` is the plain dict :meth:`to_dict` gives (JSON-serialisable, extended in place
-    by the runtime with thread and store fields); :meth:`from_dict` reads one back.
-
-    Attributes:
-        strategy: the strategy that ran (``exact`` after a fallback).
-        prompt_tokens: tokens in ``C_new``.
-        prefix_tokens: common-prefix tokens of the checkpoint's version and ``C_new``.
-        new_tokens: tokens of ``C_new`` in edited spans.
-        suffix_tokens: aligned suffix tokens.
-        recompute_tokens: rows recomputed.
-        recompute_ratio: ``recompute_tokens`` over the rows after the reused prefix.
-        restore_tokens: suffix rows restored from the checkpoint.
-        payload_bytes: checkpoint bytes read by the restore.
-        ttft_s: restore + recompute until the first token's logits.
-        plan_s: diff + plan.
-        restore_s, recompute_s: the two parts of the recovery.
-        offload_s, stats_s, quantize_s: the checkpoint's own costs (None without a checkpoint).
-        fallback: None, or why the exact path was taken (a :class:`Fallback`, serialised as its text).
-        extras: strategy-specific fields (``restore_kernel``, ``cacheblend_*``), appended in order.
-    """
-
-    strategy: str
-    prompt_tokens: int
-    prefix_tokens: int
-    new_tokens: int
-    suffix_tokens: int
-    recompute_tokens: int
-    recompute_ratio: float
-    restore_tokens: int
-    payload_bytes: int
-    ttft_s: float
-    plan_s: float
-    restore_s: float
-    recompute_s: float
-    offload_s: float | None
-    stats_s: float | None
-    quantize_s: float | None
-    fallback: Fallback | None
-    extras: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        """The named fields, in the order :meth:`to_dict` writes them (``extras`` excluded)."""
-        return tuple(f.name for f in fields(cls) if f.name != "extras")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The stats dict of a resume: the named fields in order, then the extras not named."""
-        out = {k: getattr(self, k) for k in self.keys()}
-        out.update({k: v for k, v in self.extras.items() if k not in out})
-        return out
-
-    @classmethod
-    def from_dict(cls, stats: dict[str, Any]) -> "ResumeStats":
-        """Read a stats dict back; keys beyond the named fields go to ``extras``.
-
-        Raises:
-            KeyError: a named field is missing.
-        """
-        names = cls.keys()
-        return cls(**{k: stats[k] for k in names}, extras={k: v for k, v in stats.items() if k not in names})
-
-
-@dataclass(eq=False)
-class ResumeResult:
-    """What a resume returns.
-
-    Attributes:
-        logits: first-token logits ``[vocab]`` (float32).
-        output_ids: greedy continuation (ends with EOS if one was produced).
-        cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
-            the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
-        stats: the per-resume fields of the result format (docs/TRACES.md) (``ttft_s``, ``recompute_tokens``, ...), plus
-            ``fallback`` (None, or a :class:`Fallback`: why the exact path was taken): the dict of
-            :meth:`ResumeStats.to_dict` (a plain dict; the runtime adds thread and store fields to it;
-            ``ResumeStats.from_dict(res.stats)`` reads it back typed).
-        context_ids: ``C_new`` token ids.
-        keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).
-        edit: the diff of the checkpoint's version against ``C_new``.
-        fingerprint: the model fingerprint the K/V were computed under (None: unknown, taken as the
-            engine's current one).
-        scores: float32 ``[len(C_new)]`` attention statistics taken during the resume's own forward (the
-            last ``capture_window`` recomputed query rows, which end with the last context token), or None;
-            :meth:`PatchKVEngine.checkpoint_from` and :meth:`PatchKVEngine.as_checkpoint` use them
-            instead of a second pass.
-        exact_rows: how many leading rows of ``keys`` / ``values`` equal what a full prefill computes
-            (``len(context_ids)`` after ``exact`` / ``prefix`` / a healed resume; the first restored
-            position, or less when the base was itself approximate, after a selective one). Rows from
-            there on were computed while restored (stale) rows were in view: :meth:`PatchKVEngine.heal`
-            recomputes them. None: unknown (a result built by hand), taken as all rows exact.
-        words: int64 word ids of ``context_ids[:len(words)]`` (the lexical reader signal's per-version data,
-            carried from the checkpoint and updated over the edited spans only), or None without a
-            tokenizer. A runtime that appends decoded tokens to ``context_ids`` leaves it as it is: the
-            engine extends it over the appended tokens when it offloads.
-    """
-
-    logits: torch.Tensor
-    output_ids: list[int]
-    cache: Any
-    stats: dict[str, Any]
-    context_ids: np.ndarray
-    keys: list[torch.Tensor] = field(repr=False)
-    values: list[torch.Tensor] = field(repr=False)
-    edit: Edit | None = None
-    fingerprint: str | None = None
-    scores: np.ndarray | None = field(default=None, repr=False)
-    exact_rows: int | None = None
-    words: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def approx_rows(self) -> int:
-        """Rows of the K/V that may differ from a full prefill (0: the state is exact)."""
-        n = int(self.keys[0].shape[-2]) if self.keys else len(self.context_ids)
-        return 0 if self.exact_rows is None else max(0, n - int(self.exact_rows))
 
 
 def _exact_rows_of(ckpt: Checkpoint | None) -> int | None:
@@ -202,16 +88,22 @@ class PatchKVEngine:
         capture_window: how many final query positions the attention statistics look from.
         mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4/K4V4 per block) into checkpoints.
         precision_policy: thresholds of the per-block precision rule.
-        settings: a whole :class:`RecoverySettings` to start from instead of the profile's (the
-            arguments above still override its fields).
-        profile: ``"auto"`` (default) loads this model's calibration profile from
-            ``calibration/profiles/`` by fingerprint (or by the name it was loaded by); a dict applies
-            that profile; None uses the built-in defaults. Explicit arguments above override it.
+        readers: the reader-block signal (``"lexical"`` or ``"none"``).
+        settings: a whole :class:`RecoverySettings` to start from instead of a profile's (the
+            arguments above still override its fields; no profile is looked up).
+        profile: ``"auto"`` (default) finds this model's calibration profile by fingerprint (or by the
+            name it was loaded by) in ``profile_dirs`` and the search path of
+            :func:`patchkv_agent.profiles.profile_dirs` (``$PATCHKV_PROFILE_DIR``, the user cache, the
+            shipped profiles); a :class:`~patchkv_agent.profiles.Profile` applies that one; None uses
+            the built-in defaults. Explicit arguments above override it.
+        profile_dirs: folders searched first by ``profile="auto"`` (e.g. a calibration run's output).
 
     Attributes:
-        settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen; replace it
-            whole, or assign ``engine.block_size`` etc., which replace it). Built once from the
-            profile and the explicit arguments.
+        settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen). Built once
+            from the profile and the explicit arguments; to change it, assign a whole new value
+            (``engine.settings = engine.settings.replace(kappa=0.1)``). ``repr(engine)`` shows each
+            field and where it came from (:attr:`settings_sources`).
+        profile: the :class:`~patchkv_agent.profiles.Profile` the settings started from, or None.
         forward_lock: a re-entrant lock held around every forward pass through the model
             (``checkpoint``, ``checkpoint_from``, ``resume``; runtime decode steps take it too): one
             forward at a time per model, whatever number of registries and direct callers share it,
@@ -236,8 +128,10 @@ class PatchKVEngine:
         capture_window: int | None = None,
         mixed_precision: bool | None = None,
         precision_policy: PrecisionPolicy | None = None,
+        readers: str | None = None,
         settings: RecoverySettings | None = None,
-        profile: dict | str | None = "auto",
+        profile: Profile | str | None = "auto",
+        profile_dirs: Sequence[str | Path] = (),
     ):
         check_attn_implementation(model)
         self.model = model.eval()
@@ -246,16 +140,28 @@ class PatchKVEngine:
         self.words: WordIndex | None = (WordIndex.from_tokenizer(tokenizer)
                                         if hasattr(tokenizer, "convert_ids_to_tokens") else None)
         self.spec: ModelSpec = model_spec(model, tokenizer)
-        self.profile_path: str | None = None
-        base = settings if settings is not None else self._profile_settings(profile, RecoverySettings())
-        if not isinstance(base, RecoverySettings):
-            raise ValueError(f"settings must be a RecoverySettings, got {type(base).__name__}")
+        self.profile: Profile | None = None
+        if settings is not None and not isinstance(settings, RecoverySettings):
+            raise ValueError(f"settings must be a RecoverySettings, got {type(settings).__name__}")
+        sources = dict.fromkeys(RecoverySettings.field_names(), "default")
+        if settings is not None:
+            base = settings
+            sources.update({k: "settings" for k in settings.changed_fields()})
+        else:
+            self.profile = self._find_profile(profile, profile_dirs)
+            base = RecoverySettings()
+            if self.profile is not None:
+                base = self.profile.settings(base)
+                sources.update(dict.fromkeys(self.profile.fields(), f"profile {self.profile.path or '(given)'}"))
         explicit = {"block_size": block_size, "kappa": kappa, "precision_policy": precision_policy,
-                    "capture_window": capture_window, "mixed_precision": mixed_precision,
+                    "capture_window": capture_window, "mixed_precision": mixed_precision, "readers": readers,
                     "length_model": length_model if length_model is not None else (
                         None if dirty_window is None else LengthModel.fixed(dirty_window))}
+        explicit = {k: v for k, v in explicit.items() if v is not None}
         # explicit arguments win over the profile (and over `settings`)
-        self.settings: RecoverySettings = base.replace(**{k: v for k, v in explicit.items() if v is not None})
+        self._settings: RecoverySettings = base.replace(**explicit)
+        sources.update(dict.fromkeys(explicit, "argument"))
+        self._sources = sources
         self.device = next(model.parameters()).device
         # one forward at a time per *model*: engines sharing a model instance share the lock (a background
         # heal of one engine's thread must not run inside another engine's forward or attention capture)
@@ -263,6 +169,7 @@ class PatchKVEngine:
         self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
         self._params: list | None = None
         self._registrations_seen = -1
+        _watch_parameter_registrations()
         self._weights_seen = self._weights_state()
         self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
@@ -270,78 +177,56 @@ class PatchKVEngine:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
 
-    def _profile_settings(self, profile, base: RecoverySettings) -> RecoverySettings:
-        if profile is None:
-            return base
-        from .profiles import load_profile, profile_settings
-
+    def _find_profile(self, profile, profile_dirs) -> Profile | None:
+        if profile is None or isinstance(profile, Profile):
+            return profile
         if profile == "auto":
-            profile = load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None))
-            if profile is None:
-                return base
-        elif not isinstance(profile, dict):
-            raise ValueError("profile must be 'auto', a profile dict (patchkv_agent.profiles.load_profile) or None")
-        self.profile_path = (profile.get("_source") or {}).get("path")
-        return profile_settings(profile, base)
+            return load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None),
+                                dirs=profile_dir_list(profile_dirs))
+        if isinstance(profile, dict):
+            raise ValueError("profile takes a Profile, not a dict: pass Profile.from_dict(d) "
+                             "(patchkv_agent.profiles), 'auto' or None")
+        raise ValueError("profile must be 'auto', a Profile (patchkv_agent.profiles.load_profile / read_profile) "
+                         f"or None, got {profile!r}")
 
-    # ------------------------------------------------- settings, as attributes (read and replace)
-
-    def _set(self, **change) -> None:
-        self.settings = self.settings.replace(**change)
+    # ------------------------------------------------- settings (one frozen value; replace it whole)
 
     @property
-    def block_size(self) -> int:
-        """``settings.block_size``; assigning replaces the settings (validated)."""
-        return self.settings.block_size
+    def settings(self) -> RecoverySettings:
+        """The :class:`RecoverySettings` every checkpoint and resume reads (frozen)."""
+        return self._settings
 
-    @block_size.setter
-    def block_size(self, value: int) -> None:
-        self._set(block_size=value)
+    @settings.setter
+    def settings(self, value: RecoverySettings) -> None:
+        if not isinstance(value, RecoverySettings):
+            raise TypeError(f"settings must be a RecoverySettings (engine.settings.replace(...)), got "
+                            f"{type(value).__name__}")
+        old, self._settings = self._settings, value
+        self._sources.update({k: "assigned" for k in RecoverySettings.field_names()
+                              if getattr(old, k) != getattr(value, k)})
 
-    @property
-    def kappa(self) -> float:
-        """``settings.kappa``; assigning replaces the settings (validated)."""
-        return self.settings.kappa
-
-    @kappa.setter
-    def kappa(self, value: float) -> None:
-        self._set(kappa=value)
-
-    @property
-    def length_model(self) -> LengthModel:
-        """``settings.length_model``; assigning replaces the settings (validated)."""
-        return self.settings.length_model
-
-    @length_model.setter
-    def length_model(self, value: LengthModel) -> None:
-        self._set(length_model=value)
+    def __setattr__(self, name: str, value) -> None:
+        if name in _SETTINGS_FIELDS:  # the engine has no per-field setters: say what to do instead
+            raise AttributeError(f"PatchKVEngine has no attribute {name!r} to set: replace the frozen settings "
+                                 f"whole, engine.settings = engine.settings.replace({name}=...)")
+        super().__setattr__(name, value)
 
     @property
-    def precision_policy(self) -> PrecisionPolicy:
-        """``settings.precision_policy``; assigning replaces the settings (validated)."""
-        return self.settings.precision_policy
-
-    @precision_policy.setter
-    def precision_policy(self, value: PrecisionPolicy) -> None:
-        self._set(precision_policy=value)
+    def settings_sources(self) -> dict[str, str]:
+        """Where each settings field came from: ``default``, ``profile <path>``, ``settings`` (the
+        ``settings=`` argument), ``argument`` (an explicit keyword) or ``assigned`` (``engine.settings = ...``)."""
+        return dict(self._sources)
 
     @property
-    def capture_window(self) -> int:
-        """``settings.capture_window``; assigning replaces the settings (validated)."""
-        return self.settings.capture_window
+    def profile_path(self) -> str | None:
+        """The path of the profile the settings came from (None: no profile, or one given without a file)."""
+        return None if self.profile is None else self.profile.path
 
-    @capture_window.setter
-    def capture_window(self, value: int) -> None:
-        self._set(capture_window=value)
-
-    @property
-    def mixed_precision(self) -> bool:
-        """``settings.mixed_precision``; assigning replaces the settings (validated)."""
-        return self.settings.mixed_precision
-
-    @mixed_precision.setter
-    def mixed_precision(self, value: bool) -> None:
-        self._set(mixed_precision=value)
+    def __repr__(self) -> str:
+        name = getattr(self.model, "patchkv_source", None) or type(self.model).__name__
+        parts = [f"{k}={_short(getattr(self._settings, k))} [{self._sources[k]}]"
+                 for k in RecoverySettings.field_names()]
+        return f"PatchKVEngine({name}, " + ", ".join(parts) + ")"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
@@ -349,7 +234,7 @@ class PatchKVEngine:
         """Load a model (HF id, local dir, ``.gguf`` path or ``"smollm2-135m"``) and wrap it.
 
         Args:
-            name_or_path: what to load; see :func:`patchkv_agent.core.models.load_model`.
+            name_or_path: what to load; see :func:`patchkv_agent.loading.load_model`.
             dtype: parameter dtype.
             device: where the model runs.
             **kwargs: engine options (``block_size``, ``dirty_window``, ``kappa``, ...).
@@ -521,7 +406,7 @@ class PatchKVEngine:
         t1 = time.perf_counter()
         ckpt = replace(ckpt, words=self._words_for(ids, None))  # once per version: resumes carry them on
         ckpt.stats.update(words_s=time.perf_counter() - t1)
-        ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats["recompute_s"],
+        ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats.recompute_s,
                           stats_s=getattr(cap, "elapsed_s", None), source="prefill")
         return ckpt
 
@@ -641,7 +526,7 @@ class PatchKVEngine:
                               [v[0] for v in result.values])
             scores = cap.scores() if cap is not None and cap.n_records else None
         dt = time.perf_counter() - t0
-        stats = dict(result.stats, heal_s=dt, healed_rows=n - start)
+        stats = replace(result.stats, heal_s=dt, healed_rows=n - start, extras=dict(result.stats.extras))
         return replace(result, keys=out.keys, values=out.values, exact_rows=n, stats=stats,
                        scores=scores[:n] if scores is not None and len(scores) >= n else result.scores)
 
@@ -768,32 +653,31 @@ class PatchKVEngine:
             prefix_tokens=prefix_tokens,
             new_tokens=int(edit.new_token_count),
             suffix_tokens=int(edit.suffix_len),
-            recompute_tokens=int(out.stats["recompute_tokens"]),
-            recompute_ratio=out.stats["recompute_tokens"] / denom,
+            recompute_tokens=int(out.stats.recompute_tokens),
+            recompute_ratio=out.stats.recompute_tokens / denom,
             restore_tokens=int(n_restore),
-            payload_bytes=int(out.stats.get("payload_bytes", 0)),
+            payload_bytes=int(out.stats.payload_bytes),
             ttft_s=ttft,
             plan_s=plan_s,
-            restore_s=out.stats["restore_s"],
-            recompute_s=out.stats["recompute_s"],
+            restore_s=out.stats.restore_s,
+            recompute_s=out.stats.recompute_s,
             offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
             stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
             quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
             fallback=fallback,
-            extras=dict(out.stats),  # strategy-specific extras (named fields win)
+            extras=dict(out.stats.extras),  # strategy-specific extras
+            # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
+            nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
+            head_rewrite=bool(getattr(plan, "head_rewrite", False)),
         )
-        # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
-        stats.extras["nonfinite_values"] = count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions)
         exact_rows = len(new)
         if n_restore:
             exact_rows = int(np.min(plan.restore_new_positions))
         base_exact = _exact_rows_of(ckpt) if strat.uses_checkpoint else None
         if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
             exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
-        stats.extras["approx_rows"] = len(new) - exact_rows
-        if getattr(plan, "head_rewrite", False):  # the plan's head-rewrite rule recomputed the whole suffix
-            stats.extras["head_rewrite"] = True
-        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats.to_dict(),
+        stats.approx_rows = len(new) - exact_rows
+        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
                             context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
                             scores=scores, exact_rows=exact_rows, words=new_words)
 
@@ -816,13 +700,30 @@ def _model_lock(model) -> threading.RLock:
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)
+_PARAM_HOOK: list = []  # the hook's handle, once the first engine installed it
+_PARAM_HOOK_GUARD = threading.Lock()
 
 
 def _count_registration(module, name, param) -> None:
     _PARAM_REGISTRATIONS[0] += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+def _watch_parameter_registrations() -> None:
+    """Count parameter registrations from now on (torch's process-wide registration hook, installed by the
+    first engine built, never at import): :meth:`PatchKVEngine._weights_state` walks the module tree again
+    only after one."""
+    with _PARAM_HOOK_GUARD:
+        if not _PARAM_HOOK:
+            _PARAM_HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration))
+
+
+_SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())
+
+
+def _short(v) -> str:
+    if isinstance(v, LengthModel):
+        return f"LengthModel(quantile={v.quantile})" if getattr(v, "quantile", None) is not None else repr(v)
+    return repr(v)
 
 
 def _host(x):

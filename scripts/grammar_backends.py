@@ -25,7 +25,7 @@ CALL = '<tool_call>{"name": "search", "arguments": {"query": "Eiffel Tower heigh
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
-    from patchkv_agent.core.models import EMBEDDED_MODELS, ensure_embedded
+    from patchkv_agent.loading import EMBEDDED_MODELS, ensure_embedded
 
     if name in EMBEDDED_MODELS:
         p = ensure_embedded(name)

@@ -11,15 +11,15 @@ from patchkv_agent import PatchKVEngine
 from patchkv_agent.strategies.cacheblend import CacheBlendStrategy, select_top_deviation
 from patchkv_agent.core.diff import diff_versions
 from test_recovery import assert_cache_equal, edited_pair, multi_edit_pair, oracle
-from tiny_models import tiny_model
+from patchkv_agent.eval.tiny import tiny_model
 
 TOL = 1e-4
-DEEP = 4  # layers: the tiny_models default of 2 leaves no layer after the default check layer 1
+DEEP = 4  # layers: the tiny_model default of 2 leaves no layer after the default check layer 1
 
 
 def deep_model(family: str, layers: int = DEEP, seed: int = 0):
-    """``tiny_models.tiny_model`` with more layers (same config, init and weight scaling)."""
-    return tiny_model(family, seed, num_hidden_layers=layers)
+    """``tiny_model`` with more layers (same config, init and weight scaling)."""
+    return tiny_model(family, seed, layers=layers)
 
 
 _ENGINES: dict[str, PatchKVEngine] = {}
@@ -69,10 +69,10 @@ def test_layers_up_to_check_layer_are_fresh_and_later_ones_stale(family):
         assert (out.values[layer][0][:, suffix] - fresh.values[layer][:, suffix]).abs().max().item() > 1e-3
     ref_logits, _ = oracle(eng.model, new)
     assert (out.logits - ref_logits).abs().max().item() > 1e-4
-    assert out.stats["cacheblend_selected"] == 0
-    assert out.stats["recompute_tokens"] == edit.new_token_count + 1  # X and the last token
-    assert out.stats["cacheblend_full_layers"] == 2
-    assert out.stats["cacheblend_full_tokens"] == len(new) - plan.prefix_len
+    assert out.stats.extras["cacheblend_selected"] == 0
+    assert out.stats.recompute_tokens == edit.new_token_count + 1  # X and the last token
+    assert out.stats.extras["cacheblend_full_layers"] == 2
+    assert out.stats.extras["cacheblend_full_tokens"] == len(new) - plan.prefix_len
 
 
 @pytest.mark.parametrize("check_layer", [0, 1])
@@ -89,14 +89,14 @@ def test_selection_is_top_value_deviation_against_independent_reference(check_la
     dev = torch.linalg.vector_norm((v_new - v_old).permute(1, 0, 2).reshape(len(newp), -1), dim=1).numpy()
     k = int(len(newp) * 0.15)
     expected = np.sort(newp[np.argsort(-dev)[:k]])
-    assert k > 5 and np.array_equal(out.stats["cacheblend_selected_positions"], expected)
+    assert k > 5 and np.array_equal(out.stats.extras["cacheblend_selected_positions"], expected)
     # selected rows carry hidden states of exact layers <= check, so at check+1 they equal a recompute over
     # the same stale cache; unselected suffix rows stay restored
     later = check_layer + 1
     unsel = np.setdiff1d(newp, expected)
     assert torch.equal(out.values[later][0][:, unsel], ckpt.values[later][:, oldp[np.searchsorted(newp, unsel)]])
     assert not torch.equal(out.values[later][0][:, expected], ckpt.values[later][:, oldp[np.searchsorted(newp, expected)]])
-    assert out.stats["recompute_tokens"] == k + len(plan.recompute_positions)
+    assert out.stats.recompute_tokens == k + len(plan.recompute_positions)
 
 
 def test_more_recompute_is_closer_to_exact():

@@ -22,7 +22,7 @@ from patchkv_agent.calibration.fit import coverage, fit_length_model, fit_quanti
 from patchkv_agent.calibration.select import select_config
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.plan import LengthModel, span_features
-from patchkv_agent.profiles import apply_profile, load_profile, profile_length_model
+from patchkv_agent.profiles import SHIPPED_PROFILE_DIR, Profile, load_profile
 
 # --- oracle boundary ------------------------------------------------------------------------------------------------
 
@@ -245,15 +245,12 @@ def test_selection_keeps_the_follow_rate_not_only_the_kl():
 def test_profile_readers_reach_the_settings_and_episodes_check_their_answers():
     from patchkv_agent.calibration.config import Episode
     from patchkv_agent.core.settings import RecoverySettings
-    from patchkv_agent.profiles import profile_settings
-
-    shipped = json.loads((Path(__file__).resolve().parents[1] / "calibration" / "profiles"
-                          / "smollm2-135m.json").read_text())
-    assert profile_settings({**shipped, "readers": "none"}).readers == "none"
-    assert profile_settings({k: v for k, v in shipped.items() if k != "readers"},
-                            RecoverySettings(readers="none")).readers == "none"  # an older profile keeps the base's
+    shipped = json.loads((SHIPPED_PROFILE_DIR / "smollm2-135m.json").read_text())
+    assert Profile.from_dict({**shipped, "readers": "none"}).settings().readers == "none"
+    assert Profile.from_dict({k: v for k, v in shipped.items() if k != "readers"}).settings(
+        RecoverySettings(readers="none")).readers == "none"  # an older profile keeps the base's
     with pytest.raises(ValueError, match="readers"):
-        profile_settings({**shipped, "readers": "semantic"})
+        Profile.from_dict({**shipped, "readers": "semantic"})
     with pytest.raises(ValueError, match="answer lists"):
         Episode(id="e", task="t", workload="w", versions=((1, 2), (1, 3)), answers=(("a",),))
 
@@ -263,11 +260,9 @@ def test_profile_readers_reach_the_settings_and_episodes_check_their_answers():
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    from tiny_models import tiny_model
+    from patchkv_agent.eval import tiny
 
-    from patchkv_agent.engine import PatchKVEngine
-
-    return PatchKVEngine(tiny_model("llama"), block_size=16)
+    return tiny.tiny_engine(block_size=16, dirty_window=None, profile="auto")
 
 
 def _episodes(n_tasks=5, length=160, seed=0):
@@ -330,26 +325,22 @@ def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
     assert all(r["kl_fp16"] == pytest.approx(ref_direct[r["pair"]], rel=1e-6, abs=1e-12) for r in prec)
 
     found = load_profile(eng, dirs=[tmp_path])  # by fingerprint
-    assert found is not None and found["_source"]["match"] == "fingerprint"
-    assert load_profile(eng.spec.fingerprint, dirs=[tmp_path])["model"] == "tiny-llama"
+    assert found is not None and found.match == "fingerprint" and found.path == str(path)
+    assert load_profile(eng.spec.fingerprint, dirs=[tmp_path]).model == "tiny-llama"
     by_name = load_profile("tiny-llama", dirs=[tmp_path])
-    assert by_name is not None and by_name["_source"]["match"] == "name"
-    assert load_profile("llama:0000", model_name="tiny-llama", dirs=[tmp_path])["_source"]["match"] == "name"
+    assert by_name is not None and by_name.match == "name"
+    assert load_profile("llama:0000", model_name="tiny-llama", dirs=[tmp_path]).match == "name"
     assert load_profile("llama:0000", dirs=[tmp_path]) is None
-    lm = profile_length_model(found)
+    lm = found.length_model
     assert isinstance(lm, LengthModel) and lm.quantile == 0.9
-
-    class Holder:
-        pass
-
-    h = Holder()
-    apply_profile(h, found)
-    assert (h.kappa, h.block_size, h.length_model) == (data["kappa"], data["block_size"], lm)
+    assert (found.kappa, found.block_size) == (data["kappa"], data["block_size"])
     from patchkv_agent.engine import PatchKVEngine
 
     loaded = PatchKVEngine(eng.model, eng.tokenizer, profile=found)
-    assert (loaded.precision_policy.tau_L, loaded.precision_policy.tau_H) == (pol["tau_L"], pol["tau_H"])
-    assert h.profile_path == str(path)
+    s = loaded.settings
+    assert (s.precision_policy.tau_L, s.precision_policy.tau_H) == (pol["tau_L"], pol["tau_H"])
+    assert (s.kappa, s.block_size, s.length_model) == (data["kappa"], data["block_size"], lm)
+    assert loaded.profile_path == str(path) and loaded.settings_sources["kappa"] == f"profile {path}"
     z = np.load(npz)
     assert z["offsets"][-1] == z["deviation"].size and len(z["S"]) == data["data"]["n_spans"]
 
@@ -409,18 +400,19 @@ def test_packaged_profiles_are_valid():
     from patchkv_agent.profiles import iter_profiles, profile_dirs
 
     packaged = profile_dirs()[-1]
+    assert packaged == SHIPPED_PROFILE_DIR and list(iter_profiles([packaged]))
     for path, data in iter_profiles([packaged]):
-        lm = profile_length_model(data)
-        assert lm.quantile == data["quantile"], path
-        assert 0.0 <= data["kappa"] <= 1.0 and data["block_size"] >= 1
+        prof = Profile.from_dict(data, path=path)
+        assert prof.length_model.quantile == data["quantile"], path
+        assert 0.0 <= prof.kappa <= 1.0 and prof.block_size >= 1
 
 
 def test_read_profile_explicit_path_and_clear_errors(tmp_path):
     from patchkv_agent.profiles import read_profile
 
-    shipped = Path(__file__).resolve().parents[1] / "calibration" / "profiles" / "smollm2-135m.json"
+    shipped = SHIPPED_PROFILE_DIR / "smollm2-135m.json"
     prof = read_profile(shipped)
-    assert prof["_source"] == {"path": str(shipped), "match": "explicit"} and prof["block_size"] >= 1
+    assert (prof.path, prof.match) == (str(shipped), "explicit") and prof.block_size >= 1
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "other.json").write_text('{"hello": 1}')
     for name in ("bad.json", "other.json", "absent.json"):
@@ -429,4 +421,10 @@ def test_read_profile_explicit_path_and_clear_errors(tmp_path):
     from patchkv_agent.profiles import resolve_profile_arg
 
     assert resolve_profile_arg("auto") == "auto" and resolve_profile_arg(None) == "auto"
-    assert resolve_profile_arg("none") is None and resolve_profile_arg(str(shipped))["block_size"] == prof["block_size"]
+    assert resolve_profile_arg("none") is None and resolve_profile_arg(str(shipped)).block_size == prof.block_size
+    good = json.loads(shipped.read_text())
+    for bad in ({"kappa": "0.1"}, {"kappa": float("nan")}, {"block_size": 2.5}, {"block_size": True},
+                {"length_model": [1, 2]}, {"readers": 3}, {"precision_policy": {"tau_L": "x"}}, {"model": None}):
+        (tmp_path / "hostile.json").write_text(json.dumps({**good, **bad}))
+        with pytest.raises(ValueError, match="hostile.json is malformed"):
+            read_profile(tmp_path / "hostile.json")

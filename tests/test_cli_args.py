@@ -17,7 +17,7 @@ from patchkv_agent import cli
 def no_model(monkeypatch):
     """Every way a command loads a model raises (a bad argument must be caught before)."""
     from patchkv_agent import engine
-    from patchkv_agent.core import models
+    from patchkv_agent import loading as models
     from patchkv_agent.eval import stress_cli
 
     def boom(*a, **k):

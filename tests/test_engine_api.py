@@ -18,7 +18,7 @@ from patchkv_agent.core.precision import PrecisionPolicy
 from patchkv_agent.runtime.kvstore import CheckpointMissing, ForeignCheckpoint, MemoryStore, StoreUnavailable
 from patchkv_agent.runtime.kvstore import load_for_resume, resume_from_store
 from patchkv_agent.strategies import PatchKVStrategy, get_strategy
-from tiny_models import tiny_model
+from patchkv_agent.eval.tiny import tiny_engine, tiny_model
 
 TOL = 1e-4
 
@@ -30,7 +30,7 @@ OLD_KEYS = ("strategy", "prompt_tokens", "prefix_tokens", "new_tokens", "suffix_
 
 @pytest.fixture(scope="module")
 def eng():
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    return tiny_engine()
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def test_settings_defaults_validation_and_replace():
 def test_engine_builds_settings_once_explicit_args_win(eng):
     s = eng.settings
     assert (s.block_size, s.length_model) == (8, LengthModel.fixed(8))
-    # the attribute names callers used keep working, read from the settings
-    assert (eng.block_size, eng.kappa, eng.length_model) == (8, 0.0, LengthModel.fixed(8))
+    assert eng.settings_sources["block_size"] == "argument" and eng.settings_sources["kappa"] == "default"
+    assert not hasattr(eng, "kappa") and not hasattr(eng, "block_size")  # one way in: the settings
     base = RecoverySettings(block_size=16, kappa=0.25, precision_policy=PrecisionPolicy(tau_L=0.5))
     e2 = PatchKVEngine(eng.model, None, settings=base, kappa=0.5, profile=None)
     assert (e2.settings.block_size, e2.settings.kappa, e2.settings.precision_policy.tau_L) == (16, 0.5, 0.5)
@@ -75,16 +75,34 @@ def test_engine_builds_settings_once_explicit_args_win(eng):
         PatchKVEngine(eng.model, None, block_size=0, profile=None)
 
 
-def test_engine_attribute_assignment_replaces_the_frozen_settings():
-    e = PatchKVEngine(tiny_model("llama"), None, profile=None)
+def test_engine_settings_are_replaced_whole_and_repr_says_where_each_came_from(tmp_path):
+    from patchkv_agent.profiles import Profile
+
+    model = tiny_model("llama")
+    fp = PatchKVEngine(model, None, profile=None).spec.fingerprint
+    prof = Profile.from_dict({"schema": 1, "model": "tiny", "fingerprint": fp, "kappa": 0.25, "block_size": 16,
+                              "length_model": LengthModel.fixed(40).to_dict()})
+    e = PatchKVEngine(model, None, profile=prof, block_size=8)
+    assert (e.settings.kappa, e.settings.block_size, e.settings.length_model) == (0.25, 8, LengthModel.fixed(40))
+    src = e.settings_sources
+    assert src["kappa"] == src["length_model"] == "profile (given)" and src["block_size"] == "argument"
+    assert src["capture_window"] == "default"
     before = e.settings
-    e.block_size = 16
-    e.length_model = LengthModel.fixed(4)
-    assert e.settings is not before and before.block_size == DEFAULT_BLOCK_SIZE
-    assert (e.settings.block_size, e.settings.length_model) == (16, LengthModel.fixed(4))
+    e.settings = e.settings.replace(capture_window=4)
+    assert before.capture_window != 4 and e.settings.capture_window == 4
+    assert e.settings_sources["capture_window"] == "assigned" and e.settings_sources["kappa"] == "profile (given)"
+    r = repr(e)
+    assert "kappa=0.25 [profile (given)]" in r and "block_size=8 [argument]" in r and "capture_window=4 [assigned]" in r
+    with pytest.raises(TypeError, match="RecoverySettings"):
+        e.settings = {"kappa": 0.1}
     with pytest.raises(ValueError):
-        e.kappa = 2.0
-    assert e.settings.kappa == 0.0
+        e.settings = e.settings.replace(kappa=2.0)
+    with pytest.raises(ValueError, match="Profile.from_dict"):
+        PatchKVEngine(model, None, profile={"kappa": 0.1})
+    with pytest.raises(AttributeError):
+        e.kappa = 0.1  # no engine setters: a typo'd attribute must not silently do nothing
+    (tmp_path / "p.json").write_text(json.dumps({**prof.data, "kappa": 0.5}))
+    assert PatchKVEngine(model, None, profile_dirs=[tmp_path]).settings.kappa == 0.5  # the caller's folder
 
 
 def test_strategies_read_settings_not_the_engine(eng, pair):
@@ -125,22 +143,24 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
 # ----------------------------------------------------------------------------- ResumeStats
 
 
-def test_resume_stats_dict_has_exactly_the_old_keys(eng, pair):
+def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(eng, pair):
     old, new = pair
-    assert ResumeStats.keys() == OLD_KEYS
+    named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "heal_s", "healed_rows")
+    assert ResumeStats.field_names() == named
     res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
-    assert isinstance(res.stats, dict)
-    extras = ("restore_kernel", "nonfinite_values", "approx_rows")
-    assert tuple(res.stats) == OLD_KEYS + extras
+    assert isinstance(res.stats, ResumeStats) and res.stats.extras == {"restore_kernel": res.stats["restore_kernel"]}
+    assert tuple(res.stats) == named + ("restore_kernel",)
     exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
-    assert tuple(exact.stats) == OLD_KEYS + extras and exact.stats["approx_rows"] == 0
-    assert res.stats["approx_rows"] == len(new) - res.exact_rows > 0
-    assert exact.stats["offload_s"] is None and exact.stats["fallback"] is None
-    json.dumps({k: v for k, v in res.stats.items()})  # a trace row's fields stay JSON values
-    typed = ResumeStats.from_dict(res.stats)
-    assert typed.recompute_tokens == res.stats["recompute_tokens"] and typed.extras == {
-        k: res.stats[k] for k in extras}
-    assert typed.to_dict() == res.stats
+    assert tuple(exact.stats) == named + ("restore_kernel",) and exact.stats.approx_rows == 0
+    assert res.stats["approx_rows"] == res.stats.approx_rows == len(new) - res.exact_rows > 0
+    assert exact.stats.offload_s is None and exact.stats.fallback is None and "extras" not in exact.stats
+    json.dumps(res.stats.to_json())  # a trace row's fields are JSON values
+    back = ResumeStats.from_dict(dict(res.stats))
+    assert back == res.stats and back.recompute_tokens == res.stats.recompute_tokens
+    with pytest.raises(KeyError, match="ttft_s"):
+        ResumeStats.from_dict({k: v for k, v in res.stats.items() if k != "ttft_s"})
+    healed = eng.heal(res)
+    assert healed.stats.healed_rows == res.stats.approx_rows and res.stats.heal_s is None  # the copy, not res
 
 
 def test_cacheblend_stats_keep_their_extras(eng, pair):

@@ -17,7 +17,6 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from kv_helpers import assert_same_checkpoint, assert_same_payload, make_ckpt  # noqa: E402
-from patchkv_agent import PatchKVEngine  # noqa: E402
 from patchkv_agent.core.checkpoint import key_residual, quantize_mixed  # noqa: E402
 from patchkv_agent.core.precision import (  # noqa: E402
     DEFAULT_G4K,
@@ -35,7 +34,7 @@ from patchkv_agent.kernels import quant as Q  # noqa: E402
 from patchkv_agent.kernels.rope import rope_delta_reference  # noqa: E402
 from patchkv_agent.runtime.kvstore import CheckpointKey, CorruptCheckpoint, decode_checkpoint, encode_checkpoint  # noqa: E402
 from patchkv_agent.runtime.kvstore.codec import meta_checksum  # noqa: E402
-from tiny_models import tiny_model  # noqa: E402
+from patchkv_agent.eval.tiny import tiny_engine  # noqa: E402
 
 NATIVE = pytest.mark.skipif(not native.available(), reason=f"native kernels {native.status()}")
 
@@ -311,19 +310,18 @@ def test_assign_tags_k4v4_exact():
 
 
 def test_old_profiles_still_load():
-    from patchkv_agent.profiles import profile_settings
+    from patchkv_agent.profiles import SHIPPED_PROFILE_DIR, Profile
 
-    path = os.path.join(os.path.dirname(__file__), "..", "calibration", "profiles", "smollm2-135m.json")
-    with open(path) as f:
+    with open(SHIPPED_PROFILE_DIR / "smollm2-135m.json") as f:
         shipped = json.load(f)
-    pol = profile_settings(shipped).precision_policy
+    pol = Profile.from_dict(shipped).settings().precision_policy
     assert "tau_LL" not in shipped["precision_policy"]
     assert (pol.tau_L, pol.tau_LL, pol.g4k) == (0.25, min(DEFAULT_TAU_LL, 0.25), DEFAULT_G4K)
     prof = dict(shipped, precision_policy={**shipped["precision_policy"], "tau_LL": 0.05, "g4k": 0.2})
-    pol = profile_settings(prof).precision_policy
+    pol = Profile.from_dict(prof).settings().precision_policy
     assert (pol.tau_LL, pol.g4k) == (0.05, 0.2)
     with pytest.raises(ValueError, match="tau_LL"):
-        profile_settings(dict(shipped, precision_policy={**shipped["precision_policy"], "tau_LL": 0.5}))
+        Profile.from_dict(dict(shipped, precision_policy={**shipped["precision_policy"], "tau_LL": 0.5}))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -371,7 +369,7 @@ def test_codec_roundtrip_and_refusals_with_k4v4():
 def test_engine_restores_k4v4_blocks_as_the_reference():
     """A mixed checkpoint with K4V4 (and every other) blocks, restored by a ``direct`` resume: each
     restored row equals the reference dequantization of its payload rotated by ``rope_delta_reference``."""
-    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    eng = tiny_engine()
     rng = np.random.default_rng(0)
     old = rng.integers(0, eng.spec.vocab_size, size=150).tolist()
     new = old[:40] + rng.integers(0, eng.spec.vocab_size, size=17).tolist() + old[50:]

@@ -5,8 +5,8 @@ Walks every module of ``patchkv_agent`` (``kernels/`` and ``calibration/`` mappe
 module level and inside functions alike; imports under ``if TYPE_CHECKING:`` are left out (they never
 run). An ``from a import b`` counts as an import of ``a.b`` when that is a module, else of ``a``.
 
-Layers, bottom to top (docs/DESIGN.md): kernels < core < profiles < strategies < engine < runtime <
-langgraph < eval, calibration, cli.
+Layers, bottom to top (docs/DESIGN.md): kernels < core < results, loading < profiles < strategies <
+engine < runtime < langgraph < eval, calibration, cli.
 """
 
 from __future__ import annotations
@@ -26,23 +26,24 @@ SOURCES = {PKG: ROOT / "patchkv_agent", f"{PKG}.kernels": ROOT / "kernels", f"{P
 # module-name prefix -> the prefixes it must never import (a module "is in" a prefix when it equals it or
 # starts with it + ".")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    f"{PKG}.kernels": ("core", "strategies", "engine", "runtime", "threads", "kvstore", "langgraph", "eval",
-                       "calibration", "profiles", "cli"),
-    f"{PKG}.core": ("strategies", "engine", "runtime", "threads", "kvstore", "langgraph", "eval", "calibration",
-                    "profiles", "cli"),
-    f"{PKG}.profiles": ("strategies", "engine", "runtime", "threads", "kvstore", "langgraph", "eval", "calibration",
-                        "cli"),
-    f"{PKG}.strategies": ("engine", "runtime", "threads", "kvstore", "langgraph", "eval", "calibration", "cli"),
-    f"{PKG}.engine": ("runtime", "threads", "kvstore", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.kernels": ("core", "results", "loading", "profiles", "strategies", "engine", "runtime", "langgraph",
+                       "eval", "calibration", "cli"),
+    f"{PKG}.core": ("results", "loading", "profiles", "strategies", "engine", "runtime", "langgraph", "eval",
+                    "calibration", "cli"),
+    f"{PKG}.results": ("loading", "profiles", "strategies", "engine", "runtime", "langgraph", "eval", "calibration",
+                       "cli"),
+    f"{PKG}.loading": ("results", "profiles", "strategies", "engine", "runtime", "langgraph", "eval", "calibration",
+                       "cli"),
+    f"{PKG}.profiles": ("strategies", "engine", "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.strategies": ("engine", "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.engine": ("runtime", "langgraph", "eval", "calibration", "cli"),
     f"{PKG}.runtime": ("langgraph", "eval", "calibration", "cli"),
     f"{PKG}.runtime.kvstore": ("strategies",),
-    f"{PKG}.threads": ("langgraph", "eval", "calibration", "cli"),
-    f"{PKG}.kvstore": ("strategies", "langgraph", "eval", "calibration", "cli"),
     f"{PKG}.langgraph": ("eval", "calibration", "cli"),
     f"{PKG}.eval": ("cli",),
     f"{PKG}.calibration": ("cli",),
 }
-TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.profiles")
+TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.profiles", f"{PKG}.results")
 
 
 def _within(module: str, prefix: str) -> bool:
@@ -225,6 +226,22 @@ def test_light_modules_import_without_torch(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", f"importing {module} pulled in torch"
+
+
+def test_no_hidden_upward_dependency():
+    """Dependencies the import walk cannot see: no module locates a package by name (``find_spec``,
+    ``import_module`` of another layer), and importing the engine installs no process-wide torch hook."""
+    import re
+
+    locate = re.compile(r"find_spec\(|import_module\(\s*[\"']patchkv_agent")
+    hidden = [str(p.relative_to(ROOT)) for p in discover().values() if locate.search(p.read_text(encoding="utf-8"))]
+    assert not hidden, f"modules that locate a package by name: {hidden}"
+    code = ("import torch.nn.modules.module as m; n = len(m._global_parameter_registration_hooks); "
+            "import patchkv_agent.engine, patchkv_agent.runtime.threads, patchkv_agent.langgraph.chat_model; "
+            "print(len(m._global_parameter_registration_hooks) - n)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", "importing the engine installed a torch hook"
 
 
 # --------------------------------------------------------------------------------------------- docs

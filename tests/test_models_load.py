@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkv_agent.core.models import gguf_cache_path, load_model, resolve_source
+from patchkv_agent.loading import gguf_cache_path, load_model, resolve_source
 
 
 def test_missing_local_paths_fail_at_once_naming_the_path(tmp_path):

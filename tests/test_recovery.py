@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from patchkv_agent import PatchKVEngine
-from tiny_models import FAMILIES, ROPE_VARIANTS, tiny_model
+from patchkv_agent.eval.tiny import FAMILIES, ROPE_VARIANTS, tiny_model
 
 TOL = 1e-4
 
@@ -266,9 +266,10 @@ def test_engine_loads_its_profile_automatically_and_arguments_win(tmp_path, monk
     (tmp_path / "tiny.json").write_text(json.dumps(prof))
     monkeypatch.setenv("PATCHKV_PROFILE_DIR", str(tmp_path))
     eng = PatchKVEngine(model, None)
-    assert (eng.block_size, eng.kappa) == (16, 0.02) and eng.profile_path.endswith("tiny.json")
-    assert eng.length_model == LengthModel.fixed(40)
-    assert (eng.precision_policy.tau_L, eng.precision_policy.tau_H) == (0.5, 4.0)
+    s = eng.settings
+    assert (s.block_size, s.kappa) == (16, 0.02) and eng.profile_path.endswith("tiny.json")
+    assert s.length_model == LengthModel.fixed(40)
+    assert (s.precision_policy.tau_L, s.precision_policy.tau_H) == (0.5, 4.0)
     eng2 = PatchKVEngine(model, None, block_size=8, kappa=0.0)
-    assert (eng2.block_size, eng2.kappa) == (8, 0.0)
+    assert (eng2.settings.block_size, eng2.settings.kappa) == (8, 0.0)
     assert PatchKVEngine(model, None, profile=None).profile_path is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from patchkv_agent.runtime.threads import ThreadRegistry, ids_hash, run_stream, thread_key
-from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: F401 - fixture
+from tiny_models import chat_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 A, B = thread_key("a"), thread_key("b")
@@ -18,7 +18,7 @@ A, B = thread_key("a"), thread_key("b")
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine()
+    return chat_engine()
 
 
 def ctx(seed: int, n: int = 300) -> list[int]:
@@ -45,7 +45,7 @@ def test_new_thread_is_exact_then_middle_edit_takes_patchkv(engine):
     st = r1.stats
     assert st["strategy"] == "patchkv" and st["version"] == 2 and st["base_version"] == 1
     assert st["prefix_tokens"] == 80 and st["restore_tokens"] > 0 and st["recompute_tokens"] < len(c0)
-    assert st["base"] == "resident" and st["offload_on_path_s"] == 0  # no offload: the resident KV, nothing written
+    assert st["base"] == "resident" and st["offload_wait_s"] == 0  # no offload: the resident KV, nothing written
 
 
 def test_prefix_strategy_through_registry_equals_exact(engine):
@@ -78,7 +78,7 @@ def test_resident_thread_resumes_without_its_offload_and_a_released_one_reads_th
     fut = reg.offload_async(A)
     assert fut is not None and reg.offload_async(A) in (fut, None)
     r1 = reg.generate(A, edited(c0), max_new_tokens=3)  # the resident KV: no wait, nothing written
-    assert r1.stats["base"] == "resident" and r1.stats["offload_on_path_s"] == 0.0
+    assert r1.stats["base"] == "resident" and r1.stats["offload_wait_s"] == 0.0
     assert r1.stats["offload_wait_s"] == 0.0 and r1.stats["strategy"] == "patchkv"
     # the same resume from a fresh registry (no offload at all) is the same: offload timing changes nothing
     solo = ThreadRegistry(engine)

@@ -224,10 +224,9 @@ def fake_gguf(tmp_path, monkeypatch):
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_langgraph_common import tiny_chat_tokenizer
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_chat_tokenizer, tiny_model
 
-    from patchkv_agent.core import models
+    from patchkv_agent import loading as models
 
     monkeypatch.setenv("PATCHKV_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
@@ -256,7 +255,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _cache_dir(gguf: Path) -> Path:
-    from patchkv_agent.core.models import gguf_cache_path
+    from patchkv_agent.loading import gguf_cache_path
 
     return gguf_cache_path(gguf)
 
@@ -269,7 +268,7 @@ def _flip(path: Path, at: int) -> None:
 
 def _other_model(path: Path) -> None:
     from safetensors.torch import save_file
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
 
     save_file({k: v.contiguous() for k, v in tiny_model("llama", seed=1).state_dict().items()
                if k != "lm_head.weight"}, str(path), metadata={"format": "pt"})
@@ -292,7 +291,7 @@ def _unreadable(path: Path) -> None:
      "config.json does not match"),
 ])
 def test_a_tampered_weight_cache_is_rebuilt_with_a_log_line(fake_gguf, tamper, reason, caplog):
-    from patchkv_agent.core.models import load_model
+    from patchkv_agent.loading import load_model
 
     gguf, builds = fake_gguf
     model, _ = load_model(str(gguf))
@@ -309,7 +308,7 @@ def test_a_tampered_weight_cache_is_rebuilt_with_a_log_line(fake_gguf, tamper, r
 
 
 def test_an_intact_cache_is_hashed_once_per_process(fake_gguf, monkeypatch):
-    from patchkv_agent.core import models
+    from patchkv_agent import loading as models
 
     gguf, builds = fake_gguf
     first, _ = models.load_model(str(gguf))
@@ -329,7 +328,7 @@ def test_an_intact_cache_is_hashed_once_per_process(fake_gguf, monkeypatch):
 
 
 def test_a_forged_manifest_over_a_broken_file_is_rebuilt_when_loading_fails(fake_gguf, caplog):
-    from patchkv_agent.core.models import load_model, write_cache_manifest
+    from patchkv_agent.loading import load_model, write_cache_manifest
 
     gguf, builds = fake_gguf
     good = _weights(load_model(str(gguf))[0])

@@ -137,12 +137,12 @@ def prepare_context(engine, context: Context, *, max_new_tokens: int = 16, mixed
     Raises:
         ValueError: as :meth:`PatchKVEngine.checkpoint` / ``resume`` (bad ids, versions identical).
     """
-    saved = engine.mixed_precision
-    engine.mixed_precision = mixed
+    saved = engine.settings
+    engine.settings = saved.replace(mixed_precision=mixed)
     try:
         ckpt = engine.checkpoint(list(context.old_ids))
     finally:
-        engine.mixed_precision = saved
+        engine.settings = saved
     ref = engine.resume(None, list(context.new_ids), strategy="exact", max_new_tokens=max_new_tokens)
     edit = diff_versions(ckpt.token_ids, ref.context_ids, words=getattr(engine, "words", None))
     if edit.identical:

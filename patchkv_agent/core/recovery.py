@@ -146,14 +146,33 @@ def check_attn_implementation(model) -> None:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
+class RecoveryStats:
+    """What one recovery measured (the engine folds it into its :class:`~patchkv_agent.results.ResumeStats`).
+
+    Attributes:
+        restore_s: restoring checkpoint rows (RoPE-corrected) into the buffers.
+        recompute_s: the forward over the recomputed rows until the first-token logits.
+        recompute_tokens: rows run through the model.
+        payload_bytes: checkpoint bytes the restore read.
+        extras: executor-specific fields (``restore_kernel``; CacheBlend's ``cacheblend_*``).
+    """
+
+    restore_s: float
+    recompute_s: float
+    recompute_tokens: int
+    payload_bytes: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class RecoveryOutput:
-    """Result of :func:`execute`: first-token logits and the full K/V of ``C_new``."""
+    """Result of :func:`execute`: first-token logits, the full K/V of ``C_new`` and what it cost."""
 
     logits: torch.Tensor  # [vocab], float32
     keys: list[torch.Tensor]  # per layer [1, H, N_new, D]
     values: list[torch.Tensor]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RecoveryStats
 
 
 def restore_rows(
@@ -410,8 +429,8 @@ def execute(
     t2 = time.perf_counter()
     return RecoveryOutput(
         logits=logits, keys=buf.keys, values=buf.values,
-        stats={"restore_s": t1 - t0, "recompute_s": t2 - t1, "recompute_tokens": len(buf.recompute),
-               "payload_bytes": buf.payload_bytes, "restore_kernel": buf.kernel},
+        stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(buf.recompute),
+                            payload_bytes=buf.payload_bytes, extras={"restore_kernel": buf.kernel}),
     )
 
 

@@ -99,3 +99,13 @@ class RecoverySettings:
             ValueError: a value outside its range.
         """
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The settings' fields, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def changed_fields(self) -> tuple[str, ...]:
+        """The fields whose value differs from the built-in default."""
+        default = RecoverySettings()
+        return tuple(k for k in self.field_names() if getattr(self, k) != getattr(default, k))

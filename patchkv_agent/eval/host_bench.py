@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-__all__ = ["run_host_bench", "tiny_engine", "plot_host", "add_cli", "main"]
+__all__ = ["run_host_bench", "host_engine", "plot_host", "add_cli", "main"]
 
 STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
 DEFAULT_LENGTHS = (2048, 8192, 32768, 131072)
@@ -57,9 +57,10 @@ def _piece(i: int) -> str:
     return ("Ġ" + w, w, w.upper(), "Ġ" + w[:2], ".,:{}()\"Ċ"[i % 9])[kind]
 
 
-def tiny_engine(*, layers: int = 1, kv_heads: int = 2, head_dim: int = 64, max_positions: int = 140_000,
+def host_engine(*, layers: int = 1, kv_heads: int = 2, head_dim: int = 64, max_positions: int = 140_000,
                 device: str = "cpu"):
-    """A :class:`PatchKVEngine` over a one-layer llama from a config (random weights), with a word index.
+    """A :class:`PatchKVEngine` over a one-layer llama from :func:`.tiny.tiny_engine` (random weights, plain
+    init, vocabulary 4096), with a word index.
 
     Args:
         layers, kv_heads, head_dim: the KV shapes.
@@ -69,17 +70,14 @@ def tiny_engine(*, layers: int = 1, kv_heads: int = 2, head_dim: int = 64, max_p
     Returns:
         The engine (``profile=None``: built-in settings, block 32).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ..core.lexicon import WordIndex
-    from ..engine import PatchKVEngine
+    from .tiny import tiny_engine
 
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=kv_heads * head_dim, intermediate_size=64,
-                      num_hidden_layers=layers, num_attention_heads=kv_heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, max_position_embeddings=max_positions, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device).eval()
-    eng = PatchKVEngine(model, None, profile=None)
+    eng = tiny_engine(seed=0, scale=1.0, layers=layers, heads=kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                      max_positions=max_positions, device=device,
+                      config={"vocab_size": 4096, "hidden_size": kv_heads * head_dim, "intermediate_size": 64,
+                              "pad_token_id": None},
+                      block_size=None, dirty_window=None, profile=None)
     eng.words = WordIndex(_piece)
     return eng
 
@@ -106,7 +104,7 @@ def _checkpoint(eng, old: np.ndarray, seed: int):
     keys = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
     values = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
     scores = np.random.default_rng(seed).random(len(old)).astype(np.float32)
-    mixed = build_mixed(keys, values, scores, block_size=eng.block_size, policy=eng.precision_policy)
+    mixed = build_mixed(keys, values, scores, block_size=eng.settings.block_size, policy=eng.settings.precision_policy)
     if torch.cuda.is_available():
         keys, values = [k.pin_memory() for k in keys], [v.pin_memory() for v in values]
     return Checkpoint(token_ids=old, keys=keys, values=values, fingerprint=spec.fingerprint, scores=scores,
@@ -343,7 +341,7 @@ def main(args) -> int:
         if eng.words is None:
             eng.words = WordIndex(_piece)
     else:
-        eng = tiny_engine(device=device, max_positions=max(args.lengths) + 20 * max(args.edits) + 1024)
+        eng = host_engine(device=device, max_positions=max(args.lengths) + 20 * max(args.edits) + 1024)
     summary = run_host_bench(eng, lengths=args.lengths, edits=args.edits, repeats=args.repeats, seed=args.seed)
     (out / "host.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_host(summary, out / "host.png")

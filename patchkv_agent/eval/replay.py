@@ -111,8 +111,8 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
     if gold and old:  # edit-following episodes carry a gold answer per version
         row["follows"] = answer_match(text, gold)
         row["stale"] = answer_match(text, old)
-    row["fallback"] = st.get("fallback")
-    for key, val in st.items():  # optional extras (docs/TRACES.md allows new fields): restore_tokens, cacheblend_*
+    row["fallback"] = st.fallback
+    for key, val in st.to_json(arrays=False).items():  # optional extras (docs/TRACES.md allows new fields): restore_tokens, cacheblend_*
         if key not in row and key != "strategy" and isinstance(val, (int, float, str, bool, list, type(None))):
             row[key] = val
     return row

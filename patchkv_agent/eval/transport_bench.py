@@ -118,11 +118,11 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     prefill_s = time.perf_counter() - t0
     keys = [k.half() for k in ckpt.keys]  # the FP16 baseline stores half precision, as on an accelerator
     values = [v.half() for v in ckpt.values]
-    spec, bs = engine.spec, engine.block_size
+    spec, bs = engine.spec, engine.settings.block_size
     n = len(ids)
     resid = value_residual_4bit(torch.stack([v.float() for v in values])).numpy()
     key_resid = key_residual(keys, bs)
-    pol0 = engine.precision_policy
+    pol0 = engine.settings.precision_policy
     scores = ckpt.scores if ckpt.scores is not None else np.ones(n)
     mixed_tags = assign_tags(scores, resid, bs, pol0, key_resid)
     n_blocks = len(mixed_tags)
@@ -153,8 +153,8 @@ def transport_bench(engine, *, n_tokens: int = 8192, repeats: int = 5, shift: in
     dst_k = [torch.empty(spec.num_kv_heads, n + shift, spec.head_dim) for _ in range(spec.num_layers)]
     dst_v = [torch.empty_like(d) for d in dst_k]
     out: dict[str, Any] = {"n_tokens": n, "repeats": repeats, "prefill_s": prefill_s, "formats": {},
-                           "policy": vars(engine.precision_policy) if hasattr(engine.precision_policy, "__dict__")
-                           else str(engine.precision_policy), "policy_grid": grid, "k4_grid": k4_grid,
+                           "policy": vars(engine.settings.precision_policy) if hasattr(engine.settings.precision_policy, "__dict__")
+                           else str(engine.settings.precision_policy), "policy_grid": grid, "k4_grid": k4_grid,
                            "key_resid": {"median": float(np.median(key_resid)), "p90": float(np.quantile(key_resid, 0.9)),
                                          "max": float(key_resid.max())} if n else None}
     restores, stored = {}, {}
@@ -265,7 +265,7 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500,
                "payload_fp16": fp.stats["payload_bytes"], "payload_mixed": mx.stats["payload_bytes"],
                "blocks_mixed": {t.name: int((ckpt.mixed.tags == int(t)).sum()) for t in Tag}}
         if policies:
-            bs = engine.block_size
+            bs = engine.settings.block_size
             resid = value_residual_4bit(torch.stack([v.float() for v in ckpt.values])).numpy()
             k_resid = key_residual(list(ckpt.keys), bs)
             attn = np.ones(len(old)) if ckpt.scores is None else np.asarray(ckpt.scores, dtype=np.float64)
@@ -345,11 +345,12 @@ def main(args) -> int:
 
     eng = PatchKVEngine.from_pretrained(args.model, profile=resolve_profile_arg(args.profile), block_size=args.block_size)
     if getattr(args, "tau_ll", None) is not None:  # K4V4 on (e.g. 0.05, K4V4_TAU_LL) or off (0)
-        eng.precision_policy = dataclasses.replace(eng.precision_policy, tau_LL=min(args.tau_ll, eng.precision_policy.tau_L))
-    result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.block_size,
-              "precision_policy": dataclasses.asdict(eng.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
+        pol = eng.settings.precision_policy
+        eng.settings = eng.settings.replace(precision_policy=dataclasses.replace(pol, tau_LL=min(args.tau_ll, pol.tau_L)))
+    result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.settings.block_size,
+              "precision_policy": dataclasses.asdict(eng.settings.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
-        grid = k4_policies(eng.precision_policy) if args.k4_grid else None
+        grid = k4_policies(eng.settings.precision_policy) if args.k4_grid else None
         result["kl"] = mixed_kl_bench(eng, n_contexts=args.kl_contexts, policies=grid)
         if grid:
             for row in result["transport"]["k4_grid"]:

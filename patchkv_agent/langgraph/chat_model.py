@@ -179,9 +179,9 @@ class PatchKVChatModel(BaseChatModel):
             The chat model (``.engine``, ``.registry`` reach the rest).
 
         Raises:
-            FileNotFoundError, ValueError: see :func:`patchkv_agent.core.models.load_model`.
+            FileNotFoundError, ValueError: see :func:`patchkv_agent.loading.load_model`.
         """
-        from ..core.models import DEFAULT_MODEL
+        from ..loading import DEFAULT_MODEL
         from ..engine import PatchKVEngine
 
         fields = set(cls.model_fields) | {"max_tokens"}
@@ -502,7 +502,7 @@ class PatchKVChatModel(BaseChatModel):
                               "seed": opt["params"].seed}}
         if processor is not None:
             extra.update(grammar_mask_s=processor.mask_s, grammar_steps=processor.steps)
-        stats = _jsonable({**res.stats, **extra})
+        stats = {**res.stats.to_json(), **_jsonable(extra)}
         yield "final", {
             "content": parsed.content, "tail": parsed.content[len(emitted):], "parsed": parsed,
             "response_metadata": {"patchkv": stats, "model_name": self.model_name, "finish_reason": finish},

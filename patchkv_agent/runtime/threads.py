@@ -69,7 +69,8 @@ import numpy as np
 from ..core.fallback import Fallback, FallbackKind
 from ..core.recovery import decode_step
 from ..core.sampling import Sampler
-from ..engine import PatchKVEngine, ResumeResult
+from ..engine import PatchKVEngine
+from ..results import ResumeResult, RuntimeStats
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 
 log = logging.getLogger(__name__)
@@ -209,8 +210,8 @@ class TokenStream:
         if self._done:
             return
         self._done = True
-        self.result.stats["decode_s"] = self._decode_s
-        self.result.stats["output_tokens"] = len(self.result.output_ids)
+        self.result.stats.decode_s = self._decode_s
+        self.result.stats.output_tokens = len(self.result.output_ids)
         if self._th is not None:
             self._registry._commit(self._th, self._version, self.result, self._cache)
 
@@ -471,7 +472,7 @@ class ThreadRegistry:
         Returns:
             A :class:`TokenStream`; its ``result.stats`` holds the engine's resume stats plus
             ``thread_id``, ``checkpoint_ns``, ``version``, ``base_version``, ``base`` (where the base KV
-            came from), ``requested_strategy``, ``offload_wait_s``, ``offload_on_path_s`` and ``fallback``;
+            came from), ``requested_strategy``, ``offload_wait_s`` and ``fallback`` (a :class:`~patchkv_agent.results.RuntimeStats`);
             resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
 
         Raises:
@@ -483,8 +484,7 @@ class ThreadRegistry:
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
-            res.stats.update(thread_id=None, checkpoint_ns=None, version=None, base_version=None, base="none",
-                             requested_strategy=strategy, offload_wait_s=0.0, offload_on_path_s=0.0)
+            res.stats = res.stats.extend(RuntimeStats, base="none", requested_strategy=strategy, offload_wait_s=0.0)
             return TokenStream(self, None, 0, res, max_new_tokens, sampler)
         primary, key = key, self._choose_context(key, ids)
         with self._lock:
@@ -507,7 +507,7 @@ class ThreadRegistry:
             if skey is not None:  # the store read runs outside the forward lock
                 res = resume_from_store(self.engine, self.store, skey, ids, strategy=strategy, max_new_tokens=0,
                                         forward_lock=self.forward_lock, **options)
-                if res.stats["strategy"] == "exact" and res.stats["fallback"] is not None:
+                if res.stats.strategy == "exact" and res.stats.fallback is not None:
                     base_version, source = None, "none"  # evicted, corrupt, missing: exact, reason recorded
             else:
                 with self.forward_lock:
@@ -525,15 +525,13 @@ class ThreadRegistry:
             th.streams += 1  # until the stream's commit: see TokenStream.close
         if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
             self._submit_delete(stale)
-        res.stats.update(thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
-                         base=source, requested_strategy=strategy, offload_wait_s=wait_s,
-                         offload_on_path_s=0.0,  # kept for readers of the field: no offload runs on the path
-                         context=key[1], heal_wait_s=heal_wait_s,
-                         base_approx_rows=base_approx if source == "resident" else None,
-                         base_heal_s=(base_heal or {}).get("heal_s"),
-                         base_healed_rows=(base_heal or {}).get("healed_rows"))
-        if res.stats.get("fallback") is None and fallback is not None:
-            res.stats["fallback"] = fallback
+        res.stats = res.stats.extend(
+            RuntimeStats, thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
+            base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
+            base_approx_rows=base_approx if source == "resident" else None,
+            base_heal_s=(base_heal or {}).get("heal_s"), base_healed_rows=(base_heal or {}).get("healed_rows"))
+        if res.stats.fallback is None and fallback is not None:
+            res.stats.fallback = fallback
         self._enforce_resident_budget(keep=key)
         return TokenStream(self, th, version, res, max_new_tokens, sampler)
 

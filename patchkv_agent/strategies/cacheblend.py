@@ -50,7 +50,7 @@ import torch
 
 from ..core.models import text_config
 from ..core.plan import plan_direct
-from ..core.recovery import RecoveryBuffers, RecoveryOutput, ScatterCache, build_masks
+from ..core.recovery import RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks
 from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:
@@ -220,14 +220,11 @@ class CacheBlendStrategy(Strategy):
         t2 = time.perf_counter()
         return RecoveryOutput(
             logits=logits, keys=keys, values=values,
-            stats={
-                "restore_s": t1 - t0,
-                "recompute_s": t2 - t1,
-                "recompute_tokens": len(active),
-                "payload_bytes": payload,
+            stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(active),
+                                payload_bytes=payload, extras={
                 "cacheblend_full_layers": full_layers,
                 "cacheblend_full_tokens": full_tokens,
                 "cacheblend_selected": int(len(selected)),
                 "cacheblend_selected_positions": np.asarray(selected, dtype=np.int64),
-            },
+            }),
         )

@@ -20,6 +20,7 @@ import time
 from ...core.checkpoint import CorruptCheckpoint
 from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from .base import CheckpointMissing, KVStore, StoreUnavailable
+from ...results import RuntimeStats
 from .codec import CheckpointKey, ForeignCheckpoint
 
 __all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
@@ -121,8 +122,9 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
     with forward_lock if forward_lock is not None else contextlib.nullcontext():
         if ckpt is None:
             res = engine.resume(None, new_token_ids, strategy="exact", max_new_tokens=max_new_tokens)
-            res.stats["fallback"] = reason
+            res.stats.fallback = reason
         else:
             res = engine.resume(ckpt, new_token_ids, strategy=strategy, max_new_tokens=max_new_tokens, **options)
-    res.stats.update(store_tier=store.tier, store_get_s=get_s, store_key=key.digest, requested_strategy=strategy)
+    res.stats = res.stats.extend(RuntimeStats, store_tier=store.tier, store_get_s=get_s, store_key=key.digest,
+                                 requested_strategy=strategy)
     return res

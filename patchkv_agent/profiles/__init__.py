@@ -1,0 +1,285 @@
+"""Frozen per-model calibration profiles: find and load them as :class:`Profile` values.
+
+A profile is one JSON file written by ``patchkv-agent calibrate`` (``patchkv_agent.calibration``):
+model name and fingerprint, the dirty-window :class:`~patchkv_agent.core.plan.LengthModel`, ``kappa``,
+``block_size``, the reader signal, the precision policy and the provenance of all of it. See
+``docs/calibration.md``. Loaded, it is a frozen :class:`Profile`; :meth:`Profile.settings` turns it into
+the engine's :class:`~patchkv_agent.core.settings.RecoverySettings`.
+
+Search path (:func:`profile_dirs`), first match wins within each pass: the folders the caller hands
+down (``PatchKVEngine(..., profile_dirs=...)``), ``$PATCHKV_PROFILE_DIR`` (``os.pathsep``-separated
+folders), ``<user cache>/profiles`` (where ``calibrate`` writes by default), then the profiles this
+package ships (:data:`SHIPPED_PROFILE_DIR`, ``patchkv_agent/profiles/shipped/``). Matching: first by
+model fingerprint (exact), then by model name (the name the model was loaded by, e.g.
+``"smollm2-135m"``); a name-only match whose fingerprint differs is returned with a warning (e.g. the
+same weights under another transformers version change the config part of the fingerprint).
+
+A profile file is input from outside the process: every field is type- and range-checked and a bad
+one raises ``ValueError`` naming the file and the fix; nothing in it is executed.
+
+Boundary: reads JSON files and builds settings values; knows nothing about models beyond
+``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about how profiles are made (the
+calibration package, above the engine, writes them).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+
+from ..core.plan import READERS, LengthModel
+
+if TYPE_CHECKING:
+    from ..core.precision import PrecisionPolicy
+    from ..core.settings import RecoverySettings
+
+__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "Profile", "profile_dirs", "iter_profiles", "load_profile",
+           "is_profile", "read_profile", "resolve_profile_arg"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_SCHEMA = 1
+_REQUIRED = ("schema", "model", "fingerprint", "length_model", "kappa", "block_size")
+SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "shipped"
+_POLICY_FIELDS = ("alpha", "tau_L", "tau_H", "g4", "tau_LL", "g4k")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """One calibration profile, validated and frozen.
+
+    Attributes:
+        model: the model name it was calibrated for (what name matching compares).
+        fingerprint: the weights+tokenizer fingerprint it was calibrated on.
+        length_model: the dirty-window length model.
+        kappa: high-attention share, in ``[0, 1]``.
+        block_size: block size in tokens, ``>= 1``.
+        readers: the reader signal (None: an older profile; the base settings' own is kept).
+        precision_policy: the calibrated per-block precision policy (None: not calibrated; defaults kept).
+        path: the file it was read from (None: built from a dict).
+        match: how it was found: ``"fingerprint"``, ``"name"``, ``"explicit"`` (a path) or ``"given"``.
+        data: the whole JSON object, read-only (provenance, selection tables).
+    """
+
+    model: str
+    fingerprint: str
+    length_model: LengthModel
+    kappa: float
+    block_size: int
+    readers: str | None = None
+    precision_policy: "PrecisionPolicy | None" = None
+    path: str | None = None
+    match: str = "given"
+    data: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, path: str | Path | None = None, match: str = "given") -> "Profile":
+        """Validate a profile's JSON object.
+
+        Raises:
+            ValueError: a missing key or a field of the wrong type or range (the message names the file).
+        """
+        where = f"profile {path}" if path is not None else "profile"
+        if not is_profile(data):
+            missing = [k for k in _REQUIRED if not isinstance(data, dict) or k not in data]
+            raise ValueError(f"{where} is not a calibration profile (missing {missing}); pass a JSON written by "
+                             "'patchkv-agent calibrate'")
+        try:
+            lm = data["length_model"]
+            if not isinstance(lm, dict):
+                raise ValueError("'length_model' is not an object")
+            length_model = LengthModel.from_dict(lm)
+            kappa, block = data["kappa"], data["block_size"]
+            if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not (
+                    math.isfinite(kappa) and 0.0 <= kappa <= 1.0):
+                raise ValueError(f"kappa={kappa!r} (need a number in [0, 1])")
+            if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+                raise ValueError(f"block_size={block!r} (need an int >= 1)")
+            readers = data.get("readers")
+            if readers is not None and readers not in READERS:
+                raise ValueError(f"readers={readers!r} (need one of {list(READERS)})")
+            policy = _policy(data.get("precision_policy"))
+            for k in ("model", "fingerprint"):
+                if not isinstance(data[k], str):
+                    raise ValueError(f"{k}={data[k]!r} (need a string)")
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{where} is malformed: {e}; recalibrate with 'patchkv-agent calibrate'") from None
+        return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
+                   kappa=float(kappa), block_size=int(block), readers=readers, precision_policy=policy,
+                   path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
+
+    def fields(self) -> dict[str, Any]:
+        """The :class:`~patchkv_agent.core.settings.RecoverySettings` fields this profile sets."""
+        out: dict[str, Any] = {"length_model": self.length_model, "kappa": self.kappa, "block_size": self.block_size}
+        if self.readers is not None:
+            out["readers"] = self.readers
+        if self.precision_policy is not None:
+            out["precision_policy"] = self.precision_policy
+        return out
+
+    def settings(self, base: "RecoverySettings | None" = None) -> "RecoverySettings":
+        """``base`` (default: the built-in defaults) with this profile's fields."""
+        from ..core.settings import RecoverySettings
+
+        return (base if base is not None else RecoverySettings()).replace(**self.fields())
+
+
+def _policy(pol: Any) -> "PrecisionPolicy | None":
+    if pol is None:
+        return None
+    if not isinstance(pol, dict):
+        raise ValueError("'precision_policy' is not an object")
+    if not pol.get("calibrated", True):  # uncalibrated entries keep the defaults
+        return None
+    from ..core.precision import PrecisionPolicy
+
+    # fields a profile lacks (e.g. tau_LL and g4k in profiles written before K4V4) take the defaults
+    vals = {}
+    for k in _POLICY_FIELDS:
+        v = pol.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"precision_policy.{k}={v!r} (need a finite number)")
+        vals[k] = float(v)
+    return PrecisionPolicy(**vals)
+
+
+def profile_dirs(extra: Sequence[str | Path] = ()) -> list[Path]:
+    """Folders searched for profiles, in order (see the module docstring).
+
+    Args:
+        extra: folders handed down by the caller, searched first.
+    Returns:
+        Existing and non-existing folders alike; callers skip missing ones.
+    """
+    dirs = [Path(p) for p in extra]
+    dirs += [Path(p) for p in os.environ.get("PATCHKV_PROFILE_DIR", "").split(os.pathsep) if p]
+    from ..loading import cache_dir
+
+    dirs.append(cache_dir() / "profiles")
+    dirs.append(SHIPPED_PROFILE_DIR)
+    return dirs
+
+
+def is_profile(data: Any) -> bool:
+    """True when ``data`` looks like a calibration profile (a dict with the required keys)."""
+    return isinstance(data, dict) and all(k in data for k in _REQUIRED)
+
+
+def read_profile(path: str | Path) -> Profile:
+    """Read one profile file (e.g. a draft, or one for another machine).
+
+    Args:
+        path: a profile JSON written by ``patchkv-agent calibrate``.
+    Returns:
+        The :class:`Profile` (``match="explicit"``).
+    Raises:
+        ValueError: the file cannot be read, is not JSON, lacks the profile keys or has a malformed field.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read profile {p}: {e}; pass a JSON written by 'patchkv-agent calibrate'") from e
+    return Profile.from_dict(data, path=p, match="explicit")
+
+
+def resolve_profile_arg(spec: str | None) -> "str | Profile | None":
+    """A command line's ``--profile`` value as the engine's ``profile=`` argument.
+
+    Args:
+        spec: ``"auto"`` (or None), ``"none"``, or a path to a profile JSON.
+    Returns:
+        ``"auto"``, None, or the :class:`Profile`.
+    Raises:
+        ValueError: an unreadable path or a file that is not a profile (see :func:`read_profile`).
+    """
+    if spec in (None, "auto"):
+        return "auto"
+    if spec == "none":
+        return None
+    return read_profile(spec)
+
+
+def iter_profiles(dirs: Sequence[str | Path] | None = None) -> Iterator[tuple[Path, dict]]:
+    """Every readable profile in the search path, in search order (unreadable files are logged, skipped).
+
+    Args:
+        dirs: folders to search instead of :func:`profile_dirs`.
+    Yields:
+        ``(path, profile dict)``.
+    """
+    for d in profile_dirs() if dirs is None else dirs:
+        d = Path(d)
+        if not d.is_dir():
+            continue
+        for path in sorted(d.glob("*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                log.warning("skipping unreadable profile %s: %s", path, e)
+                continue
+            if is_profile(data):
+                yield path, data
+
+
+def _key(spec_or_fingerprint: Any) -> tuple[str | None, str | None]:
+    """(fingerprint, model name) from an engine, a ModelSpec, a model, or a string."""
+    obj = spec_or_fingerprint
+    if isinstance(obj, str):
+        return (obj, None) if ":" in obj else (None, obj)
+    name = None
+    model = getattr(obj, "model", None)
+    if model is not None:
+        name = getattr(model, "patchkv_source", None)
+    if name is None:
+        name = getattr(obj, "patchkv_source", None)
+    spec = getattr(obj, "spec", obj)
+    return getattr(spec, "fingerprint", None), name
+
+
+def _names(name: str) -> set[str]:
+    base = os.path.basename(str(name).rstrip("/"))
+    stem = base[:-5] if base.endswith(".gguf") else base
+    return {str(name), base, stem}
+
+
+def load_profile(spec_or_fingerprint: Any, *, model_name: str | None = None,
+                 dirs: Sequence[str | Path] | None = None) -> Profile | None:
+    """The calibration profile of a model, or None when there is none.
+
+    Args:
+        spec_or_fingerprint: a :class:`~patchkv_agent.engine.PatchKVEngine`, a
+            :class:`~patchkv_agent.core.models.ModelSpec`, a fingerprint string (``"<model_type>:<hex>"``) or a
+            model name (e.g. ``"smollm2-135m"``, an HF id or a path).
+        model_name: name to fall back on when no profile matches the fingerprint (default: the name the
+            engine's model was loaded by, if known).
+        dirs: folders to search instead of :func:`profile_dirs`.
+    Returns:
+        The :class:`Profile` (``match`` is ``"fingerprint"`` or ``"name"``), or None.
+    Raises:
+        ValueError: the matching file has a malformed field (a file that is not a profile is skipped).
+    """
+    fp, name = _key(spec_or_fingerprint)
+    name = model_name or name
+    found = list(iter_profiles(dirs))
+    if fp:
+        for path, data in found:
+            if data.get("fingerprint") == fp:
+                return Profile.from_dict(data, path=path, match="fingerprint")
+    if name:
+        wanted = _names(name)
+        for path, data in found:
+            if _names(str(data.get("model", ""))) & wanted:
+                if fp and data.get("fingerprint") != fp:
+                    log.warning("profile %s matches model name %r but not its fingerprint (%s != %s); using it",
+                                path, name, str(data.get("fingerprint"))[:24], fp[:24])
+                return Profile.from_dict(data, path=path, match="name")
+    return None

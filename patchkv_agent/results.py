@@ -1,0 +1,251 @@
+"""The typed results of a resume: :class:`ResumeStats` (what the engine measured),
+:class:`RuntimeStats` (plus what the runtime added: thread, base, store) and :class:`ResumeResult`.
+
+The stats are dataclasses that also read as a mapping (``stats["ttft_s"]``, ``dict(stats)``,
+``json.dumps(dict(stats))``): a result row (docs/TRACES.md), a LangChain ``response_metadata`` entry and a
+benchmark summary are all :meth:`ResumeStats.to_dict` of one object, so the schema lives here only.
+Strategy-specific fields (``restore_kernel``, ``cacheblend_*``) sit in ``extras`` and read the same way.
+
+Boundary: data only. Knows the diff's :class:`~patchkv_agent.core.diff.Edit` and
+:class:`~patchkv_agent.core.fallback.Fallback`; computes nothing, imports no model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator
+
+import numpy as np
+
+from .core.diff import Edit
+from .core.fallback import Fallback
+
+__all__ = ["ResumeStats", "RuntimeStats", "ResumeResult"]
+
+
+@dataclass(kw_only=True, eq=False)
+class ResumeStats(Mapping):
+    """The per-resume fields of the trace-result format (docs/TRACES.md), as the engine fills them.
+
+    Reads as a read-only mapping of :meth:`to_dict` (named fields in order, then ``extras``); set a field
+    as an attribute.
+
+    Attributes:
+        strategy: the strategy that ran (``exact`` after a fallback).
+        prompt_tokens: tokens in ``C_new``.
+        prefix_tokens: common-prefix tokens of the checkpoint's version and ``C_new``.
+        new_tokens: tokens of ``C_new`` in edited spans.
+        suffix_tokens: aligned suffix tokens.
+        recompute_tokens: rows recomputed.
+        recompute_ratio: ``recompute_tokens`` over the rows after the reused prefix.
+        restore_tokens: suffix rows restored from the checkpoint.
+        payload_bytes: checkpoint bytes read by the restore.
+        ttft_s: restore + recompute until the first token's logits.
+        plan_s: diff + plan.
+        restore_s, recompute_s: the two parts of the recovery.
+        offload_s, stats_s, quantize_s: the checkpoint's own costs (None without a checkpoint).
+        fallback: None, or why the exact path was taken (a :class:`Fallback`, serialised as its text).
+        approx_rows: rows of the result's K/V that may differ from a full prefill (0: exact).
+        nonfinite_values: non-finite values in the logits and recomputed K/V rows (reported, never raised).
+        head_rewrite: the plan's head-rewrite rule recomputed every suffix token.
+        heal_s, healed_rows: set on the copy :meth:`PatchKVEngine.heal` returns (None before a heal).
+        extras: strategy-specific fields (``restore_kernel``, ``cacheblend_*``), in the order given.
+    """
+
+    strategy: str
+    prompt_tokens: int
+    prefix_tokens: int
+    new_tokens: int
+    suffix_tokens: int
+    recompute_tokens: int
+    recompute_ratio: float
+    restore_tokens: int
+    payload_bytes: int
+    ttft_s: float
+    plan_s: float
+    restore_s: float
+    recompute_s: float
+    offload_s: float | None
+    stats_s: float | None
+    quantize_s: float | None
+    fallback: Fallback | None
+    approx_rows: int = 0
+    nonfinite_values: int = 0
+    head_rewrite: bool = False
+    heal_s: float | None = None
+    healed_rows: int | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The named fields, in the order :meth:`to_dict` writes them (``extras`` excluded)."""
+        return tuple(f.name for f in fields(cls) if f.name != "extras")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The stats dict of a resume: the named fields in order, then the extras not named."""
+        out = {k: getattr(self, k) for k in self.field_names()}
+        out.update({k: v for k, v in self.extras.items() if k not in out})
+        return out
+
+    def to_json(self, *, arrays: bool = True) -> dict[str, Any]:
+        """:meth:`to_dict`, JSON-safe: the result row of docs/TRACES.md and the ``response_metadata["patchkv"]``
+        of a chat model reply. ``fallback`` becomes its text, numpy scalars Python numbers, arrays lists
+        (``arrays=False``: array fields are left out)."""
+        out = {}
+        for k, v in self.to_dict().items():
+            if isinstance(v, np.ndarray) and not arrays:
+                continue
+            out[k] = _json_safe(v)
+        return out
+
+    @classmethod
+    def from_dict(cls, stats: Mapping[str, Any]) -> "ResumeStats":
+        """Read a stats dict back; keys beyond the named fields go to ``extras``.
+
+        Raises:
+            KeyError: a required field (one without a default) is missing.
+        """
+        names = cls.field_names()
+        required = {f.name for f in fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(stats))
+        if missing:
+            raise KeyError(f"stats lack the fields {missing}")
+        return cls(**{k: stats[k] for k in names if k in stats},
+                   extras={k: v for k, v in stats.items() if k not in names})
+
+    def extend(self, cls: type["ResumeStats"], **values) -> "ResumeStats":
+        """A copy as ``cls`` (a subclass, e.g. :class:`RuntimeStats`) with ``values`` set.
+
+        Raises:
+            TypeError: ``cls`` is not a subclass, or a value names no field of ``cls``.
+        """
+        if not (isinstance(cls, type) and issubclass(cls, ResumeStats)):
+            raise TypeError(f"extend takes a ResumeStats subclass, got {cls!r}")
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name in {g.name for g in fields(cls)}}
+        own["extras"] = dict(self.extras)
+        return cls(**{**own, **values})
+
+    # read-only mapping view of to_dict (Mapping supplies get, keys, items, values, ==, in)
+    def __getitem__(self, key: str) -> Any:
+        if key != "extras" and key in self.field_names():
+            return getattr(self, key)
+        return self.extras[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return self.to_dict() == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, Fallback):
+        return str(x)
+    if isinstance(x, Mapping):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return x
+
+
+@dataclass(kw_only=True, eq=False)
+class RuntimeStats(ResumeStats):
+    """:class:`ResumeStats` plus the fields the runtime adds (a registry's thread, the base it resumed
+    from, a store read, the stream's decode); the fields of a layer that did not run stay None.
+
+    Attributes:
+        requested_strategy: the strategy the caller asked for (``strategy`` is what ran).
+        thread_id, checkpoint_ns, context: the registry thread key and the context (lane) it resumed in.
+        version, base_version: this version's number and the one it was resumed from (None: none).
+        base: where the base KV came from (``resident``, ``store``, ``checkpoint``, ``none``).
+        offload_wait_s: time spent waiting for a pending offload before the resume.
+        heal_wait_s: time spent waiting for a heal in progress.
+        base_approx_rows: approximate rows in the resident base (0 once healed).
+        base_heal_s, base_healed_rows: the heal of the base (None: no heal ran).
+        store_tier, store_get_s, store_key: the store read of a resume from a checkpoint tier.
+        decode_s, output_tokens: set when a stream ends.
+    """
+
+    requested_strategy: str | None = None
+    thread_id: str | None = None
+    checkpoint_ns: str | None = None
+    context: Any = None
+    version: int | None = None
+    base_version: int | None = None
+    base: str | None = None
+    offload_wait_s: float | None = None
+    heal_wait_s: float | None = None
+    base_approx_rows: int | None = None
+    base_heal_s: float | None = None
+    base_healed_rows: int | None = None
+    store_tier: str | None = None
+    store_get_s: float | None = None
+    store_key: str | None = None
+    decode_s: float | None = None
+    output_tokens: int | None = None
+
+
+@dataclass(eq=False)
+class ResumeResult:
+    """What a resume returns.
+
+    Attributes:
+        logits: first-token logits ``[vocab]`` (float32).
+        output_ids: greedy continuation (ends with EOS if one was produced).
+        cache: a transformers ``DynamicCache`` holding ``C_new``'s KV plus the decoded tokens except
+            the last; ``model(input_ids=[[output_ids[-1]]], cache=res.cache)`` continues.
+        stats: a :class:`ResumeStats` (the runtime's results: a :class:`RuntimeStats`); reads as the
+            result format's dict (``ttft_s``, ``recompute_tokens``, ``fallback``: None, or a
+            :class:`~patchkv_agent.core.fallback.Fallback` saying why the exact path was taken).
+        context_ids: ``C_new`` token ids.
+        keys, values: per layer ``[1, H, len(C_new), D]`` K/V of ``C_new`` (what the next checkpoint holds).
+        edit: the diff of the checkpoint's version against ``C_new``.
+        fingerprint: the model fingerprint the K/V were computed under (None: unknown, taken as the
+            engine's current one).
+        scores: float32 ``[len(C_new)]`` attention statistics taken during the resume's own forward (the
+            last ``capture_window`` recomputed query rows, which end with the last context token), or None;
+            ``PatchKVEngine.checkpoint_from`` and ``PatchKVEngine.as_checkpoint`` use them instead of a
+            second pass.
+        exact_rows: how many leading rows of ``keys`` / ``values`` equal what a full prefill computes
+            (``len(context_ids)`` after ``exact`` / ``prefix`` / a healed resume; the first restored
+            position, or less when the base was itself approximate, after a selective one). Rows from
+            there on were computed while restored (stale) rows were in view: ``PatchKVEngine.heal``
+            recomputes them. None: unknown (a result built by hand), taken as all rows exact.
+        words: int64 word ids of ``context_ids[:len(words)]`` (the lexical reader signal's per-version data,
+            carried from the checkpoint and updated over the edited spans only), or None without a
+            tokenizer. A runtime that appends decoded tokens to ``context_ids`` leaves it as it is: the
+            engine extends it over the appended tokens when it offloads.
+    """
+
+    logits: Any
+    output_ids: list[int]
+    cache: Any
+    stats: ResumeStats
+    context_ids: np.ndarray
+    keys: list = field(repr=False)
+    values: list = field(repr=False)
+    edit: Edit | None = None
+    fingerprint: str | None = None
+    scores: np.ndarray | None = field(default=None, repr=False)
+    exact_rows: int | None = None
+    words: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def approx_rows(self) -> int:
+        """Rows of the K/V that may differ from a full prefill (0: the state is exact)."""
+        n = int(self.keys[0].shape[-2]) if self.keys else len(self.context_ids)
+        return 0 if self.exact_rows is None else max(0, n - int(self.exact_rows))
