@@ -14,7 +14,7 @@ from pydantic import PrivateAttr
 
 from patchkv_agent.langgraph import PatchKVChatModel, PatchKVMiddleware
 from patchkv_agent.runtime.threads import ThreadRegistry
-from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: F401 - fixture
+from tiny_models import chat_engine
 
 SYSTEM = "You are a research assistant. Search, then answer in one line."
 TOPICS = ["Eiffel Tower", "Louvre", "Seine", "Montmartre", "Versailles", "Notre-Dame", "Orsay", "Pantheon", "Marais"]
@@ -57,11 +57,11 @@ class RecordingRegistry(ThreadRegistry):
         return s
 
 
-def test_create_agent_with_langchain_editors_resumes_each_context_with_a_plan(one_torch_thread):  # noqa: F811
+def test_create_agent_with_langchain_editors_resumes_each_context_with_a_plan(one_torch_thread):
     from langchain.agents import create_agent
     from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware, SummarizationMiddleware
 
-    reg = RecordingRegistry(tiny_engine())
+    reg = RecordingRegistry(chat_engine())
     llm = AgentScript(registry=reg, max_new_tokens=3)
     agent = create_agent(llm, tools=[search], system_prompt=SYSTEM, middleware=[
         ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=150, keep=2)]),
@@ -89,9 +89,9 @@ def test_create_agent_with_langchain_editors_resumes_each_context_with_a_plan(on
     assert versions == list(range(1, len(agent_calls) + 1))
 
 
-def test_contexts_of_one_key_are_kept_apart_without_marks(one_torch_thread):  # noqa: F811
+def test_contexts_of_one_key_are_kept_apart_without_marks(one_torch_thread):
     """A second caller on the same key (no lc_source mark) opens its own context; both resume from their own."""
-    eng = tiny_engine()
+    eng = chat_engine()
     reg = ThreadRegistry(eng)
     from patchkv_agent.runtime.threads import thread_key
 

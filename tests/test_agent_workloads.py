@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: F401 - fixture
+from tiny_models import chat_engine
 
 from patchkv_agent.eval.agent_workloads import (AGENT_WORKLOADS, ExtractiveSummarizer, build_agent_traces,
                                                 public_histories, research_histories)
@@ -81,12 +81,12 @@ def test_next_action_compares_the_first_call_and_ignores_what_follows_it():
     assert next_action('<tool_call>{"name": "se')[0] == "call-text"
 
 
-def test_replay_of_an_agent_trace_reports_next_action_floor_and_heal(one_torch_thread):  # noqa: F811
+def test_replay_of_an_agent_trace_reports_next_action_floor_and_heal(one_torch_thread):
     from patchkv_agent.eval.agent_workloads import from_langchain
     from patchkv_agent.eval.replay import replay_episode
     from patchkv_agent.eval.traces import plain_messages
 
-    eng = tiny_engine()
+    eng = chat_engine()
     count = lambda msgs: len(eng.encode(plain_messages(from_langchain(msgs))))  # noqa: E731
     from patchkv_agent.eval.agent_workloads import agent_episode
 

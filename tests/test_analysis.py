@@ -36,7 +36,7 @@ VOCAB = 211
 
 @pytest.fixture(scope="module")
 def engine():
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
 
     from patchkv_agent.engine import PatchKVEngine
 

@@ -102,7 +102,7 @@ def tiny_traces(vocab: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def eng():
     from patchkv_agent import PatchKVEngine
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
 
     return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
 

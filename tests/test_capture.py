@@ -13,11 +13,11 @@ N_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def model():
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
 
     # five layers (the default layer sample differs from "all"), the plain random init
-    return tiny_model("llama", 0, vocab_size=128, intermediate_size=128, num_hidden_layers=5,
-                      max_position_embeddings=256, scale=1.0)
+    return tiny_model("llama", 0, vocab_size=128, intermediate_size=128, layers=5, max_positions=256,
+                      scale=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from langgraph.checkpoint.conformance.capabilities import Capability, DetectedCa
 from langgraph.checkpoint.memory import InMemorySaver
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_langgraph_common import tiny_engine  # noqa: E402
+from tiny_models import chat_engine  # noqa: E402
 
 from patchkv_agent.langgraph import PatchKVCheckpointSaver  # noqa: E402
 from patchkv_agent.langgraph.checkpointer import DELEGATED, overridden  # noqa: E402
@@ -50,7 +50,7 @@ _REGISTRY: list[ThreadRegistry] = []
 
 def registry() -> ThreadRegistry:
     if not _REGISTRY:
-        _REGISTRY.append(ThreadRegistry(tiny_engine()))
+        _REGISTRY.append(ThreadRegistry(chat_engine()))
     return _REGISTRY[0]
 
 
@@ -132,7 +132,7 @@ def test_wrapper_classes_mirror_overrides():
 
 
 def test_copy_thread_through_the_wrapper_forks_the_kv():
-    reg = ThreadRegistry(tiny_engine())
+    reg = ThreadRegistry(chat_engine())
     saver = PatchKVCheckpointSaver(CopyingMemorySaver(), reg)
     ids = reg.engine.encode("hello there, this is a thread")
     reg.generate(thread_key("src"), ids, max_new_tokens=1)

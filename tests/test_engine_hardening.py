@@ -16,22 +16,17 @@ from patchkv_agent.cli import build_parser
 from patchkv_agent.core.inputs import InvalidInput
 from patchkv_agent.runtime.kvstore import MemoryStore, resume_from_store
 from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
-from tiny_models import tiny_model
+from patchkv_agent.eval.tiny import tiny_engine, tiny_model
 
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def eng():
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    return tiny_engine()
 
 
 def ctx(seed: int, n: int = 120, vocab: int = 211) -> list[int]:
@@ -148,7 +143,7 @@ def _other_weights(seed: int = 7) -> dict:
 
 
 def test_checkpoint_before_load_state_dict_resumes_exactly_with_reason():
-    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    e = tiny_engine()
     old = ctx(4)
     new = old[:60] + [9, 10, 11] + old[64:]
     ckpt = e.checkpoint(old)
@@ -169,7 +164,7 @@ def test_checkpoint_before_load_state_dict_resumes_exactly_with_reason():
 
 
 def test_a_training_step_makes_old_checkpoints_exact():
-    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    e = tiny_engine()
     old = ctx(5)
     new = old[:50] + [12, 13] + old[53:]
     ckpt = e.checkpoint(old)
@@ -188,7 +183,7 @@ def test_a_training_step_makes_old_checkpoints_exact():
 
 def test_replaced_parameters_are_noticed_too():
     """load_state_dict(assign=True) and setattr of a new Parameter replace tensors instead of writing them."""
-    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    e = tiny_engine()
     old = ctx(13)
     ckpt = e.checkpoint(old)
     e.model.load_state_dict(_other_weights(3), assign=True)
@@ -205,7 +200,7 @@ def test_replaced_parameters_are_noticed_too():
 
 
 def test_fingerprint_is_recomputed_only_when_parameters_moved(monkeypatch):
-    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    e = tiny_engine()
     calls = []
     real = engine_mod.fingerprint
     monkeypatch.setattr(engine_mod, "fingerprint", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -222,7 +217,7 @@ def test_fingerprint_is_recomputed_only_when_parameters_moved(monkeypatch):
 
 
 def test_registry_resident_and_stored_kv_from_before_a_weight_change_are_exact():
-    e = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    e = tiny_engine()
     vs = versions(30)
     store = MemoryStore()
     reg_mem, reg_store = ThreadRegistry(e), ThreadRegistry(e, store=store)

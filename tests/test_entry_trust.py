@@ -34,7 +34,7 @@ from patchkv_agent.core.checkpoint import quantize_mixed
 from patchkv_agent.core.fallback import FallbackKind
 from patchkv_agent.core.precision import Tag
 from patchkv_agent.eval.entry_fuzz import editable, reseal
-from patchkv_agent.eval.stress import tiny_engine
+from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.kernels import backend, dequantize_scatter, native
 from patchkv_agent.kernels import quant as Q
 from patchkv_agent.runtime.kvstore import CorruptCheckpoint, DiskStore, decode_checkpoint, resume_from_store
@@ -45,7 +45,7 @@ TAGS = np.array([Tag.K4V4, Tag.K8V4, Tag.K8V8, Tag.FP16, Tag.K4V4, Tag.K8V8], dt
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine(0)
+    return tiny_engine(seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +291,7 @@ def test_a_consistent_entry_that_does_not_fit_the_model_is_quarantined(engine, b
 
 
 def _loud_engine(factor):
-    e = tiny_engine(0)
+    e = tiny_engine(seed=0)
     with torch.no_grad():  # layer 1's values (and so its attention output) far beyond fp16, or overflowing fp32
         e.model.model.layers[1].self_attn.v_proj.weight.mul_(factor)
     return e

@@ -25,19 +25,13 @@ from patchkv_agent import PatchKVEngine
 from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
-from tiny_models import tiny_model
+from patchkv_agent.eval.tiny import tiny_model
 
 TOL = 1e-4
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread (no spin-waiting on busy shared cores)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +318,7 @@ def test_misuse_raises_and_names_the_fix(eng, pair, ckpt):
 
 WRITER = textwrap.dedent("""
     import sys
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
     from patchkv_agent import PatchKVEngine
     from patchkv_agent.runtime.kvstore import DiskStore, RedisStore
     eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)

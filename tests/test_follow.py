@@ -301,13 +301,13 @@ def test_calibration_pairs_of_follow_traces_score_follows_like_the_exact_referen
     """Calibration on edit-following traces: the exact reference's answer is read from ``follow_tokens``
     greedy tokens; an ``exact`` resume of the pair then follows (and is stale) exactly when the reference
     does, and every row carries the fields the selection's follow target reads."""
-    from test_langgraph_common import tiny_engine
+    from tiny_models import chat_engine
 
     from patchkv_agent.calibration.config import CalibConfig
     from patchkv_agent.calibration.evaluation import ResumeConfig, evaluate_configs
     from patchkv_agent.calibration.profiling import episodes_from_traces, profile_episodes
 
-    eng = tiny_engine()
+    eng = chat_engine()
     traces = build_follow_traces("follow-lookup", n=2, split="calib")
     eps = episodes_from_traces(eng, traces)
     assert [e.answers for e in eps] == [tuple(tuple(v["answers"]) for v in t["versions"]) for t in traces]

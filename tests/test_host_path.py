@@ -103,11 +103,9 @@ class _Tok:
 
 
 def test_engine_carries_words_through_checkpoints_and_resumes():
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_engine
 
-    from patchkv_agent import PatchKVEngine
-
-    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8, profile=None)
+    eng = tiny_engine()
     eng.words = WordIndex.from_tokenizer(_Tok())
     rng = np.random.default_rng(3)
     v0 = rng.integers(0, 64, 120).astype(np.int64)
@@ -236,7 +234,7 @@ def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
     from transformers.cache_utils import DynamicCache
 
     from patchkv_agent.core.recovery import decode_step, to_dynamic_cache
-    from tiny_models import tiny_model
+    from patchkv_agent.eval.tiny import tiny_model
 
     model = tiny_model(family)
     cfg = model.config

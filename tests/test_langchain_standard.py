@@ -20,7 +20,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: E402,F401
+from tiny_models import chat_engine  # noqa: E402
 
 from patchkv_agent.langgraph import PatchKVChatModel  # noqa: E402
 
@@ -81,7 +81,7 @@ class _Flags:
 
 @functools.lru_cache(maxsize=None)
 def _tiny():
-    return tiny_engine()
+    return chat_engine()
 
 
 class TestTinyUnit(_Flags, ChatModelUnitTests):

@@ -31,7 +31,8 @@ from patchkv_agent.langgraph import (
 from patchkv_agent.eval.traces import version_ids
 from patchkv_agent.runtime.threads import ThreadRegistry
 from patchkv_agent.eval.workloads import validate_trace
-from test_langgraph_common import CHATML_TOOLS, one_torch_thread, tiny_engine  # noqa: F401 - fixture
+from patchkv_agent.eval.tiny import CHATML_TOOLS
+from tiny_models import chat_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -43,7 +44,7 @@ PASSAGE_B = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de M
 
 @pytest.fixture(scope="module")
 def engine():
-    return tiny_engine()
+    return chat_engine()
 
 
 def cfg(thread_id: str, **extra) -> dict:
@@ -251,7 +252,7 @@ def test_tools_json_protocol_and_template_protocol(engine):
         agg = c if agg is None else agg + c
     assert agg.content == msg.content and [(c["name"], c["args"]) for c in agg.tool_calls] == \
         [(c["name"], c["args"]) for c in msg.tool_calls]
-    tmpl = ScriptedChatModel(registry=ThreadRegistry(tiny_engine(CHATML_TOOLS)), script=SCRIPT, max_new_tokens=2)
+    tmpl = ScriptedChatModel(registry=ThreadRegistry(chat_engine(CHATML_TOOLS)), script=SCRIPT, max_new_tokens=2)
     assert tmpl.template_renders_tools()
     m2 = tmpl.bind_tools([search]).invoke([HumanMessage("q")], cfg("t"))
     assert m2.response_metadata["patchkv"]["tool_mode"] == "template" and m2.tool_calls[0]["name"] == "search"

@@ -2,7 +2,7 @@
 ``invalid_tool_calls`` entry with ``finish_reason="length"``; malformed tool schemas and ``tool_choice``
 values raise a ValueError / TypeError naming the problem; ``json_mode`` works without a schema.
 
-On the tiny random llama and char-level tokenizer of ``test_langgraph_common`` (no downloads).
+On the tiny random llama and char-level tokenizer of ``tiny_models.chat_engine`` (no downloads).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from langchain_core.messages import HumanMessage
 from langchain_core.tools import tool
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_langgraph_common import one_torch_thread, tiny_engine  # noqa: E402,F401
+from tiny_models import chat_engine  # noqa: E402
 
 from patchkv_agent.langgraph import PatchKVChatModel  # noqa: E402
 from patchkv_agent.langgraph.tools import TOOL_CALL_OPEN, parse_tool_calls  # noqa: E402
@@ -39,7 +39,7 @@ def lookup(city: str) -> str:
 
 @pytest.fixture(scope="module")
 def model():
-    return PatchKVChatModel(engine=tiny_engine(), max_tokens=120)
+    return PatchKVChatModel(engine=chat_engine(), max_tokens=120)
 
 
 def test_a_forced_call_cut_at_every_length_is_an_invalid_call(model):

@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from patchkv_agent import cli
 from patchkv_agent.eval.replay import replay_episode
@@ -20,14 +19,10 @@ STRATS = "exact,prefix,patchkv"
 
 
 @pytest.fixture(scope="module")
-def eng():
-    from patchkv_agent import PatchKVEngine
-    from tiny_models import tiny_model
+def eng(one_torch_thread):
+    from patchkv_agent.eval.tiny import tiny_engine
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-    torch.set_num_threads(n)
+    return tiny_engine(profile="auto")
 
 
 def _trace(i: int, vocab: int = 211, n_versions: int = 3, length: int = 60) -> dict:

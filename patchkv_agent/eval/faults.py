@@ -57,7 +57,8 @@ from ..engine import PatchKVEngine
 from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
                                StoreUnavailable, resume_from_store)
 from ..runtime.kvstore.codec import encode_checkpoint
-from .stress import LOGIT_TOL, _Episode, thread_versions, tiny_engine
+from .stress import LOGIT_TOL, _Episode, thread_versions
+from .tiny import tiny_engine
 
 REDIS_TIMEOUT_S = 0.5
 REDIS_PAUSE_S = 1.2
@@ -538,7 +539,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
         max_new_tokens: greedy tokens per resume.
         strategy: resume strategy.
         seed: workload and fault seed.
-        engine: the engine (default :func:`~patchkv_agent.eval.stress.tiny_engine`).
+        engine: the engine (default :func:`~patchkv_agent.eval.tiny.tiny_engine` of ``seed``).
         tool_s: the tool call each thread waits for between versions.
         inject_rate: probability that a freshly acknowledged entry gets one bit flipped.
         writer_kills: SIGKILLs of the disk writer process.
@@ -565,7 +566,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
             print(msg, file=sys.stderr, flush=True)
 
     t_all = time.perf_counter()
-    engine = engine or tiny_engine(seed)
+    engine = engine or tiny_engine(seed=seed)
     work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
     probe = engine.checkpoint(work[0][0])
     entry = sum(b["nbytes"] for b in encode_checkpoint(

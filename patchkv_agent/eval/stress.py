@@ -15,7 +15,7 @@ The summary reports evictions, fallbacks by reason, peak RSS and wall time.
 (:func:`~patchkv_agent.eval.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
 examples on the same tiny engine) and adds its counts to the summary.
 
-Knows the engine, the stores and a tiny model config; nothing about LangGraph or benchmarks.
+Knows the engine, the stores and the tiny model factory (:mod:`.tiny`); nothing about LangGraph or benchmarks.
 """
 
 from __future__ import annotations
@@ -31,28 +31,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..engine import PatchKVEngine
 from ..runtime.kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
+from .tiny import tiny_engine
 
 LOGIT_TOL = 1e-4
-
-
-def tiny_engine(seed: int = 0) -> PatchKVEngine:
-    """A tiny random-weight llama (2 layers, 2 KV heads, vocab 211) wrapped in an engine; no download."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=211, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
-                      intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # non-uniform attention, visible drift
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.mul_(3.0)
-    return PatchKVEngine(model, None, block_size=8, dirty_window=8, profile=None)
 
 
 def thread_versions(seed: int, thread: int, versions: int, length: int, vocab: int) -> list[list[int]]:
@@ -153,7 +137,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
         max_new_tokens: greedy tokens per resume.
         strategy: resume strategy.
         seed: workload seed.
-        engine: the engine (default: :func:`tiny_engine`).
+        engine: the engine (default: :func:`.tiny.tiny_engine` of ``seed``: a tiny random llama, 8-token blocks).
         root, redis_url: where the disk / Redis tier lives.
         tool_s: the tool call each thread waits for between versions (other threads offload meanwhile).
 
@@ -168,7 +152,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
         raise ValueError("need threads >= 1 and versions >= 2")
     if mode not in ("threads", "asyncio"):
         raise ValueError(f"mode must be 'threads' or 'asyncio', got {mode!r}")
-    engine = engine or tiny_engine(seed)
+    engine = engine or tiny_engine(seed=seed)
     work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
     probe = engine.checkpoint(work[0][0])
     from ..runtime.kvstore.codec import encode_checkpoint

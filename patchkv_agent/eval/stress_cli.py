@@ -13,7 +13,8 @@ import json
 import shutil
 
 from .faults import format_fault_summary, run_fault_stress
-from .stress import format_summary, run_stress, tiny_engine
+from .stress import format_summary, run_stress
+from .tiny import tiny_engine
 
 
 def add_stress_cli(subparsers) -> None:
@@ -65,7 +66,7 @@ def cmd_stress(args: argparse.Namespace) -> int:
 
             raise SystemExit(f"patchkv-agent stress: {HYPOTHESIS_HINT}; or pass --property-examples 0 "
                              "to run the load test alone") from None
-    engine = tiny_engine(args.seed)
+    engine = tiny_engine(seed=args.seed)
     budget = 4.0 if args.budget_entries is None else args.budget_entries
     s = run_stress(threads=args.threads, versions=args.versions, budget_entries=budget, tier=args.tier,
                    mode=args.mode, root=args.root, redis_url=args.redis_url, seed=args.seed,
