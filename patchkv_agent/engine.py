@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import contextlib
 
-import threading
 import time
-import weakref
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed, count_nonfinite
-from .core.diff import Edit, diff_versions
+from .core.diff import diff_versions
 from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
@@ -44,6 +42,7 @@ from .core.recovery import (
     to_dynamic_cache,
 )
 from .core.settings import RecoverySettings
+from .core.weights import WeightWatch, model_lock
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
 from .results import ResumeResult, ResumeStats
@@ -165,12 +164,9 @@ class PatchKVEngine:
         self.device = next(model.parameters()).device
         # one forward at a time per *model*: engines sharing a model instance share the lock (a background
         # heal of one engine's thread must not run inside another engine's forward or attention capture)
-        self.forward_lock = _model_lock(model)
+        self.forward_lock = model_lock(model)
         self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
-        self._params: list | None = None
-        self._registrations_seen = -1
-        _watch_parameter_registrations()
-        self._weights_seen = self._weights_state()
+        self._weights = WeightWatch(model)
         self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
@@ -309,17 +305,6 @@ class PatchKVEngine:
 
     # ------------------------------------------------------- weights identity
 
-    def _weights_state(self) -> tuple:
-        # In-place writes (load_state_dict, optimizer steps, adapter merges) bump a tensor's version
-        # counter; `p.data = ...` changes its storage. Parameters registered anew (setattr of a
-        # Parameter, load_state_dict(assign=True)) bump the process-wide registration count, and only
-        # then is the module tree walked again (the walk costs ~1.5 ms on a 30-layer model; the
-        # version check ~0.2 ms).
-        if self._params is None or _PARAM_REGISTRATIONS[0] != self._registrations_seen:
-            self._registrations_seen = _PARAM_REGISTRATIONS[0]
-            self._params = list(self.model.parameters())
-        return tuple((id(p), p._version, p.data_ptr()) for p in self._params)
-
     def refresh_fingerprint(self) -> str:
         """The model's current weights+tokenizer fingerprint.
 
@@ -332,13 +317,11 @@ class PatchKVEngine:
             ``spec.fingerprint`` after the check.
         """
         with self.forward_lock:
-            state = self._weights_state()
-            if state != self._weights_seen:
+            if self._weights.changed():
                 fp = fingerprint(self.model, self.tokenizer)
                 if fp != self.spec.fingerprint:
                     self._past_fingerprints.add(self.spec.fingerprint)
                     self.spec = replace(self.spec, fingerprint=fp)
-                self._weights_seen = state
             return self.spec.fingerprint
 
     def weights_changed_since(self, fingerprint_: str) -> bool:
@@ -479,7 +462,7 @@ class PatchKVEngine:
                     cap = self._capture()
                     if cap is not None:
                         w = min(self.settings.capture_window, n)
-                        plan = _TailPlan(new_len=n, tail=w)
+                        plan = FullRecompute(new_len=n, prefix_len=n - w)
                         with cap:  # execute writes into fresh tensors: result's K/V stay as they were
                             execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
                                     [v[0] for v in result.values])
@@ -520,7 +503,7 @@ class PatchKVEngine:
         t0 = time.perf_counter()
         with self.forward_lock:
             cap = self._capture()
-            plan = _TailPlan(new_len=n, tail=n - start)
+            plan = FullRecompute(new_len=n, prefix_len=start)
             with cap if cap is not None else contextlib.nullcontext():
                 out = execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
                               [v[0] for v in result.values])
@@ -682,41 +665,6 @@ class PatchKVEngine:
                             scores=scores, exact_rows=exact_rows, words=new_words)
 
 
-_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
-_MODEL_LOCKS_GUARD = threading.Lock()
-
-
-def _model_lock(model) -> threading.RLock:
-    """The forward lock of a model instance, shared by every engine over it (weakly keyed: no attribute is
-    added to the model, which stays copyable)."""
-    with _MODEL_LOCKS_GUARD:
-        try:
-            lock = _MODEL_LOCKS.get(model)
-            if lock is None:
-                lock = _MODEL_LOCKS[model] = threading.RLock()
-            return lock
-        except TypeError:  # not weak-referenceable: this engine's own lock
-            return threading.RLock()
-
-
-_PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process (see _weights_state)
-_PARAM_HOOK: list = []  # the hook's handle, once the first engine installed it
-_PARAM_HOOK_GUARD = threading.Lock()
-
-
-def _count_registration(module, name, param) -> None:
-    _PARAM_REGISTRATIONS[0] += 1
-
-
-def _watch_parameter_registrations() -> None:
-    """Count parameter registrations from now on (torch's process-wide registration hook, installed by the
-    first engine built, never at import): :meth:`PatchKVEngine._weights_state` walks the module tree again
-    only after one."""
-    with _PARAM_HOOK_GUARD:
-        if not _PARAM_HOOK:
-            _PARAM_HOOK.append(torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration))
-
-
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())
 
 
@@ -730,25 +678,3 @@ def _host(x):
     """A CPU copy of a tensor or RunPayload, pinned when CUDA is present (for non-blocking restores)."""
     x = x.to("cpu") if not isinstance(x, torch.Tensor) else x.to("cpu", copy=True)
     return x.pin_memory() if torch.cuda.is_available() else x
-
-
-@dataclass(frozen=True, kw_only=True)
-class _TailPlan:
-    """Recompute only the last ``tail`` positions, keep every other row as it is (for statistics)."""
-
-    new_len: int
-    tail: int
-
-    @property
-    def prefix_len(self) -> int:
-        return self.new_len - self.tail
-
-    @property
-    def restore_old_positions(self) -> np.ndarray:
-        return np.zeros(0, dtype=np.int64)
-
-    restore_new_positions = restore_old_positions
-
-    @property
-    def recompute_positions(self) -> np.ndarray:
-        return np.arange(self.new_len - self.tail, self.new_len, dtype=np.int64)

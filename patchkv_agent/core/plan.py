@@ -21,11 +21,12 @@ edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k|
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .length_model import LengthModel
 
 if TYPE_CHECKING:  # the planner reads an Edit; it never builds one
     from .diff import Edit
@@ -52,7 +53,6 @@ __all__ = [
     "plan_repair",
     "plan_full",
     "plan_direct",
-    "bench_plan",
     "head_rewrite_share",
     "DEFAULT_REWRITE_SHARE",
 ]
@@ -75,113 +75,10 @@ READER_ATTENTION_BLOCKS = 2  # an edit with reader blocks also recomputes this m
 READER_MAX_DF = 0.1  # a token counts as rare when at most this share of the context's blocks hold it ...
 READER_MIN_DF = 3  # ... or at most this many blocks (short contexts)
 
-_N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
-
-
 def _readonly(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a, dtype=np.int64)
     a.setflags(write=False)
     return a
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Length model: d_hat per edited span
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class LengthModel:
-    """Linear quantile model of ``log d*`` (dirty-window length) on log-length features.
-
-    ``d_hat = clip(exp(w . phi(a, b, c)), d_min, min(d_max, S_k))`` rounded up, with
-    ``a = log(1+P_k)``, ``b = log(1+E_k)``, ``c = log(1+S_k)`` and ``phi = [1, a, b, c, ab, ac, bc]``.
-    """
-
-    weights: tuple[float, ...]
-    d_min: int = 0
-    d_max: int | None = None
-    quantile: float | None = None  # the quantile the weights were fitted for (metadata)
-
-    def __post_init__(self) -> None:
-        if len(self.weights) != _N_FEATURES or not all(math.isfinite(float(w)) for w in self.weights):
-            raise ValueError(f"LengthModel needs {_N_FEATURES} finite weights, got {self.weights!r}")
-        if self.d_min < 0 or (self.d_max is not None and self.d_max < self.d_min):
-            raise ValueError(f"LengthModel needs 0 <= d_min <= d_max, got d_min={self.d_min} d_max={self.d_max}")
-
-    @classmethod
-    def fixed(cls, d: int) -> LengthModel:
-        """A constant window of ``d`` tokens (clipped to the segment): the engine default before calibration.
-
-        Args:
-            d: window length in tokens, ``>= 0``.
-        Returns:
-            A model that predicts ``min(d, S_k)`` for every span.
-        Raises:
-            ValueError: if ``d < 0``.
-        """
-        if d < 0:
-            raise ValueError(f"fixed window must be >= 0, got {d}")
-        return cls(weights=(math.log(max(d, 1)),) + (0.0,) * (_N_FEATURES - 1), d_min=int(d), d_max=int(d))
-
-    @staticmethod
-    def features(prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
-        """Feature matrix ``phi`` [k, 7] from per-span lengths (token counts, not logs)."""
-        a = np.log1p(np.asarray(prefix_len, dtype=np.float64))
-        b = np.log1p(np.asarray(edit_len, dtype=np.float64))
-        c = np.log1p(np.asarray(suffix_len, dtype=np.float64))
-        return np.stack([np.ones_like(a), a, b, c, a * b, a * c, b * c], axis=-1)
-
-    def predict(self, prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
-        """Predicted window per span.
-
-        Args:
-            prefix_len, edit_len, suffix_len: per-span lengths ``P_k``, ``E_k``, ``S_k`` (same shape).
-        Returns:
-            int64 array of ``d_hat`` values in ``[0, S_k]``.
-        Raises:
-            ValueError: if the shapes differ.
-        """
-        s = np.asarray(suffix_len, dtype=np.int64)
-        if not (np.shape(prefix_len) == np.shape(edit_len) == s.shape):
-            raise ValueError("prefix_len, edit_len and suffix_len must have the same shape")
-        raw = np.exp(self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64))
-        hi = np.minimum(s, self.d_max) if self.d_max is not None else s
-        # 1e-6 slack: exp(log(32)) must give 32, not 33
-        d = np.ceil(np.maximum(raw, self.d_min) - 1e-6)
-        return np.minimum(d.astype(np.int64), hi)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form for calibration profiles."""
-        return {
-            "kind": "log_linear_quantile",
-            "features": ["1", "a", "b", "c", "ab", "ac", "bc"],
-            "weights": [float(w) for w in self.weights],
-            "d_min": int(self.d_min),
-            "d_max": None if self.d_max is None else int(self.d_max),
-            "quantile": self.quantile,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LengthModel:
-        """Inverse of :meth:`to_dict`.
-
-        Args:
-            data: a dict as written by :meth:`to_dict`.
-        Returns:
-            The model.
-        Raises:
-            ValueError: on an unknown ``kind`` or missing/invalid fields.
-        """
-        if data.get("kind", "log_linear_quantile") != "log_linear_quantile":
-            raise ValueError(f"unknown length model kind {data.get('kind')!r}; expected 'log_linear_quantile'")
-        try:
-            weights = tuple(float(w) for w in data["weights"])
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"length model dict needs a 'weights' list of {_N_FEATURES} numbers") from e
-        d_max = data.get("d_max")
-        q = data.get("quantile")
-        return cls(weights=weights, d_min=int(data.get("d_min", 0)), d_max=None if d_max is None else int(d_max),
-                   quantile=None if q is None else float(q))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -728,39 +625,3 @@ def plan_direct(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPl
     prefix_len, blocks = _prep(edit, block_size)
     return _build(edit, blocks, np.zeros(blocks.n_blocks, dtype=bool), strategy="direct", prefix_len=prefix_len,
                   d_hat=np.zeros(len(edit.spans), dtype=np.int64))
-
-
-def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, seed: int = 0) -> dict[str, float]:
-    """Median wall time of :func:`plan_repair` (the diff is not timed) on a synthetic context.
-
-    Args:
-        n_tokens: context length.
-        repeats: timed calls.
-        n_spans: edited spans (each replaces 64 tokens by 96).
-        seed: RNG seed for scores.
-    Returns:
-        ``{"n_tokens", "n_spans", "median_ms", "min_ms", "n_recompute"}``.
-    """
-    from .diff import diff_versions
-
-    rng = np.random.default_rng(seed)
-    old = np.arange(n_tokens, dtype=np.int64) + 1000
-    new, cut, marker = [], 0, 10 * n_tokens
-    for k in range(n_spans):
-        start = (k + 1) * n_tokens // (n_spans + 1)
-        new.append(old[cut:start])
-        new.append(np.arange(marker, marker + 96, dtype=np.int64))
-        marker += 96
-        cut = start + 64
-    new.append(old[cut:])
-    edit = diff_versions(old, np.concatenate(new))
-    scores = rng.random(n_tokens).astype(np.float32)
-    model = LengthModel(weights=(1.0, 0.1, 0.2, 0.1, 0.0, 0.0, 0.0), d_min=16)
-    times = []
-    plan = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=DEFAULT_BLOCK_SIZE)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return {"n_tokens": float(n_tokens), "n_spans": float(n_spans), "median_ms": float(np.median(times)),
-            "min_ms": float(np.min(times)), "n_recompute": float(plan.n_recompute if plan else 0)}

@@ -39,7 +39,8 @@ class PlanLike(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class FullRecompute:
-    """The exact path: no restored rows, every position recomputed."""
+    """The exact path: no restored rows; every position from ``prefix_len`` on recomputed, the rows before
+    it kept as they are (0: a full prefill; a heal recomputes the tail after the exact rows)."""
 
     new_len: int
     prefix_len: int = 0
@@ -54,7 +55,7 @@ class FullRecompute:
 
     @property
     def recompute_positions(self) -> np.ndarray:
-        return np.arange(self.new_len, dtype=np.int64)
+        return np.arange(self.prefix_len, self.new_len, dtype=np.int64)
 
 
 class ScatterLayer(CacheLayerMixin):

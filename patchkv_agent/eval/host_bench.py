@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-__all__ = ["run_host_bench", "host_engine", "plot_host", "add_cli", "main"]
+__all__ = ["run_host_bench", "host_engine", "plot_host", "bench_plan", "add_cli", "main"]
 
 STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
 DEFAULT_LENGTHS = (2048, 8192, 32768, 131072)
@@ -316,6 +316,43 @@ def add_cli(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_host_out")
     p.set_defaults(func=main)
+
+
+def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, seed: int = 0) -> dict[str, float]:
+    """Median wall time of :func:`plan_repair` (the diff is not timed) on a synthetic context.
+
+    Args:
+        n_tokens: context length.
+        repeats: timed calls.
+        n_spans: edited spans (each replaces 64 tokens by 96).
+        seed: RNG seed for scores.
+    Returns:
+        ``{"n_tokens", "n_spans", "median_ms", "min_ms", "n_recompute"}``.
+    """
+    from ..core.diff import diff_versions
+    from ..core.plan import DEFAULT_BLOCK_SIZE, LengthModel, plan_repair
+
+    rng = np.random.default_rng(seed)
+    old = np.arange(n_tokens, dtype=np.int64) + 1000
+    new, cut, marker = [], 0, 10 * n_tokens
+    for k in range(n_spans):
+        start = (k + 1) * n_tokens // (n_spans + 1)
+        new.append(old[cut:start])
+        new.append(np.arange(marker, marker + 96, dtype=np.int64))
+        marker += 96
+        cut = start + 64
+    new.append(old[cut:])
+    edit = diff_versions(old, np.concatenate(new))
+    scores = rng.random(n_tokens).astype(np.float32)
+    model = LengthModel(weights=(1.0, 0.1, 0.2, 0.1, 0.0, 0.0, 0.0), d_min=16)
+    times = []
+    plan = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=DEFAULT_BLOCK_SIZE)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"n_tokens": float(n_tokens), "n_spans": float(n_spans), "median_ms": float(np.median(times)),
+            "min_ms": float(np.min(times)), "n_recompute": float(plan.n_recompute if plan else 0)}
 
 
 def main(args) -> int:

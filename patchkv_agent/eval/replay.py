@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from ..engine import PatchKVEngine, ResumeResult
+from ..engine import PatchKVEngine
+from ..results import ResumeResult
 from .metrics import NEXT_ACTION_TOKENS, answer_match, fidelity, next_action_agree, token_f1
 from .traces import RESULT_FIELDS, version_ids
 

@@ -1,0 +1,118 @@
+"""The dirty-window length model: ``d_hat`` per edited span from its ``(P, E, S)`` token counts.
+
+A log-linear model over ``phi = [1, a, b, c, ab, ac, bc]`` (``a, b, c`` the logs of the span's prefix,
+edit and segment lengths, see :func:`~patchkv_agent.core.plan.span_features`), clipped to
+``[d_min, d_max]``; :meth:`LengthModel.fixed` is a constant window. ``patchkv-agent calibrate`` fits
+one per model at a quantile of the measured drift lengths.
+
+Boundary: numpy only; knows spans' token counts, nothing about plans, models or KV.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LengthModel"]
+
+_N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
+
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthModel:
+    """Linear quantile model of ``log d*`` (dirty-window length) on log-length features.
+
+    ``d_hat = clip(exp(w . phi(a, b, c)), d_min, min(d_max, S_k))`` rounded up, with
+    ``a = log(1+P_k)``, ``b = log(1+E_k)``, ``c = log(1+S_k)`` and ``phi = [1, a, b, c, ab, ac, bc]``.
+    """
+
+    weights: tuple[float, ...]
+    d_min: int = 0
+    d_max: int | None = None
+    quantile: float | None = None  # the quantile the weights were fitted for (metadata)
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != _N_FEATURES or not all(math.isfinite(float(w)) for w in self.weights):
+            raise ValueError(f"LengthModel needs {_N_FEATURES} finite weights, got {self.weights!r}")
+        if self.d_min < 0 or (self.d_max is not None and self.d_max < self.d_min):
+            raise ValueError(f"LengthModel needs 0 <= d_min <= d_max, got d_min={self.d_min} d_max={self.d_max}")
+
+    @classmethod
+    def fixed(cls, d: int) -> LengthModel:
+        """A constant window of ``d`` tokens (clipped to the segment): the engine default before calibration.
+
+        Args:
+            d: window length in tokens, ``>= 0``.
+        Returns:
+            A model that predicts ``min(d, S_k)`` for every span.
+        Raises:
+            ValueError: if ``d < 0``.
+        """
+        if d < 0:
+            raise ValueError(f"fixed window must be >= 0, got {d}")
+        return cls(weights=(math.log(max(d, 1)),) + (0.0,) * (_N_FEATURES - 1), d_min=int(d), d_max=int(d))
+
+    @staticmethod
+    def features(prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
+        """Feature matrix ``phi`` [k, 7] from per-span lengths (token counts, not logs)."""
+        a = np.log1p(np.asarray(prefix_len, dtype=np.float64))
+        b = np.log1p(np.asarray(edit_len, dtype=np.float64))
+        c = np.log1p(np.asarray(suffix_len, dtype=np.float64))
+        return np.stack([np.ones_like(a), a, b, c, a * b, a * c, b * c], axis=-1)
+
+    def predict(self, prefix_len: np.ndarray, edit_len: np.ndarray, suffix_len: np.ndarray) -> np.ndarray:
+        """Predicted window per span.
+
+        Args:
+            prefix_len, edit_len, suffix_len: per-span lengths ``P_k``, ``E_k``, ``S_k`` (same shape).
+        Returns:
+            int64 array of ``d_hat`` values in ``[0, S_k]``.
+        Raises:
+            ValueError: if the shapes differ.
+        """
+        s = np.asarray(suffix_len, dtype=np.int64)
+        if not (np.shape(prefix_len) == np.shape(edit_len) == s.shape):
+            raise ValueError("prefix_len, edit_len and suffix_len must have the same shape")
+        raw = np.exp(self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64))
+        hi = np.minimum(s, self.d_max) if self.d_max is not None else s
+        # 1e-6 slack: exp(log(32)) must give 32, not 33
+        d = np.ceil(np.maximum(raw, self.d_min) - 1e-6)
+        return np.minimum(d.astype(np.int64), hi)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form for calibration profiles."""
+        return {
+            "kind": "log_linear_quantile",
+            "features": ["1", "a", "b", "c", "ab", "ac", "bc"],
+            "weights": [float(w) for w in self.weights],
+            "d_min": int(self.d_min),
+            "d_max": None if self.d_max is None else int(self.d_max),
+            "quantile": self.quantile,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LengthModel:
+        """Inverse of :meth:`to_dict`.
+
+        Args:
+            data: a dict as written by :meth:`to_dict`.
+        Returns:
+            The model.
+        Raises:
+            ValueError: on an unknown ``kind`` or missing/invalid fields.
+        """
+        if data.get("kind", "log_linear_quantile") != "log_linear_quantile":
+            raise ValueError(f"unknown length model kind {data.get('kind')!r}; expected 'log_linear_quantile'")
+        try:
+            weights = tuple(float(w) for w in data["weights"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"length model dict needs a 'weights' list of {_N_FEATURES} numbers") from e
+        d_max = data.get("d_max")
+        q = data.get("quantile")
+        return cls(weights=weights, d_min=int(data.get("d_min", 0)), d_max=None if d_max is None else int(d_max),
+                   quantile=None if q is None else float(q))
