@@ -1,17 +1,16 @@
-"""Shared helpers of the KV store tests: synthetic checkpoints and a throwaway redis-server on loopback."""
+"""Shared helpers of the KV store tests: synthetic checkpoints and a throwaway redis-server on loopback
+(:class:`patchkv_agent.eval.redis_server.RedisProcess`, or the test skips)."""
 
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
+from patchkv_agent.eval.redis_server import RedisProcess
 
 REDIS_SKIP = ("Redis tier tests skipped: redis-server is not on PATH (Debian: apt-get install redis-server; "
               ".ci/run installs it)")
@@ -62,45 +61,16 @@ def assert_same_payload(a, b) -> None:
         assert t.numel() == 0 or torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)), name
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server subprocess on 127.0.0.1 with persistence off; ``url`` to connect."""
-
-    def __init__(self):
-        if shutil.which("redis-server") is None:
-            pytest.skip(REDIS_SKIP)
-        try:
-            import redis
-        except ImportError:
-            pytest.skip(REDIS_CLIENT_SKIP)
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    pytest.skip(f"redis-server did not start on port {self.port}: Redis tier tests skipped")
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_redis() -> RedisProcess:
+    """A redis-server on 127.0.0.1 with persistence off (``url`` to connect, ``stop()``); skips the test when
+    redis-server or the client is missing, or the server does not answer within 10 s."""
+    if shutil.which("redis-server") is None:
+        pytest.skip(REDIS_SKIP)
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        pytest.skip(REDIS_CLIENT_SKIP)
+    try:
+        return RedisProcess(startup_s=10)
+    except RuntimeError as e:
+        pytest.skip(f"{e}: Redis tier tests skipped")

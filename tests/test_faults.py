@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kv_helpers import REDIS_SKIP, RedisServer
+from kv_helpers import REDIS_SKIP, start_redis
 from patchkv_agent import PatchKVEngine
 from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
@@ -59,7 +59,7 @@ def exact(eng, pair):
 
 @pytest.fixture
 def redis_server():
-    srv = RedisServer()
+    srv = start_redis()
     yield srv
     srv.stop()
 
@@ -334,7 +334,7 @@ WRITER = textwrap.dedent("""
 def offloaded_elsewhere(pair, tmp_path_factory):
     """A checkpoint of ``pair[0]`` written by another process into a disk store and a Redis store."""
     try:
-        srv = RedisServer()
+        srv = start_redis()
     except pytest.skip.Exception:  # the disk half still runs
         srv = None
     root = tmp_path_factory.mktemp("xproc")

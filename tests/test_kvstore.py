@@ -25,7 +25,7 @@ import uuid
 import pytest
 import torch
 
-from kv_helpers import RedisServer, assert_same_checkpoint, make_ckpt
+from kv_helpers import assert_same_checkpoint, make_ckpt, start_redis
 from patchkv_agent.runtime.kvstore import (
     CheckpointKey,
     CheckpointMissing,
@@ -41,7 +41,7 @@ from patchkv_agent.runtime.kvstore.codec import meta_checksum
 
 @pytest.fixture(scope="module")
 def redis_server():
-    srv = RedisServer()
+    srv = start_redis()
     yield srv
     srv.stop()
 

@@ -38,7 +38,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from ..engine import PatchKVEngine
 from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
                                StoreUnavailable, resume_from_store)
 from ..runtime.kvstore.codec import encode_checkpoint
+from .redis_server import RedisProcess
 from .stress import LOGIT_TOL, _Episode, thread_versions
 from .tiny import tiny_engine
 
@@ -274,65 +274,6 @@ def _redis_errors() -> tuple:
         return (redis.exceptions.RedisError,)
     except ImportError:
         return ()
-
-
-# ------------------------------------------------------------------------------------------ Redis server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProcess:
-    """A redis-server on loopback with an append-only file (fsync always): a restart keeps acknowledged writes."""
-
-    def __init__(self, workdir: str):
-        self.port, self.dir = _free_port(), workdir
-        os.makedirs(workdir, exist_ok=True)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.exceptions.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-        client.close()
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
-
-    def pause(self, seconds: float) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-        time.sleep(seconds)
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class RedisChaos(threading.Thread):

@@ -1,5 +1,6 @@
 """The agent runtime around the engine: per-thread context versions and checkpoint tiers.
 
 - :mod:`.threads`: :class:`~.threads.ThreadRegistry` (thread state, resident budget, background offload).
+- :mod:`.keys`, :mod:`.state`, :mod:`.stream`: its thread keys, per-thread record and token streams.
 - :mod:`.kvstore`: memory / disk / Redis checkpoint tiers behind one interface, resume with safe fallback.
 """

@@ -61,159 +61,22 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NewType
+from typing import Any, Iterator
 
 import numpy as np
 
 from ..core.fallback import Fallback, FallbackKind
-from ..core.recovery import decode_step
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
 from ..results import ResumeResult, RuntimeStats
+from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
+from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
+from .stream import TokenStream, run_stream
 
 log = logging.getLogger(__name__)
 
-ThreadKey = NewType("ThreadKey", tuple)  # (thread_id: str, checkpoint_ns: str)
 DEFAULT_RESIDENT_BUDGET = 1 << 30
-
-
-def thread_key(thread_id: str, checkpoint_ns: str = "") -> ThreadKey:
-    """The registry key of a thread.
-
-    Args:
-        thread_id: the LangGraph ``thread_id`` (any string).
-        checkpoint_ns: the graph namespace (``""`` for a root graph).
-
-    Returns:
-        A ``(thread_id, checkpoint_ns)`` tuple.
-    """
-    return ThreadKey((str(thread_id), str(checkpoint_ns)))
-
-
-CONTEXT_SUFFIX = "ctx"  # lane i > 0 of key (tid, ns) is (tid, "ns#ctx<i>"), or "ns+ctx<i>" when ns has a #scope
-MIN_CONTINUE_SHARE = 0.25  # a call continues a context that lets it reuse at least this share of its tokens
-
-
-def context_key(key: ThreadKey, index: int) -> ThreadKey:
-    """The registry key of context ``index`` of thread key ``key`` (0: the key itself).
-
-    Args:
-        key: a thread key.
-        index: the context slot (>= 0).
-
-    Returns:
-        ``key`` for 0; ``(thread_id, ns#ctx<index>)`` (``ns+ctx<index>`` when ``ns`` already holds a
-        ``#scope``) otherwise: the scope separator keeps a context under its graph namespace.
-    """
-    if index == 0:
-        return key
-    sep = "+" if "#" in key[1] else "#"
-    return ThreadKey((key[0], f"{key[1]}{sep}{CONTEXT_SUFFIX}{index}"))
-
-
-def _shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    neq = np.flatnonzero(a[:m] != b[:m])
-    return int(neq[0]) if len(neq) else m
-
-
-def _kv_bytes(res: ResumeResult) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(res.keys, res.values))
-
-
-def _ckpt_bytes(ckpt) -> int:
-    return int(getattr(ckpt, "nbytes", 0) or 0)
-
-
-@dataclass(eq=False)
-class _Thread:
-    key: ThreadKey
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    version: int = 0                   # context versions seen so far (the current one is `version`)
-    token_ids: np.ndarray | None = None
-    resident: ResumeResult | None = None   # KV of `version` (context + decoded tokens), cache dropped
-    checkpoint: Any = None                 # offloaded KV of `checkpoint_version`
-    checkpoint_version: int = 0
-    checkpoint_source: str = ""            # "background", "evicted"
-    pending: Future | None = None
-    lost: Fallback | None = None           # why the KV of `version` is gone (next resume says so)
-    store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
-    store_version: int = 0                 # the context version that entry holds
-    store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
-    streams: int = 0                       # open TokenStreams: their commit is pending, so no eviction
-    last_used: float = 0.0
-    healing: threading.Event | None = None  # set when the pending job's heal stage is over
-    heal_stats: dict | None = None         # the last heal of the resident version (heal_s, healed_rows)
-
-
-class TokenStream:
-    """Decode of one resumed thread version, one token per ``next()``.
-
-    ``result`` is available at once (first-token logits, context, resume stats); ``result.output_ids``
-    grows as tokens are drawn, each chosen by ``sampler`` (a :class:`~patchkv_agent.core.sampling.Sampler`:
-    greedy by default; sampling parameters and a logits processor such as a grammar). The stream ends at
-    ``max_new_tokens``, after an EOS token (included) or when the sampler's processor is done;
-    :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
-    decode step takes the registry's forward lock; the thread lock is not held between steps. Until it is
-    closed (or exhausted) the stream pins its thread's resident KV against eviction, so close streams you
-    stop reading: ``with registry.stream(...) as s:`` does.
-    """
-
-    def __init__(self, registry: "ThreadRegistry", th: _Thread | None, version: int, result: ResumeResult,
-                 max_new_tokens: int, sampler: Sampler | None = None):
-        self._registry, self._th, self._version = registry, th, version
-        self._sampler = sampler if sampler is not None else Sampler()
-        self.result = result
-        self.max_new_tokens = max_new_tokens
-        self._cache = result.cache
-        self._pos = len(result.context_ids)
-        self._decode_s = 0.0
-        self._done = False
-        result.output_ids = []
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """The resume stats (``result.stats``), with ``decode_s`` once the stream has ended."""
-        return self.result.stats
-
-    def __iter__(self) -> "TokenStream":
-        return self
-
-    def __next__(self) -> int:
-        out = self.result.output_ids
-        eos = self._registry.engine.eos_ids
-        if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos) or (out and self._sampler.done):
-            self.close()
-            raise StopIteration
-        t0 = time.perf_counter()
-        if not out:
-            tok = self._sampler(self.result.logits)
-        else:
-            with self._registry.forward_lock:
-                logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
-            self._pos += 1
-            tok = self._sampler(logits)
-        self._decode_s += time.perf_counter() - t0
-        out.append(tok)
-        return tok
-
-    def __enter__(self) -> "TokenStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """End the stream early (or after exhaustion) and commit the thread's resident state."""
-        if self._done:
-            return
-        self._done = True
-        self.result.stats.decode_s = self._decode_s
-        self.result.stats.output_tokens = len(self.result.output_ids)
-        if self._th is not None:
-            self._registry._commit(self._th, self._version, self.result, self._cache)
 
 
 class ThreadRegistry:
@@ -261,23 +124,23 @@ class ThreadRegistry:
         self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
         self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
-        self._threads: OrderedDict[ThreadKey, _Thread] = OrderedDict()  # least recently used first
+        self._threads: OrderedDict[ThreadKey, ThreadState] = OrderedDict()  # least recently used first
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="patchkv-offload")
         self.events: list[dict[str, Any]] = []  # evictions and drops, for inspection
 
     # ----------------------------------------------------------------- tables
 
-    def _thread(self, key: ThreadKey, create: bool = True) -> _Thread | None:
+    def _thread(self, key: ThreadKey, create: bool = True) -> ThreadState | None:
         with self._lock:
             th = self._threads.get(key)
             if th is None and create:
-                th = self._threads[key] = _Thread(key=key)
+                th = self._threads[key] = ThreadState(key=key)
             if th is not None:
                 self._threads.move_to_end(key)
                 th.last_used = time.monotonic()
             return th
 
-    def _peek(self, key: ThreadKey) -> _Thread | None:
+    def _peek(self, key: ThreadKey) -> ThreadState | None:
         with self._lock:
             return self._threads.get(key)
 
@@ -306,7 +169,7 @@ class ThreadRegistry:
             lanes.append((ck, tok, th.last_used))
         if not lanes:  # the key's first call (or one after a restart: its version and reason are there)
             return key
-        shared = [_shared_prefix(tok, ids) for _, tok, _ in lanes]
+        shared = [shared_prefix(tok, ids) for _, tok, _ in lanes]
         best = int(np.argmax(shared))
         if shared[best] * 2 >= len(lanes[best][1]):  # continues (appends to / edits the back half of) it
             return lanes[best][0]
@@ -334,12 +197,12 @@ class ThreadRegistry:
     def resident_bytes(self) -> int:
         """K/V bytes held resident across threads."""
         with self._lock:
-            return sum(_kv_bytes(t.resident) for t in self._threads.values() if t.resident is not None)
+            return sum(kv_bytes(t.resident) for t in self._threads.values() if t.resident is not None)
 
     def offloaded_bytes(self) -> int:
         """Checkpoint bytes held in this process across threads (a store's bytes: ``store.nbytes()``)."""
         with self._lock:
-            return sum(_ckpt_bytes(t.checkpoint) for t in self._threads.values() if t.checkpoint is not None)
+            return sum(ckpt_bytes(t.checkpoint) for t in self._threads.values() if t.checkpoint is not None)
 
     def handle(self, key: ThreadKey) -> dict[str, Any] | None:
         """The KV handle of a thread's current version, JSON-serialisable (no tensors).
@@ -553,7 +416,7 @@ class ThreadRegistry:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, **kwargs))
 
-    def _base(self, th: _Thread):
+    def _base(self, th: ThreadState):
         """Where to resume ``th`` from: ``(checkpoint, version, source, store_key)``.
 
         The resident KV when it is still there (a zero-copy full-precision view: nothing is ever written
@@ -570,14 +433,14 @@ class ThreadRegistry:
 
     # ----------------------------------------------------------------- store
 
-    def _set_store_entry(self, th: _Thread, key: CheckpointKey | None, version: int = 0, source: str = "") -> None:
+    def _set_store_entry(self, th: ThreadState, key: CheckpointKey | None, version: int = 0, source: str = "") -> None:
         """Make ``key`` the thread's store entry (caller holds ``th.lock``); its previous entry is deleted."""
         old = th.store_key
         th.store_key, th.store_version, th.store_source = key, version, source
         if old is not None and old != key:
             self._delete_quietly(old)
 
-    def _put_store(self, th: _Thread, ckpt, version: int, source: str) -> None:
+    def _put_store(self, th: ThreadState, ckpt, version: int, source: str) -> None:
         """Put ``ckpt`` as ``version`` of ``th`` into the store (caller holds ``th.lock``).
 
         Not stored (larger than the whole budget, tier unreachable): the thread has no KV and its next
@@ -613,7 +476,7 @@ class ThreadRegistry:
         except RuntimeError:  # the worker is shut down (close()): delete here
             self._delete_quietly(key)
 
-    def _commit(self, th: _Thread, version: int, res: ResumeResult, cache) -> None:
+    def _commit(self, th: ThreadState, version: int, res: ResumeResult, cache) -> None:
         """Make the decoded tokens' KV part of the thread's resident version (if still current)."""
         out = res.output_ids
         keys, values, ids = res.keys, res.values, res.context_ids
@@ -685,7 +548,7 @@ class ThreadRegistry:
         th = self._thread(self.active(key), create=False) if key is not None else None
         return self._wait_pending(th) if th is not None else 0.0
 
-    def _submit_offload(self, th: _Thread, source: str, release: bool = False) -> Future:
+    def _submit_offload(self, th: ThreadState, source: str, release: bool = False) -> Future:
         """Queue an offload job of ``th``'s current version (caller holds ``th.lock``). The job owns its heal
         event (set once its heal stage is over; None: nothing to heal): a job that runs late, after its
         thread moved on, sets only its own event, never the one a newer job's resume is waiting on."""
@@ -693,7 +556,7 @@ class ThreadRegistry:
         th.healing = healing
         return self._executor.submit(self._offload_job, th, th.version, source, release, healing)
 
-    def _wait_heal(self, th: _Thread) -> float:
+    def _wait_heal(self, th: ThreadState) -> float:
         """Wait until the heal stage of ``th``'s pending job is over (a resume wants the exact base)."""
         with th.lock:
             evt, fut = th.healing, th.pending
@@ -705,7 +568,7 @@ class ThreadRegistry:
                 break
         return time.perf_counter() - t0
 
-    def _wait_pending(self, th: _Thread) -> float:
+    def _wait_pending(self, th: ThreadState) -> float:
         fut = th.pending
         if fut is None or fut.done():
             return 0.0
@@ -716,7 +579,7 @@ class ThreadRegistry:
             log.exception("background offload of thread %s failed", th.key)
         return time.perf_counter() - t0
 
-    def _offload_job(self, th: _Thread, version: int, source: str, release: bool = False,
+    def _offload_job(self, th: ThreadState, version: int, source: str, release: bool = False,
                      healing: threading.Event | None = None) -> float | None:
         """Write ``version``'s resident KV as a checkpoint: a snapshot under the thread lock, the checkpoint
         (quantization, copies; no forward, so no forward lock) outside it, then installed only if the
@@ -765,7 +628,7 @@ class ThreadRegistry:
 
     # -------------------------------------------------------------- budgets
 
-    def _victims(self, keep: ThreadKey) -> Iterator[_Thread]:
+    def _victims(self, keep: ThreadKey) -> Iterator[ThreadState]:
         with self._lock:
             order = [t for k, t in self._threads.items() if k != keep]
         yield from order
@@ -782,7 +645,7 @@ class ThreadRegistry:
             try:
                 if th.resident is None or th.streams or (th.pending is not None and not th.pending.done()):
                     continue
-                total -= _kv_bytes(th.resident)
+                total -= kv_bytes(th.resident)
                 if self.on_evict == "offload":
                     th.pending = self._submit_offload(th, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
@@ -812,21 +675,6 @@ class ThreadRegistry:
                 th.checkpoint = None
             finally:
                 th.lock.release()
-
-
-def run_stream(stream: TokenStream, on_token: Callable[[int], bool | None] | None = None) -> ResumeResult:
-    """Drain a :class:`TokenStream`, calling ``on_token(tok)`` after each token; a truthy return stops it.
-
-    Returns:
-        The stream's result.
-    """
-    try:
-        for tok in stream:
-            if on_token is not None and on_token(tok):
-                break
-    finally:
-        stream.close()
-    return stream.result
 
 
 __all__ = ["ThreadRegistry", "ThreadKey", "TokenStream", "thread_key", "ids_hash", "run_stream"]

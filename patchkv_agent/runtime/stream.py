@@ -1,0 +1,104 @@
+"""Decoding a resumed thread version token by token: :class:`TokenStream` and :func:`run_stream`.
+
+Boundary: draws tokens with the engine's model under the registry's forward lock and hands the decoded
+state back to the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` that opened the stream
+(``registry._commit``) when it ends; knows nothing about stores or LangGraph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..core.recovery import decode_step
+from ..core.sampling import Sampler
+from ..results import ResumeResult
+
+if TYPE_CHECKING:
+    from .threads import ThreadRegistry, ThreadState
+
+__all__ = ["TokenStream", "run_stream"]
+
+
+class TokenStream:
+    """Decode of one resumed thread version, one token per ``next()``.
+
+    ``result`` is available at once (first-token logits, context, resume stats); ``result.output_ids``
+    grows as tokens are drawn, each chosen by ``sampler`` (a :class:`~patchkv_agent.core.sampling.Sampler`:
+    greedy by default; sampling parameters and a logits processor such as a grammar). The stream ends at
+    ``max_new_tokens``, after an EOS token (included) or when the sampler's processor is done;
+    :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
+    decode step takes the registry's forward lock; the thread lock is not held between steps. Until it is
+    closed (or exhausted) the stream pins its thread's resident KV against eviction, so close streams you
+    stop reading: ``with registry.stream(...) as s:`` does.
+    """
+
+    def __init__(self, registry: "ThreadRegistry", th: "ThreadState | None", version: int, result: ResumeResult,
+                 max_new_tokens: int, sampler: Sampler | None = None):
+        self._registry, self._th, self._version = registry, th, version
+        self._sampler = sampler if sampler is not None else Sampler()
+        self.result = result
+        self.max_new_tokens = max_new_tokens
+        self._cache = result.cache
+        self._pos = len(result.context_ids)
+        self._decode_s = 0.0
+        self._done = False
+        result.output_ids = []
+
+    @property
+    def stats(self) -> Any:
+        """The resume stats (``result.stats``, a :class:`~patchkv_agent.results.RuntimeStats`), with
+        ``decode_s`` once the stream has ended."""
+        return self.result.stats
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    def __next__(self) -> int:
+        out = self.result.output_ids
+        eos = self._registry.engine.eos_ids
+        if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos) or (out and self._sampler.done):
+            self.close()
+            raise StopIteration
+        t0 = time.perf_counter()
+        if not out:
+            tok = self._sampler(self.result.logits)
+        else:
+            with self._registry.forward_lock:
+                logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
+            self._pos += 1
+            tok = self._sampler(logits)
+        self._decode_s += time.perf_counter() - t0
+        out.append(tok)
+        return tok
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the stream early (or after exhaustion) and commit the thread's resident state."""
+        if self._done:
+            return
+        self._done = True
+        self.result.stats.decode_s = self._decode_s
+        self.result.stats.output_tokens = len(self.result.output_ids)
+        if self._th is not None:
+            self._registry._commit(self._th, self._version, self.result, self._cache)
+
+
+def run_stream(stream: TokenStream, on_token: Callable[[int], bool | None] | None = None) -> ResumeResult:
+    """Drain a :class:`TokenStream`, calling ``on_token(tok)`` after each token; a truthy return stops it.
+
+    Returns:
+        The stream's result.
+    """
+    try:
+        for tok in stream:
+            if on_token is not None and on_token(tok):
+                break
+    finally:
+        stream.close()
+    return stream.result
