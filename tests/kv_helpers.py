@@ -11,7 +11,6 @@ import torch
 
 from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
 from patchkv_agent.eval.redis_server import RedisProcess
-from patchkv_agent.eval.redis_server import RedisProcess
 
 REDIS_SKIP = ("Redis tier tests skipped: redis-server is not on PATH (Debian: apt-get install redis-server; "
               ".ci/run installs it)")

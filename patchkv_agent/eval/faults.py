@@ -57,7 +57,6 @@ from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoi
                                StoreUnavailable, resume_from_store)
 from ..runtime.kvstore.codec import encode_checkpoint
 from .redis_server import RedisProcess
-from .redis_server import RedisProcess
 from .stress import LOGIT_TOL, _Episode, thread_versions
 from .tiny import tiny_engine
 
