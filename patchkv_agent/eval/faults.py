@@ -57,7 +57,7 @@ from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoi
                                StoreUnavailable, resume_from_store)
 from ..runtime.kvstore.codec import encode_checkpoint
 from .redis_server import RedisProcess
-from .stress import LOGIT_TOL, _Episode, thread_versions
+from .stress import LOGIT_TOL, ThreadEpisode, thread_versions
 from .tiny import tiny_engine
 
 REDIS_TIMEOUT_S = 0.5
@@ -534,7 +534,8 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
             done = [r for r in rows if not r["escaped"]]
             fell = frozenset(r["version"] for r in done if r["fallback"] is not None)
             if (t, fell) not in solo_cache:
-                alone = _Episode(engine, MemoryStore(deployment="stress"), lock, t, work[t], evict_before=set(fell), **kw)
+                alone = ThreadEpisode(engine, MemoryStore(deployment="stress"), lock, t, work[t],
+                                      evict_before=set(fell), **kw)
                 solo_cache[(t, fell)] = solo_pool.submit(alone.run).result()
             solo = {s["version"]: s for s in solo_cache[(t, fell)]}
             for r in done:

@@ -53,8 +53,26 @@ def thread_versions(seed: int, thread: int, versions: int, length: int, vocab: i
     return out
 
 
-class _Episode:
-    """One thread's episode, step by step (so OS threads and asyncio tasks drive the same code)."""
+class ThreadEpisode:
+    """One agent thread's episode of the load test, step by step (OS threads and asyncio tasks drive the
+    same code; :mod:`.faults` replays threads alone with it).
+
+    :meth:`start` checkpoints version 0 into ``store``; :meth:`step` resumes version ``v`` from the stored
+    base with :func:`~patchkv_agent.runtime.kvstore.resume_from_store` and offloads the result in place of
+    the thread's previous entry; :meth:`finish` deletes the last entry and returns one row per resume
+    (``thread``, ``version``, ``fallback``, ``output_ids``, ``logits``, ``recompute_tokens``).
+    :meth:`run` / :meth:`arun` do all three, waiting for a tool call between versions.
+
+    Args:
+        engine: the engine (its forwards run under ``lock``).
+        store: where the thread's checkpoints go.
+        lock: one forward at a time per model.
+        thread: the thread's number (its id is ``thread-<n>``; seeds its tool waits).
+        versions: the context versions (token ids), version 0 first.
+        strategy, max_new_tokens: of every resume.
+        evict_before: versions whose stored base is deleted before they resume (a solo replay of a
+            thread whose entries were evicted under load).
+    """
 
     def __init__(self, engine: PatchKVEngine, store: KVStore, lock: threading.Lock, thread: int,
                  versions: list[list[int]], *, strategy: str, max_new_tokens: int,
@@ -179,7 +197,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
     kw = dict(strategy=strategy, max_new_tokens=max_new_tokens)
 
     t0 = time.perf_counter()
-    episodes = [_Episode(engine, store, lock, t, work[t], **kw) for t in range(threads)]
+    episodes = [ThreadEpisode(engine, store, lock, t, work[t], **kw) for t in range(threads)]
     if mode == "threads":
         with ThreadPoolExecutor(max_workers=workers or threads) as pool:
             results = list(pool.map(lambda e: e.run(tool_s), episodes))
@@ -198,7 +216,8 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
     solo_pool = ThreadPoolExecutor(max_workers=1)  # one thread at a time, off the main thread like the others
     for t, rows in enumerate(results):
         evicted = {r["version"] for r in rows if r["fallback"] is not None}
-        alone = _Episode(engine, MemoryStore(deployment="stress"), lock, t, work[t], evict_before=evicted, **kw)
+        alone = ThreadEpisode(engine, MemoryStore(deployment="stress"), lock, t, work[t], evict_before=evicted,
+                              **kw)
         solo = solo_pool.submit(alone.run).result()
         for r, s in zip(rows, solo, strict=True):
             same = (r["output_ids"] == s["output_ids"] and (r["fallback"] is None) == (s["fallback"] is None)
