@@ -3,7 +3,7 @@
 against the pair's exact reference (first-token KL, top-1 and teacher-forced agreement; on edit-following
 pairs whether the resume answers the new gold or the previous one).
 
-Boundary: drives the engine through ``resume(ckpt, ids, strategy=..., **options)`` and its
+Boundary: drives the engine through ``resume(ckpt, ids, strategy=engine.strategy(name, options))`` and its
 a configuration's length model as a strategy override (the engine's settings are never changed); plain dict rows out, one per pair and configuration, as
 :mod:`.select` reads them. Does not profile pairs (:mod:`.profiling`), fit, choose or write anything.
 """
@@ -66,7 +66,7 @@ def evaluate_configs(engine, pairs: Sequence[PairProfile], configs: Sequence[Res
             continue
         full = plan_full(diff_versions(p.ckpt.token_ids, p.new_ids), block_size=DEFAULT_BLOCK_SIZE).n_recompute
         for c in configs:
-            strat = engine.strategy(c.strategy, **c.options)
+            strat = engine.strategy(c.strategy, c.options)
             if c.length_model is not None:
                 strat.set_overrides(**strat.overrides, length_model=c.length_model)
             n_new = 1 if p.answers is None else follow_tokens

@@ -5,7 +5,7 @@ smallest-payload policy whose worst per-workload increase of first-token KL stay
 
 Boundary: re-tags and quantizes a pair's checkpoint with :mod:`patchkv_agent.core.precision` and
 :func:`patchkv_agent.core.checkpoint.quantize_mixed`, resumes through the engine's public
-``resume(..., strategy="direct", precision="mixed")``; plain dict rows out, and the choice from them
+``resume(..., strategy=DirectStrategy(precision="mixed"))``; plain dict rows out, and the choice from them
 (:func:`select_policy` is pure: rows in, a dict out). Knows nothing of the length model, the window and
 grid stages or the profile file.
 """
@@ -69,8 +69,8 @@ def evaluate_precision(engine, pairs: Sequence[PairProfile], policies: Sequence[
             sig = tags.tobytes()
             if sig not in seen:  # policies that tag this pair identically share one quantization and resume
                 mixed = quantize_mixed(list(ck.keys), list(ck.values), tags, block_size=block_size)
-                r = engine.resume(dataclasses.replace(ck, mixed=mixed), p.new_ids, strategy="direct",
-                                  precision="mixed", max_new_tokens=1)
+                r = engine.resume(dataclasses.replace(ck, mixed=mixed), p.new_ids,
+                                  strategy=engine.strategy("direct", {"precision": "mixed"}), max_new_tokens=1)
                 seen[sig] = first_token_kl(p.ref_logits, r.logits.cpu())
             rows.append({"pair": p.pair_id, "workload": p.workload, "tau_L": pol.tau_L, "tau_H": pol.tau_H,
                          "alpha": pol.alpha, "g4": pol.g4, "tau_LL": pol.tau_LL, "g4k": pol.g4k,

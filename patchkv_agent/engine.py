@@ -226,20 +226,32 @@ class PatchKVEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
-                        device: str = "cpu", **kwargs) -> "PatchKVEngine":
+                        device: str = "cpu", block_size: int | None = None, dirty_window: int | None = None,
+                        kappa: float | None = None, length_model: LengthModel | None = None,
+                        capture_window: int | None = None, mixed_precision: bool | None = None,
+                        precision_policy: PrecisionPolicy | None = None, readers: str | None = None,
+                        settings: RecoverySettings | None = None, profile: Profile | str | None = "auto",
+                        profile_dirs: Sequence[str | Path] = ()) -> "PatchKVEngine":
         """Load a model (HF id, local dir, ``.gguf`` path or ``"smollm2-135m"``) and wrap it.
 
         Args:
             name_or_path: what to load; see :func:`patchkv_agent.loading.load_model`.
             dtype: parameter dtype.
             device: where the model runs.
-            **kwargs: engine options (``block_size``, ``dirty_window``, ``kappa``, ...).
+            block_size, dirty_window, kappa, length_model, capture_window, mixed_precision,
+            precision_policy, readers, settings, profile, profile_dirs: as for :class:`PatchKVEngine`.
 
         Returns:
             The engine.
+
+        Raises:
+            FileNotFoundError, ValueError: see :func:`patchkv_agent.loading.load_model`; a setting out of range.
         """
         model, tok = load_model(name_or_path, dtype=dtype, device=device)
-        return cls(model, tok, **kwargs)
+        return cls(model, tok, block_size=block_size, dirty_window=dirty_window, kappa=kappa,
+                   length_model=length_model, capture_window=capture_window, mixed_precision=mixed_precision,
+                   precision_policy=precision_policy, readers=readers, settings=settings, profile=profile,
+                   profile_dirs=profile_dirs)
 
     # ----------------------------------------------------------------- input
 
@@ -537,19 +549,20 @@ class PatchKVEngine:
     # ---------------------------------------------------------------- resume
 
     @staticmethod
-    def strategy(strategy: str | Strategy = "patchkv", **options) -> Strategy:
-        """The :class:`Strategy` that :meth:`resume` would use for ``strategy`` and ``options``.
+    def strategy(strategy: str | Strategy = "patchkv", options: dict | None = None) -> Strategy:
+        """The :class:`Strategy` for a name and its options (:func:`~patchkv_agent.strategies.get_strategy`),
+        or an instance as it is: what :meth:`resume` runs.
 
-        Lets callers above the engine (the checkpoint tiers) reject misuse before any I/O without
-        importing the strategies themselves.
+        Lets callers above the engine (the checkpoint tiers, a chat model's ``strategy_options``) build and
+        check one before any I/O without importing the strategies themselves.
 
         Raises:
             ValueError: an unknown strategy name or option.
         """
-        return get_strategy(strategy, **options)
+        return get_strategy(strategy, options)
 
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
-               max_new_tokens: int = 16, **options) -> ResumeResult:
+               max_new_tokens: int = 16) -> ResumeResult:
         """Recover the KV of an edited context from a checkpoint and decode greedily.
 
         Holds :attr:`forward_lock` from the checkpoint check to the last decoded token.
@@ -558,10 +571,11 @@ class PatchKVEngine:
             ckpt: the checkpoint of the previous version (may be None for ``exact``), or a resident
                 :class:`ResumeResult` of this engine (resumed from without an offload pass).
             new_token_ids: ids of ``C_new`` (list of ints or 1-D integer tensor).
-            strategy: ``exact``, ``prefix``, ``direct``, ``patchkv`` (or a :class:`Strategy`).
+            strategy: ``exact``, ``prefix``, ``direct``, ``patchkv``, ``cacheblend``, or a :class:`Strategy`
+                built with options (``PatchKVStrategy(kappa=0.1)``, ``DirectStrategy(precision="mixed")``;
+                ``engine.strategy("patchkv", {"kappa": 0.1})`` from a name and a mapping).
             max_new_tokens: greedy tokens to decode (0: only the first-token logits); clipped to the
                 positions the model has left after ``C_new``.
-            **options: strategy options, e.g. ``dirty_window=`` or ``kappa=`` for ``patchkv``.
 
         Returns:
             A :class:`ResumeResult`. A checkpoint written before this model's weights changed in place
@@ -573,7 +587,7 @@ class PatchKVEngine:
         """
         new = self.validate_ids(new_token_ids, "new_token_ids")
         max_new_tokens = self.validate_max_new_tokens(max_new_tokens, len(new))
-        strat = get_strategy(strategy, **options)
+        strat = get_strategy(strategy)
         if isinstance(ckpt, ResumeResult):
             ckpt = self.as_checkpoint(ckpt)
         if ckpt is None and strat.uses_checkpoint:

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         edit = None
         for name, strat, opts in runs:
             t0 = time.perf_counter()
-            res = eng.resume(ckpt, new, strategy=strat, max_new_tokens=NEXT_ACTION_TOKENS, **opts)
+            res = eng.resume(ckpt, new, strategy=eng.strategy(strat, opts or None), max_new_tokens=NEXT_ACTION_TOKENS)
             edit = res.edit if edit is None else edit
             row["results"][name] = {"next_action": next_action_agree(text(res.output_ids), ref_text),
                                     "recompute_tokens": res.stats["recompute_tokens"],

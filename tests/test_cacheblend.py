@@ -12,6 +12,7 @@ from patchkv_agent.strategies.cacheblend import CacheBlendStrategy, select_top_d
 from patchkv_agent.core.diff import diff_versions
 from test_recovery import assert_cache_equal, edited_pair, multi_edit_pair, oracle
 from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
 DEEP = 4  # layers: the tiny_model default of 2 leaves no layer after the default check layer 1
@@ -45,7 +46,7 @@ def run(eng, old, new, **options):
 def test_ratio_one_equals_full_prefill(family):
     eng = engine(family)
     old, new = multi_edit_pair(eng.spec.vocab_size)
-    res = eng.resume(eng.checkpoint(old), new, strategy="cacheblend", ratio=1.0, max_new_tokens=1)
+    res = eng.resume(eng.checkpoint(old), new, strategy=get_strategy("cacheblend", {"ratio": 1.0}), max_new_tokens=1)
     ref_logits, ref_cache = oracle(eng.model, new)
     assert (res.logits - ref_logits).abs().max().item() <= TOL
     assert_cache_equal(res.cache, ref_cache, eng.spec.num_layers)

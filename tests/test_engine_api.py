@@ -114,7 +114,7 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
     ref = plan_repair(edit, ckpt.scores, length_model=LengthModel.fixed(12), kappa=0.05, block_size=4,
                       readers="lexical", reader_budget=s.reader_budget)  # the settings' reader defaults
     assert np.array_equal(got.recompute_positions, ref.recompute_positions)
-    off = get_strategy("patchkv", readers="none").plan(s, ckpt, edit)
+    off = get_strategy("patchkv", {"readers": "none"}).plan(s, ckpt, edit)
     assert off.n_readers == 0 and np.array_equal(off.recompute_positions, plan_repair(
         edit, ckpt.scores, length_model=LengthModel.fixed(12), kappa=0.05, block_size=4).recompute_positions)
     assert np.array_equal(got.restore_old_positions, ref.restore_old_positions)
@@ -133,9 +133,8 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
     # an engine resume with options equals one on an engine whose settings are those options (fp16
     # restores: the mixed runs of the two checkpoints are tagged per block of their own size)
     e2 = PatchKVEngine(eng.model, None, block_size=16, dirty_window=20, profile=None)
-    a = eng.resume(ckpt, new, strategy="patchkv", dirty_window=20, block_size=16, precision="fp16",
-                   max_new_tokens=3)
-    b = e2.resume(e2.checkpoint(old), new, strategy="patchkv", precision="fp16", max_new_tokens=3)
+    a = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 20, "block_size": 16, "precision": "fp16"}), max_new_tokens=3)
+    b = e2.resume(e2.checkpoint(old), new, strategy=get_strategy("patchkv", {"precision": "fp16"}), max_new_tokens=3)
     assert a.stats["recompute_tokens"] == b.stats["recompute_tokens"] and a.output_ids == b.output_ids
     assert torch.allclose(a.logits, b.logits, atol=TOL)
 
@@ -288,3 +287,21 @@ def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(eng, pai
     longer = dataclasses.replace(res, context_ids=np.concatenate([res.context_ids, [5, 6]]))
     view = eng.as_checkpoint(longer)
     assert view.scores.shape == (len(new) + 2,) and view.scores[-2:].tolist() == [0.0, 0.0]
+
+
+def test_strategy_options_are_named_and_checked_in_one_place(eng, pair):
+    old, new = pair
+    ckpt = eng.checkpoint(old)
+    with pytest.raises(TypeError):
+        eng.resume(ckpt, new, strategy="patchkv", kappa=0.1)  # no **options swallowing a typo'd keyword
+    with pytest.raises(ValueError, match=r"takes no option \['kapa'\].*kappa"):
+        get_strategy("patchkv", {"kapa": 0.1})
+    with pytest.raises(ValueError, match="takes no option"):
+        get_strategy("exact", {"kappa": 0.1})
+    with pytest.raises(ValueError, match="kappa"):
+        get_strategy("patchkv", {"kappa": 1.5})
+    with pytest.raises(ValueError, match="build the instance"):
+        get_strategy(PatchKVStrategy(), {"kappa": 0.1})
+    a = eng.resume(ckpt, new, strategy=PatchKVStrategy(dirty_window=1000), max_new_tokens=0)
+    b = eng.resume(ckpt, new, strategy=eng.strategy("patchkv", {"dirty_window": 1000}), max_new_tokens=0)
+    assert a.stats.restore_tokens == b.stats.restore_tokens == 0 and torch.equal(a.logits, b.logits)

@@ -26,6 +26,7 @@ from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore,
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
 from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
 HERE = os.path.dirname(__file__)
@@ -382,7 +383,7 @@ def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, case)
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="p", version=len(old))
     store.put(key, ckpt)
-    full = resume_from_store(eng, store, key, new, dirty_window=10**6, max_new_tokens=0)
+    full = resume_from_store(eng, store, key, new, max_new_tokens=0, strategy=get_strategy("patchkv", {"dirty_window": 10**6}))
     exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
     assert full.stats["fallback"] is None
     assert (full.logits - exact.logits).abs().max().item() <= TOL

@@ -9,6 +9,7 @@ import torch
 from patchkv_agent import PatchKVEngine
 from test_recovery import assert_cache_equal, edited_pair, oracle
 from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
 
@@ -85,14 +86,14 @@ def test_head_rewrite_rule_recomputes_the_whole_suffix_and_is_exact(engine):
     ref_logits, ref = oracle(engine.model, new)
     torch.testing.assert_close(res.logits, ref_logits, atol=TOL, rtol=0)
     _kv_equal(res, ref, engine.model.config.num_hidden_layers)
-    off = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0, rewrite_share=1.0)
+    off = engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"rewrite_share": 1.0}), max_new_tokens=0)
     assert off.stats.head_rewrite is False and off.stats["restore_tokens"] > 0
     # a small edit in the middle is no rewrite: the plan restores as before
     small = old[:80] + [1, 2, 3] + old[84:]
     r = engine.resume(ckpt, small, strategy="patchkv", max_new_tokens=0)
     assert r.stats.head_rewrite is False and head_rewrite_share(r.edit, ckpt.scores) < 0.35
     with pytest.raises(ValueError, match="rewrite_share"):
-        engine.resume(ckpt, new, strategy="patchkv", rewrite_share=1.5)
+        engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"rewrite_share": 1.5}))
 
 
 def test_a_late_offload_job_never_releases_a_newer_jobs_heal(engine):

@@ -35,6 +35,7 @@ from patchkv_agent.kernels.rope import rope_delta_reference  # noqa: E402
 from patchkv_agent.runtime.kvstore import CheckpointKey, CorruptCheckpoint, decode_checkpoint, encode_checkpoint  # noqa: E402
 from patchkv_agent.runtime.kvstore.codec import meta_checksum  # noqa: E402
 from patchkv_agent.eval.tiny import tiny_engine  # noqa: E402
+from patchkv_agent.strategies import get_strategy  # noqa: E402
 
 NATIVE = pytest.mark.skipif(not native.available(), reason=f"native kernels {native.status()}")
 
@@ -374,7 +375,7 @@ def test_engine_restores_k4v4_blocks_as_the_reference():
     old = rng.integers(0, eng.spec.vocab_size, size=150).tolist()
     new = old[:40] + rng.integers(0, eng.spec.vocab_size, size=17).tolist() + old[50:]
     ckpt = _forced(eng.checkpoint(old))
-    res = eng.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=1)
+    res = eng.resume(ckpt, new, strategy=get_strategy("direct", {"precision": "mixed"}), max_new_tokens=1)
     assert res.stats["fallback"] is None
     old_pos = np.asarray(res.edit.suffix_old_positions[:-1])  # the last token is recomputed
     new_pos = np.asarray(res.edit.suffix_new_positions[:-1])
@@ -395,7 +396,7 @@ def test_engine_restores_k4v4_blocks_as_the_reference():
             torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
             assert torch.equal(got_v, v_hat[:, idx]), (layer, tag)
     assert seen == {"K4V4", "K8V4", "K8V8", "FP16"}
-    fp = eng.resume(ckpt, new, strategy="direct", precision="fp16", max_new_tokens=1)
+    fp = eng.resume(ckpt, new, strategy=get_strategy("direct", {"precision": "fp16"}), max_new_tokens=1)
     assert res.stats["payload_bytes"] < fp.stats["payload_bytes"]
 
 

@@ -10,6 +10,7 @@ import torch
 
 from patchkv_agent.eval.metrics import (fidelity, first_token_kl, normalize_answer, teacher_forced_agreement, token_f1,
                                         top1_agree)
+from patchkv_agent.strategies import get_strategy
 
 
 def test_first_token_kl_matches_the_definition():
@@ -70,7 +71,7 @@ def test_teacher_forced_agreement_equals_a_full_forward(eng):
     assert teacher_forced_agreement(eng, ref, arbitrary) == _oracle_tf(eng.model, new, arbitrary)
     assert teacher_forced_agreement(eng, ref, []) == 1.0
     # a patchkv resume with a window over the whole suffix is exact: its fidelity to exact is perfect
-    full = eng.resume(ckpt, new, strategy="patchkv", dirty_window=10_000, max_new_tokens=6)
+    full = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 10_000}), max_new_tokens=6)
     f = fidelity(eng, full, ref)
     assert f["top1_agree"] and f["exact_continuation"] and f["tf_agree"] == 1.0
     assert f["first_token_kl"] < 1e-8

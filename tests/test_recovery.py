@@ -8,6 +8,7 @@ import torch
 
 from patchkv_agent import PatchKVEngine
 from patchkv_agent.eval.tiny import FAMILIES, ROPE_VARIANTS, tiny_model
+from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
 
@@ -70,7 +71,7 @@ def test_patchkv_with_full_window_equals_exact(family):
     eng = engine(family)
     old, new = multi_edit_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
-    res = eng.resume(ckpt, new, strategy="patchkv", dirty_window=10**6, max_new_tokens=1)
+    res = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 10**6}), max_new_tokens=1)
     ref_logits, ref_cache = oracle(eng.model, new)
     assert (res.logits - ref_logits).abs().max().item() <= TOL
     assert_cache_equal(res.cache, ref_cache, eng.spec.num_layers)
@@ -124,7 +125,7 @@ def test_patchkv_recomputes_window_and_last_block_only():
     eng = engine("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     # random ids: the lexical reader signal is off here, so the plan is the window + last block alone
-    res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", readers="none", max_new_tokens=1)
+    res = eng.resume(eng.checkpoint(old), new, strategy=get_strategy("patchkv", {"readers": "none"}), max_new_tokens=1)
     s = res.stats
     assert s["prefix_tokens"] == 40 and s["new_tokens"] == 17
     # X (17) + window of 8 (one block of 8) + the last block of the suffix (block-aligned from the segment start)
@@ -142,7 +143,7 @@ def test_mixed_precision_restore_is_close_and_smaller():
     ckpt = eng.checkpoint(old)
     assert ckpt.mixed is not None and ckpt.mixed.nbytes < ckpt.nbytes
     fp = eng.resume(ckpt, new, strategy="direct", max_new_tokens=1)
-    mx = eng.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=1)
+    mx = eng.resume(ckpt, new, strategy=get_strategy("direct", {"precision": "mixed"}), max_new_tokens=1)
     newp = np.array(fp.edit.suffix_new_positions[:-1])
     for layer in range(eng.spec.num_layers):
         for a, b in ((fp.keys, mx.keys), (fp.values, mx.values)):
@@ -247,7 +248,7 @@ def test_resume_from_resident_result_without_offload():
     v0, v1 = edited_pair(eng.spec.vocab_size)
     v2 = v1[:60] + [7, 8] + v1[64:]
     r1 = eng.resume(eng.checkpoint(v0), v1, strategy="prefix", max_new_tokens=1)
-    r2 = eng.resume(r1, v2, strategy="patchkv", dirty_window=10**6, max_new_tokens=1)
+    r2 = eng.resume(r1, v2, strategy=get_strategy("patchkv", {"dirty_window": 10**6}), max_new_tokens=1)
     ref_logits, _ = oracle(eng.model, v2)
     assert (r2.logits - ref_logits).abs().max().item() <= TOL
     assert r2.stats["prefix_tokens"] == 60 and r2.stats["offload_s"] == 0.0

@@ -38,9 +38,9 @@ def ablation_grid(engine, prep: PreparedContext, *, kappas: Sequence[float], blo
     rows = []
     for b in blocks:
         for k in kappas:
-            res = engine.resume(prep.ckpt, list(prep.context.new_ids), strategy="patchkv",
-                                max_new_tokens=max_new_tokens, dirty_window=int(window), kappa=float(k),
-                                block_size=int(b), precision=precision, readers="none")
+            res = engine.resume(prep.ckpt, list(prep.context.new_ids), strategy=engine.strategy("patchkv", {
+                "dirty_window": int(window), "kappa": float(k), "block_size": int(b), "precision": precision,
+                "readers": "none"}), max_new_tokens=max_new_tokens)
             rows.append({"context": prep.context.id, "kappa": float(k), "block_size": int(b), "window": int(window),
                          **_score(engine, prep.ref, res)})
             del res

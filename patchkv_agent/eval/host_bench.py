@@ -171,7 +171,7 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
         if maxpos is not None and n + 20 * max(edits) > maxpos:
             raise ValueError(f"length {n} (plus edits) exceeds the model's {maxpos} positions")
     device = eng.device
-    strat = get_strategy("patchkv", readers="lexical")
+    strat = get_strategy("patchkv", {"readers": "lexical"})
     vocab = int(eng.spec.vocab_size or 4096)
     rows = []
     bar = tqdm(total=len(lengths) * len(edits), desc="bench-host", disable=not progress, file=sys.stderr)

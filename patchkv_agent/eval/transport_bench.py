@@ -11,6 +11,10 @@ Knows the engine, kernels and precision policy; writes JSON. Timings are medians
 measured side by side in one run (restores round-robin across the formats, after one warm-up
 restore each), for the default kernel path (the native restore on a CPU with a C compiler) and
 for the torch reference; nothing here is asserted by tests.
+
+``bench-transport --capture-cost`` measures instead what the attention statistics cost the checkpoint
+pass (:func:`capture_cost`: the same prefill with and without
+:class:`~patchkv_agent.core.capture.AttentionCapture`, alternated; target < 5 %).
 """
 
 from __future__ import annotations
@@ -256,8 +260,9 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500,
         old, new = (version_ids(engine, v) for v in tr["versions"][:2])
         ckpt = engine.checkpoint(old)
         ref = engine.resume(None, new, strategy="exact", max_new_tokens=0)
-        fp = engine.resume(ckpt, new, strategy="direct", precision="fp16", max_new_tokens=0)
-        mx = engine.resume(ckpt, new, strategy="direct", precision="mixed", max_new_tokens=0)
+        fp = engine.resume(ckpt, new, strategy=engine.strategy("direct", {"precision": "fp16"}), max_new_tokens=0)
+        mx = engine.resume(ckpt, new,
+                                      strategy=engine.strategy("direct", {"precision": "mixed"}), max_new_tokens=0)
         pk = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
         row = {"id": tr["id"], "kl_direct_fp16": first_token_kl(ref.logits, fp.logits),
                "kl_direct_mixed": first_token_kl(ref.logits, mx.logits),
@@ -276,8 +281,8 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500,
                 sig = tags.tobytes()
                 if sig not in seen:
                     mixed = quantize_mixed(list(ckpt.keys), list(ckpt.values), tags, block_size=bs)
-                    r = engine.resume(dataclasses.replace(ckpt, mixed=mixed), new, strategy="direct",
-                                      precision="mixed", max_new_tokens=0)
+                    r = engine.resume(dataclasses.replace(ckpt, mixed=mixed), new,
+                                      strategy=engine.strategy("direct", {"precision": "mixed"}), max_new_tokens=0)
                     seen[sig] = first_token_kl(ref.logits, r.logits)
                 row["policies"][name] = {"kl_direct_mixed": seen[sig], "n_blocks": len(tags),
                                          "blocks": {t.name: int((tags == int(t)).sum()) for t in Tag}}
@@ -312,7 +317,7 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
     count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
     traces = build_traces("hotpotqa-e", "replace_tool_result", n=n_contexts, split="eval",
                           target_tokens=target_tokens, count_tokens=count)
-    runs = {"direct": dict(strategy="direct", precision="fp16"), "patchkv": dict(strategy="patchkv")}
+    runs = {"direct": engine.strategy("direct", {"precision": "fp16"}), "patchkv": engine.strategy("patchkv")}
     times = {(s, p): [] for s in runs for p in ("auto", "torch")}
     kernel, identical, tokens = {}, True, []
     for tr in tqdm(traces, desc="engine restore"):
@@ -320,11 +325,11 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
         tokens.append(len(new))
         ckpt = engine.checkpoint(old)
         for _ in range(repeats):
-            for name, kw in runs.items():
+            for name, strat in runs.items():
                 logits = {}
                 for path in ("auto", "torch"):
                     with backend(path):
-                        res = engine.resume(ckpt, new, max_new_tokens=0, **kw)
+                        res = engine.resume(ckpt, new, strategy=strat, max_new_tokens=0)
                     times[name, path].append(res.stats["restore_s"])
                     logits[path] = res.logits
                     if path == "auto":
@@ -336,8 +341,68 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
             "kernel": kernel, "identical_logits": identical}
 
 
+def capture_cost(engine, *, n_tokens: int = 3000, repeats: int = 5, ids: list[int] | None = None) -> dict[str, Any]:
+    """Cost of the attention statistics (``capture``) in the checkpoint pass, against a plain prefill.
+
+    Times the same prefill forward (:func:`~patchkv_agent.core.recovery.execute` over the whole context, as
+    ``engine.checkpoint`` runs it) with and without :class:`~patchkv_agent.core.capture.AttentionCapture`
+    (the engine's capture window), alternating the two so that load swings hit both alike, after one
+    warm-up forward.
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
+        n_tokens: context length.
+        repeats: timed pairs (medians reported).
+        ids: the context's token ids (default: ``n_tokens`` of 2WikiMQA passages, which needs the
+            engine's tokenizer).
+
+    Returns:
+        ``{"tokens", "repeats", "threads", "plain_s", "capture_s", "extra", "all_s"}``; ``extra`` is the
+        relative extra time of the capture pass.
+    """
+    from ..core.capture import AttentionCapture
+    from ..core.recovery import FullRecompute, execute
+
+    ids_t = torch.tensor(_context(engine, n_tokens) if ids is None else list(ids), dtype=torch.long)
+    plan = FullRecompute(new_len=len(ids_t))
+    cap = AttentionCapture(engine.model, window=engine.settings.capture_window)
+    times: dict[str, list[float]] = {"plain": [], "capture": []}
+    with torch.inference_mode():
+        execute(engine.model, engine.spec, ids_t, plan)  # warm-up
+        for _ in range(repeats):
+            for mode in ("plain", "capture"):
+                cap.reset()
+                t = time.perf_counter()
+                if mode == "plain":
+                    execute(engine.model, engine.spec, ids_t, plan)
+                else:
+                    with cap:
+                        execute(engine.model, engine.spec, ids_t, plan)
+                    cap.scores()
+                times[mode].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"tokens": len(ids_t), "repeats": repeats, "threads": torch.get_num_threads(), "plain_s": med["plain"],
+            "capture_s": med["capture"], "extra": med["capture"] / med["plain"] - 1.0, "all_s": times}
+
+
+def _capture_main(eng, args) -> int:
+    out = {"model": args.model, **capture_cost(eng, n_tokens=args.tokens, repeats=args.repeats)}
+    print(f"{out['tokens']} tokens: plain prefill {out['plain_s']:.3f} s, with capture {out['capture_s']:.3f} s "
+          f"({out['extra'] * 100:+.1f} %; median of {args.repeats}, alternating)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(args) -> int:
     from ..engine import PatchKVEngine
+
+    capture = getattr(args, "capture_cost", False)
+    if args.tokens is None:
+        args.tokens = 3000 if capture else 8192
+    if args.out is None:
+        args.out = "runs/capture_cost.json" if capture else "runs/transport.json"
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -347,6 +412,8 @@ def main(args) -> int:
     if getattr(args, "tau_ll", None) is not None:  # K4V4 on (e.g. 0.05, K4V4_TAU_LL) or off (0)
         pol = eng.settings.precision_policy
         eng.settings = eng.settings.replace(precision_policy=dataclasses.replace(pol, tau_LL=min(args.tau_ll, pol.tau_L)))
+    if capture:
+        return _capture_main(eng, args)
     result = {"model": args.model, "profile": eng.profile_path, "block_size": eng.settings.block_size,
               "precision_policy": dataclasses.asdict(eng.settings.precision_policy), "transport": transport_bench(eng, n_tokens=args.tokens, repeats=args.repeats)}
     if args.kl_contexts:
@@ -390,13 +457,17 @@ def main(args) -> int:
 def add_cli(sub) -> None:
     p = sub.add_parser("bench-transport", help="payload/store/restore of FP16, INT8, INT4, INT4K and mixed checkpoints")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="checkpoint length (default 8192; with --capture-cost 3000)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kl-contexts", type=int, default=4)
     p.add_argument("--engine-contexts", type=int, default=2,
                    help="edited ~3k-token contexts for resume restore_s per kernel path (0: skip)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default="runs/transport.json")
+    p.add_argument("--out", default=None,
+                   help="result JSON (default runs/transport.json; with --capture-cost runs/capture_cost.json)")
+    p.add_argument("--capture-cost", action="store_true",
+                   help="only time the checkpoint pass with and without its attention statistics (capture_cost)")
     p.add_argument("--profile", default="auto",
                    help="calibration profile: 'auto' (by model fingerprint), 'none' (built-in defaults) or a JSON path")
     p.add_argument("--block-size", type=int, default=None, help="default: the profile's, else 32")

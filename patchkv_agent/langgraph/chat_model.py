@@ -164,30 +164,42 @@ class PatchKVChatModel(BaseChatModel):
         return self
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | None = None, *, registry_options: dict[str, Any] | None = None,
-                        **kwargs: Any) -> "PatchKVChatModel":
+    def from_pretrained(cls, name_or_path: str | None = None, *, dtype: Any = None, device: str = "cpu",
+                        settings: Any = None, profile: Any = "auto", profile_dirs: Sequence[str] = (),
+                        registry_options: dict[str, Any] | None = None, **fields: Any) -> "PatchKVChatModel":
         """Load a model and build engine, registry and chat model in one call.
 
         Args:
             name_or_path: ``"smollm2-135m"`` (default), an HF id, a local directory or a ``.gguf`` path.
+            dtype: parameter dtype (default float32).
+            device: where the model runs.
+            settings, profile, profile_dirs: the engine's recovery settings, as for
+                :class:`~patchkv_agent.engine.PatchKVEngine` (``settings=RecoverySettings(kappa=...)``; a
+                profile is looked up only without ``settings``).
             registry_options: :class:`~patchkv_agent.runtime.threads.ThreadRegistry` options (budgets, store ...).
-            **kwargs: chat-model fields (``max_tokens``, ``temperature``, ``strategy`` ...) go to the chat
-                model; everything else (``dtype``, ``device``, ``block_size``, ``profile`` ...) to
-                :meth:`PatchKVEngine.from_pretrained <patchkv_agent.engine.PatchKVEngine.from_pretrained>`.
+            **fields: chat-model fields (``max_tokens``, ``temperature``, ``strategy``, ``strategy_options`` ...).
 
         Returns:
             The chat model (``.engine``, ``.registry`` reach the rest).
 
         Raises:
             FileNotFoundError, ValueError: see :func:`patchkv_agent.loading.load_model`.
+            TypeError: a keyword that is not a chat-model field (engine settings go in ``settings=``).
         """
-        from ..loading import DEFAULT_MODEL
-        from ..engine import PatchKVEngine
+        import torch
 
-        fields = set(cls.model_fields) | {"max_tokens"}
-        chat = {k: kwargs.pop(k) for k in list(kwargs) if k in fields and k not in ("registry",)}
-        engine = PatchKVEngine.from_pretrained(name_or_path or DEFAULT_MODEL, **kwargs)
-        return cls(registry=ThreadRegistry(engine, **(registry_options or {})), **chat)
+        from ..engine import PatchKVEngine
+        from ..loading import DEFAULT_MODEL
+
+        known = set(cls.model_fields) | {"max_tokens"}
+        bad = sorted(k for k in fields if k not in known or k == "registry")
+        if bad:
+            raise TypeError(f"PatchKVChatModel.from_pretrained got {bad}, which are not chat-model fields; engine "
+                            "settings go in settings=RecoverySettings(...), registry options in registry_options=")
+        engine = PatchKVEngine.from_pretrained(name_or_path or DEFAULT_MODEL, dtype=dtype or torch.float32,
+                                               device=device, settings=settings, profile=profile,
+                                               profile_dirs=profile_dirs)
+        return cls(registry=ThreadRegistry(engine, **(registry_options or {})), **fields)
 
     @property
     def engine(self):
@@ -450,8 +462,8 @@ class PatchKVChatModel(BaseChatModel):
         sampler = Sampler(opt["params"], processor)
         explicit = opt["key"]
         key = self._thread_key(run_manager, ThreadKey(tuple(explicit)) if explicit else None)
-        stream = self.registry.stream(key, ids, strategy=opt["strategy"], max_new_tokens=opt["max_new"],
-                                      sampler=sampler, **opt["strategy_options"])
+        strategy = self.engine.strategy(opt["strategy"], opt["strategy_options"])  # options checked by name
+        stream = self.registry.stream(key, ids, strategy=strategy, max_new_tokens=opt["max_new"], sampler=sampler)
         _dispatch(run_manager, CONTEXT_EVENT, {"thread_key": list(key) if key else None, "messages": trace,
                                                "token_ids": list(map(int, ids)), "mode": mode})
         stops = [s for s in list(stop or []) + list(self.stop or []) if s]

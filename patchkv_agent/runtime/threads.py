@@ -69,6 +69,7 @@ from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
 from ..results import ResumeResult, RuntimeStats
+from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
@@ -319,18 +320,19 @@ class ThreadRegistry:
 
     # ---------------------------------------------------------------- resume
 
-    def stream(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
-               sampler: Sampler | None = None, **options) -> TokenStream:
+    def stream(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
+               max_new_tokens: int = 16, sampler: Sampler | None = None) -> TokenStream:
         """Resume ``key``'s next context version and return a token stream over it (greedy unless ``sampler``).
 
         Args:
             key: the thread key (None: a one-off exact resume, nothing kept).
             token_ids: the new context version's ids.
-            strategy: the strategy when the thread has KV (``exact`` always recomputes).
+            strategy: the strategy when the thread has KV (``exact`` always recomputes): a name, or a
+                :class:`~patchkv_agent.strategies.Strategy` built with its options
+                (``PatchKVStrategy(kappa=0.1)``; ``engine.strategy(name, options)`` from a mapping).
             max_new_tokens: tokens to draw at most.
             sampler: a :class:`~patchkv_agent.core.sampling.Sampler` (sampling parameters, a logits processor
                 such as a grammar); None: greedy.
-            **options: strategy options (``dirty_window=``, ``kappa=`` ...).
 
         Returns:
             A :class:`TokenStream`; its ``result.stats`` holds the engine's resume stats plus
@@ -344,6 +346,8 @@ class ThreadRegistry:
         """
         ids = self.engine.validate_ids(token_ids)  # the public boundary's one validator
         max_new_tokens = self.engine.validate_max_new_tokens(max_new_tokens, len(ids))
+        strat = self.engine.strategy(strategy)  # an unknown name raises here, before any state changes
+        strategy = strat.name
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
@@ -368,8 +372,8 @@ class ThreadRegistry:
                 base, base_version, source, skey = self._base(th)
                 fallback = th.lost if base is None and skey is None else None
             if skey is not None:  # the store read runs outside the forward lock
-                res = resume_from_store(self.engine, self.store, skey, ids, strategy=strategy, max_new_tokens=0,
-                                        forward_lock=self.forward_lock, **options)
+                res = resume_from_store(self.engine, self.store, skey, ids, strategy=strat, max_new_tokens=0,
+                                        forward_lock=self.forward_lock)
                 if res.stats.strategy == "exact" and res.stats.fallback is not None:
                     base_version, source = None, "none"  # evicted, corrupt, missing: exact, reason recorded
             else:
@@ -377,7 +381,7 @@ class ThreadRegistry:
                     if base is None:
                         res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
                     else:
-                        res = self.engine.resume(base, ids, strategy=strategy, max_new_tokens=0, **options)
+                        res = self.engine.resume(base, ids, strategy=strat, max_new_tokens=0)
             th.version += 1
             th.token_ids, th.lost, th.heal_stats = ids, None, None
             th.resident = dataclasses.replace(res, cache=None, output_ids=[])
@@ -398,23 +402,25 @@ class ThreadRegistry:
         self._enforce_resident_budget(keep=key)
         return TokenStream(self, th, version, res, max_new_tokens, sampler)
 
-    def generate(self, key: ThreadKey | None, token_ids, *, strategy: str = "patchkv", max_new_tokens: int = 16,
-                 **options) -> ResumeResult:
+    def generate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
+                 max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
         """Resume ``key``'s next context version and decode greedily (see :meth:`stream`).
 
         Returns:
             The :class:`~patchkv_agent.engine.ResumeResult` (``output_ids`` filled, ``cache`` holding the
             context and the decoded tokens except the last).
         """
-        s = self.stream(key, token_ids, strategy=strategy, max_new_tokens=max_new_tokens, **options)
+        s = self.stream(key, token_ids, strategy=strategy, max_new_tokens=max_new_tokens, sampler=sampler)
         for _ in s:
             pass
         return s.result
 
-    async def agenerate(self, key: ThreadKey | None, token_ids, **kwargs) -> ResumeResult:
+    async def agenerate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
+                        max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
         """Async twin of :meth:`generate` (runs in the default executor)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, **kwargs))
+        return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, strategy=strategy,
+                                                                      max_new_tokens=max_new_tokens, sampler=sampler))
 
     def _base(self, th: ThreadState):
         """Where to resume ``th`` from: ``(checkpoint, version, source, store_key)``.

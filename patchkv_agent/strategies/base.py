@@ -12,6 +12,8 @@ Knows plans, settings and checkpoints, not models' loading, the engine or LangGr
 
 from __future__ import annotations
 
+import inspect
+
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping
 
@@ -125,14 +127,38 @@ def register_strategy(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
-def get_strategy(strategy: "str | Strategy", **options) -> Strategy:
-    """Resolve a strategy name (with options) or pass an instance through.
+def get_strategy(strategy: "str | Strategy", options: "Mapping[str, Any] | None" = None) -> Strategy:
+    """Resolve a strategy name (with its options) or pass an instance through.
+
+    The one place a name and a mapping of options (a chat model's ``strategy_options``, a command line)
+    become a strategy: the options are checked against the strategy's own keyword arguments, whose
+    values are checked against :class:`~patchkv_agent.core.settings.RecoverySettings`.
+
+    Args:
+        strategy: a registered name (``exact``, ``prefix``, ``direct``, ``patchkv``, ``cacheblend``) or a
+            :class:`Strategy` instance (built with its options: ``PatchKVStrategy(kappa=0.1)``).
+        options: the strategy's keyword arguments by name (names only with a strategy name).
+
+    Returns:
+        The strategy.
 
     Raises:
-        ValueError: unknown name; the message lists the registered ones.
+        ValueError: an unknown name (the message lists the registered ones), an option the strategy does
+            not take (the message lists the ones it does), options given with an instance, or an option
+            value out of range.
     """
     if isinstance(strategy, Strategy):
+        if options:
+            raise ValueError(f"options {sorted(options)} given with a {type(strategy).__name__} instance: "
+                             "build the instance with them instead")
         return strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    return STRATEGIES[strategy](**options)
+    cls = STRATEGIES[strategy]
+    opts = dict(options or {})
+    params = inspect.signature(cls.__init__).parameters
+    takes = sorted(n for n, p in params.items() if n != "self" and p.kind is p.KEYWORD_ONLY)
+    bad = sorted(k for k in opts if k not in takes)
+    if bad:
+        raise ValueError(f"strategy {strategy!r} takes no option {bad}; its options: {takes or 'none'}")
+    return cls(**opts)

@@ -87,7 +87,7 @@ def _misfit(engine, ckpt) -> str | None:
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
-                      max_new_tokens: int = 16, forward_lock=None, **options):
+                      max_new_tokens: int = 16, forward_lock=None):
     """Resume the context ``new_token_ids`` from the checkpoint stored under ``key``.
 
     Args:
@@ -95,11 +95,11 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         store: the tier holding the thread's checkpoint.
         key: the checkpoint's key (thread, version, fingerprint, ids hash), e.g. from ``store.key_for``.
         new_token_ids: ids of the new context version.
-        strategy: the strategy when the checkpoint is usable (``exact`` never reads the store).
+        strategy: the strategy (a name or a :class:`~patchkv_agent.strategies.Strategy` built with its
+            options) when the checkpoint is usable (``exact`` never reads the store).
         max_new_tokens: greedy tokens to decode.
         forward_lock: an extra lock held around the engine call (not the store read); None: none. The
             engine serialises its forward passes with its own ``forward_lock`` in any case.
-        **options: strategy options (``dirty_window=``, ``kappa=`` ...).
 
     Returns:
         The engine's :class:`~patchkv_agent.engine.ResumeResult`; ``stats`` adds ``store_tier``,
@@ -109,11 +109,11 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
-    engine.strategy(strategy, **options)  # misuse raises before any I/O (the engine resolves strategies)
+    strat = engine.strategy(strategy)  # misuse raises before any I/O (the engine resolves strategies)
     new_token_ids = engine.validate_ids(new_token_ids, "new_token_ids")
     engine.validate_max_new_tokens(max_new_tokens, len(new_token_ids))
     t0 = time.perf_counter()
-    if strategy == "exact":
+    if strat.name == "exact":
         store.check_key(key)
         ckpt, reason = None, None
     else:
@@ -124,7 +124,7 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
             res = engine.resume(None, new_token_ids, strategy="exact", max_new_tokens=max_new_tokens)
             res.stats.fallback = reason
         else:
-            res = engine.resume(ckpt, new_token_ids, strategy=strategy, max_new_tokens=max_new_tokens, **options)
+            res = engine.resume(ckpt, new_token_ids, strategy=strat, max_new_tokens=max_new_tokens)
     res.stats = res.stats.extend(RuntimeStats, store_tier=store.tier, store_get_s=get_s, store_key=key.digest,
-                                 requested_strategy=strategy)
+                                 requested_strategy=strat.name)
     return res
