@@ -312,3 +312,35 @@ def test_plan_partitions_new_context(n_old, ops, kappa, d, block_size, seed):
     blocks = suffix_blocks(edit, block_size=block_size, keep_from=rep.prefix_len)
     dirty = blocks.new_positions[blocks.distance < d]
     assert np.isin(dirty, rep.recompute_positions).all()
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("window", [1, 31, 100, 10_000])
+def test_recency_window_recomputes_the_last_restored_tokens_blocks(seed, window):
+    """The recency rule against its definition: take the plan without it, the last ``window`` tokens it
+    restores (by new position), and recompute their whole blocks; nothing else changes."""
+    r = np.random.default_rng(seed)
+    old = r.integers(0, 500, size=int(r.integers(80, 400))).astype(np.int64)
+    cut = int(r.integers(1, len(old) - 10))
+    new = np.concatenate([old[:cut], marks(int(r.integers(1, 20))), old[cut + int(r.integers(0, 9)):]])
+    edit = diff_versions(old, new)
+    scores = r.random(len(old)).astype(np.float32)
+    kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 40))), kappa=0.05, block_size=16)
+    base = plan_repair(edit, scores, **kw)
+    got = plan_repair(edit, scores, recent_window=window, **kw)
+    check_partition(got, edit)
+    blocks_of = np.searchsorted(base.block_ends, base.restore_new_positions, side="right")
+    want = set(base.repair_blocks.tolist()) | set(blocks_of[-window:].tolist())
+    assert set(got.repair_blocks.tolist()) == want
+    assert got.n_recent == len(want) - len(base.repair_blocks)
+    assert set(base.recompute_positions.tolist()) <= set(got.recompute_positions.tolist())
+    if window >= len(base.restore_new_positions):
+        assert got.n_restore == 0  # the whole suffix is recomputed
+    assert plan_repair(edit, scores, recent_window=0, **kw).repair_blocks.tolist() == base.repair_blocks.tolist()
+
+
+def test_recency_window_is_validated():
+    edit = diff_versions(np.arange(50), np.concatenate([np.arange(20), marks(3), np.arange(25, 50)]))
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="recent_window"):
+            plan_repair(edit, None, length_model=LengthModel.fixed(4), recent_window=bad)

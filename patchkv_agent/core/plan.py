@@ -11,7 +11,9 @@ span. ``D`` = the first ``d_hat`` suffix tokens after each edited span (``suffix
 ``L`` = the *reader blocks* of the edit (:func:`lexical_reader_scores`: suffix blocks that share rare tokens
 with the tokens an edit removed or added; downstream tokens that mention what was edited carry notes of
 it, computed while the old version was in view), adding at most ``reader_budget`` to the recompute,
-``R = BlockRound(D | H) | L`` plus the block holding the last context token; ``F`` = the other blocks.
+``W`` = the blocks of the last ``recent_window`` tokens the rest would restore (the recency rule: the rows
+nearest the generation point, which the next action reads most),
+``R = BlockRound(D | H) | L | W`` plus the block holding the last context token; ``F`` = the other blocks.
 
 Per-span length features (shared with the calibration profiler through :func:`span_features`): for
 edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k| + |M_new_k|``,
@@ -55,6 +57,7 @@ __all__ = [
     "plan_direct",
     "head_rewrite_share",
     "DEFAULT_REWRITE_SHARE",
+    "DEFAULT_RECENT_WINDOW",
 ]
 
 DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, transfer and precision tags
@@ -65,6 +68,10 @@ DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a cal
 # scripts/rewrite_study.py, docs/RESULTS.md "Head rewrites"): their shares were 0.39-0.62, a 94-token
 # removal's 0.04
 DEFAULT_REWRITE_SHARE = 0.35
+# recency rule (plan_repair): the last restored tokens before the generation point are recomputed too; the
+# next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 512, chosen by
+# next-action agreement on agent-clear / agent-offload resumes, docs/RESULTS.md "Recency window")
+DEFAULT_RECENT_WINDOW = 0
 REWRITE_ATTENTION = 4.0  # removed attention share counts this many times (recent queries read ~1/4 of a summarized head)
 
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
@@ -231,6 +238,7 @@ class RepairPlan:
     n_dirty: int = 0  # |D|
     n_high: int = 0  # |H|
     n_readers: int = 0  # reader blocks added beyond BlockRound(D | H)
+    n_recent: int = 0  # blocks the recency rule added
     head_rewrite: bool = False  # the rewrite rule fired: every suffix token is recomputed
 
     @property
@@ -300,7 +308,7 @@ def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
 
 def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strategy: str, prefix_len: int,
            d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0,
-           n_readers: int = 0, head_rewrite: bool = False) -> RepairPlan:
+           n_readers: int = 0, n_recent: int = 0, head_rewrite: bool = False) -> RepairPlan:
     """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
     new_len = edit.new_len
     tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
@@ -334,6 +342,7 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         n_dirty=int(n_dirty),
         n_high=int(n_high),
         n_readers=int(n_readers),
+        n_recent=int(n_recent),
         head_rewrite=bool(head_rewrite),
     )
 
@@ -469,8 +478,8 @@ def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
                 block_size: int = DEFAULT_BLOCK_SIZE, readers: str = "none",
                 reader_budget: float = DEFAULT_READER_BUDGET,
-                rewrite_share: float = DEFAULT_REWRITE_SHARE) -> RepairPlan:
-    """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L`` and the last token; restore ``F``.
+                rewrite_share: float = DEFAULT_REWRITE_SHARE, recent_window: int = 0) -> RepairPlan:
+    """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L | W`` and the last token; restore ``F``.
 
     Args:
         edit: diff of the checkpointed (old) and the new context version.
@@ -488,9 +497,14 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             history, every restored row was computed with the removed history in view, its drift grows
             with depth, and no selective plan held the next action (docs/RESULTS.md, "Head rewrites"),
             in ``[0, 1]`` (1.0: off).
+        recent_window: the recency rule ``W``: the blocks holding the last ``recent_window`` suffix tokens
+            that the rest of the plan would restore are recomputed too (the rows the next action reads
+            most, nearest the generation point), ``>= 0`` (0: off, :data:`DEFAULT_RECENT_WINDOW`; a calibration
+            profile sets a model's window).
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``; when there are any and ``scores``
-        is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention).
+        is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention;
+        ``n_recent``: the blocks the recency rule added).
     Raises:
         ValueError: on an empty new context, ``kappa``, ``reader_budget`` or ``rewrite_share`` outside ``[0, 1]``, an unknown
             ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
@@ -503,6 +517,8 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         raise ValueError(f"reader_budget must be in [0, 1], got {reader_budget}")
     if not 0.0 <= rewrite_share <= 1.0:
         raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
+    if isinstance(recent_window, bool) or not isinstance(recent_window, (int, np.integer)) or recent_window < 0:
+        raise ValueError(f"recent_window must be an int >= 0, got {recent_window!r}")
     prefix_len, blocks = _prep(edit, block_size)
     sc = None
     if scores is not None:
@@ -547,8 +563,14 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             top = rest[np.lexsort((rest, -bmax[rest]))[:READER_ATTENTION_BLOCKS]]
             repair[top] = True
             n_readers += int(top.size)
+    n_recent = 0
+    if recent_window > 0 and blocks.n_blocks:  # W: the last restored tokens, nearest the generation point
+        restored = np.flatnonzero(~repair[blocks.token_block])
+        add = np.unique(blocks.token_block[restored[-int(recent_window):]])
+        repair[add] = True
+        n_recent = int(add.size)
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
-                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers)
+                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers, n_recent=n_recent)
 
 
 def plan_suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> SuffixBlocks:

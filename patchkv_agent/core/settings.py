@@ -17,8 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, DEFAULT_REWRITE_SHARE, READERS,
-                   LengthModel)
+from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, DEFAULT_RECENT_WINDOW,
+                   DEFAULT_REWRITE_SHARE, READERS, LengthModel)
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
@@ -54,6 +54,8 @@ class RecoverySettings:
             attention read (a head rewrite: a summary replacing the history), recomputes every suffix
             token (see :func:`~patchkv_agent.core.plan.plan_repair`), in ``[0, 1]``; 1.0 turns the rule
             off.
+        recent_window: the recency rule: the last this many tokens a plan would restore are recomputed
+            (see :func:`~patchkv_agent.core.plan.plan_repair`), ``>= 0`` (0: off).
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -69,10 +71,13 @@ class RecoverySettings:
     readers: str = "lexical"
     reader_budget: float = DEFAULT_READER_BUDGET
     rewrite_share: float = DEFAULT_REWRITE_SHARE
+    recent_window: int = DEFAULT_RECENT_WINDOW
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
+            raise ValueError(f"recent_window must be an int >= 0, got {self.recent_window!r}")
         if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
             raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
         for name in ("kappa", "reader_budget", "rewrite_share"):  # shares in [0, 1], stored as floats

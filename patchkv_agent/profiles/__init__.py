@@ -61,6 +61,7 @@ class Profile:
         kappa: high-attention share, in ``[0, 1]``.
         block_size: block size in tokens, ``>= 1``.
         readers: the reader signal (None: an older profile; the base settings' own is kept).
+        recent_window: the recency rule's window (None: an older profile; the base settings' own is kept).
         precision_policy: the calibrated per-block precision policy (None: not calibrated; defaults kept).
         path: the file it was read from (None: built from a dict).
         match: how it was found: ``"fingerprint"``, ``"name"``, ``"explicit"`` (a path) or ``"given"``.
@@ -73,6 +74,7 @@ class Profile:
     kappa: float
     block_size: int
     readers: str | None = None
+    recent_window: int | None = None
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
     match: str = "given"
@@ -104,6 +106,9 @@ class Profile:
             readers = data.get("readers")
             if readers is not None and readers not in READERS:
                 raise ValueError(f"readers={readers!r} (need one of {list(READERS)})")
+            recent = data.get("recent_window")
+            if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
+                raise ValueError(f"recent_window={recent!r} (need an int >= 0)")
             policy = _policy(data.get("precision_policy"))
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
@@ -111,7 +116,8 @@ class Profile:
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{where} is malformed: {e}; recalibrate with 'patchkv-agent calibrate'") from None
         return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
-                   kappa=float(kappa), block_size=int(block), readers=readers, precision_policy=policy,
+                   kappa=float(kappa), block_size=int(block), readers=readers, recent_window=recent,
+                   precision_policy=policy,
                    path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
 
     def fields(self) -> dict[str, Any]:
@@ -119,6 +125,8 @@ class Profile:
         out: dict[str, Any] = {"length_model": self.length_model, "kappa": self.kappa, "block_size": self.block_size}
         if self.readers is not None:
             out["readers"] = self.readers
+        if self.recent_window is not None:
+            out["recent_window"] = self.recent_window
         if self.precision_policy is not None:
             out["precision_policy"] = self.precision_policy
         return out

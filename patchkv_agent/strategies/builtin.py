@@ -4,7 +4,7 @@ plan that :func:`patchkv_agent.core.recovery.execute` runs.
 - ``exact``: full prefill of ``C_new`` (the oracle); ignores the checkpoint.
 - ``prefix``: reuse ``P``, recompute all of ``M_new + S`` (the Prefix Cache baseline; exact).
 - ``direct``: recompute ``X`` and the last token, restore all of ``S`` RoPE-corrected (stale history).
-- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L`` (``L``: the edit's reader blocks) and the last
+- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L ∪ W`` (``L``: the edit's reader blocks, ``W``: the recency window) and the last
   block; restore ``F``.
 
 Knows plans and the recovery settings, not models or LangGraph.
@@ -66,6 +66,7 @@ class PatchKVStrategy(Strategy):
         readers: ``"lexical"`` or ``"none"``: the reader-block signal (default: the settings').
         reader_budget: the most suffix blocks (a share) added as reader blocks.
         rewrite_share: the head-rewrite rule's threshold (1.0: off; default: the settings').
+        recent_window: the recency rule's window in tokens (0: off; default: the settings').
 
     Raises:
         ValueError: an option outside its range.
@@ -75,10 +76,11 @@ class PatchKVStrategy(Strategy):
 
     def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
                  block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
-                 reader_budget: float | None = None, rewrite_share: float | None = None):
+                 reader_budget: float | None = None, rewrite_share: float | None = None,
+                 recent_window: int | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
-                           reader_budget=reader_budget, rewrite_share=rewrite_share)
+                           reader_budget=reader_budget, rewrite_share=rewrite_share, recent_window=recent_window)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
@@ -90,4 +92,5 @@ class PatchKVStrategy(Strategy):
         s = self.resolve(settings)
         scores = ckpt.scores if ckpt is not None else None
         return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
-                           readers=s.readers, reader_budget=s.reader_budget, rewrite_share=s.rewrite_share)
+                           readers=s.readers, reader_budget=s.reader_budget, rewrite_share=s.rewrite_share,
+                           recent_window=s.recent_window)
