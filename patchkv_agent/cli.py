@@ -355,12 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep --out and skip the (episode, version, strategy) rows already in it")
     p.set_defaults(func=cmd_replay)
 
-    from .eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS
+    from .eval.bench import DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, NOREADERS
 
     p = sub.add_parser("bench", help="replay the workloads' eval episodes under every strategy; summary + plots")
     _common(p)
-    p.set_defaults(strategies=",".join(DEFAULT_STRATEGIES))
-    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS))
+    p.set_defaults(strategies=None)  # resolved by _bench_defaults: DEFAULT_STRATEGIES, or with --follow ...
+    p.add_argument("--workloads", default=None, help=f"default: {','.join(DEFAULT_WORKLOADS)}; with --follow the "
+                                                       "four follow-* workloads")
+    p.add_argument("--follow", action="store_true",
+                   help="the edit-following benchmark: the follow-* workloads under "
+                        f"{','.join(FOLLOW_STRATEGIES)} unless --workloads / --strategies say otherwise "
+                        f"({NOREADERS}: patchkv with the reader blocks off)")
     p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
     p.add_argument("--n", type=int, default=30, help="episodes per workload")
     p.add_argument("--target-tokens", type=int, default=3000)
@@ -473,9 +478,25 @@ def _check_edit(args) -> None:
         raise UsageError(f"--edit: unknown edit {edit!r}; choose from {[*EDITS, 'all']}")
 
 
+def _bench_defaults(args) -> None:
+    """``bench``'s ``--workloads`` / ``--strategies`` when not given: the defaults, or with ``--follow`` the
+    edit-following ones (and ``patchkv-noreaders`` registered)."""
+    from .eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, register_noreaders
+    from .eval.follow import FOLLOW_WORKLOADS
+
+    if args.follow:
+        register_noreaders()
+    if args.workloads is None:
+        args.workloads = ",".join(FOLLOW_WORKLOADS if args.follow else DEFAULT_WORKLOADS)
+    if args.strategies is None:
+        args.strategies = ",".join(FOLLOW_STRATEGIES if args.follow else DEFAULT_STRATEGIES)
+
+
 def _check_command(args) -> None:
     """Command-specific checks beyond :func:`patchkv_agent.usage.check_ranges`."""
     cmd = args.command
+    if cmd == "bench":
+        _bench_defaults(args)
     if cmd in ("demo", "replay", "bench", "bench-loop"):
         _check_strategies(args.strategies)
     if cmd == "demo":

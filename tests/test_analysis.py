@@ -282,3 +282,30 @@ def test_analysis_notebook_runs_without_a_model(monkeypatch):
     outputs, text = run_notebook("analysis.ipynb")
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4
     assert "| selector | n |" in text and "command:" in text
+
+
+def test_profile_figure_from_a_profile_and_its_drift_curves(tmp_path):
+    """The calibration figure (was scripts/figures.py): per distance block the least similar / mean token's
+    cosine over spans with a long enough suffix (oracle: the loop by hand), drawn and written with no model."""
+    from patchkv_agent.calibration.analysis.cli import main
+    from patchkv_agent.calibration.analysis.plots import cosine_by_distance, plot_profile
+
+    rng = np.random.default_rng(0)
+    lengths = [300, 40, 700]  # the short span (S < 256) is left out
+    dev = [rng.random(n).astype(np.float32) * 0.2 for n in lengths]
+    drift = {"offsets": np.cumsum([0] + lengths), "deviation": np.concatenate(dev), "S": np.array(lengths)}
+    starts, p10, p50, p90, n = cosine_by_distance(drift, block=100, max_distance=500)
+    assert starts.tolist() == [0, 100, 200, 300, 400] and n.tolist() == [2, 2, 2, 1, 1]
+    for j, a in enumerate(starts):
+        mins = [1.0 - float(d[a:a + 100].max()) for d, s in zip(dev, lengths) if s >= 256 and a < d.size]
+        assert np.allclose([p10[j], p50[j], p90[j]], np.percentile(mins, [10, 50, 90]))
+    means = cosine_by_distance(drift, block=100, max_distance=500, reduce="mean")[2]
+    assert np.isclose(means[3], 1.0 - float(dev[2][300:400].mean()))
+
+    prof = {"model": "tiny", "tau_v": 0.15, "quantile": 0.9, "validation_coverage": 1.0,
+            "labels": [{"split": "calib", "d_hat": 16, "d_star": 0}, {"split": "validation", "d_hat": 32, "d_star": 20}]}
+    assert plot_profile(prof, drift, tmp_path / "fig.png", block=100) is not None and (tmp_path / "fig.png").stat().st_size
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    np.savez(tmp_path / "p.drift.npz", **drift)  # beside the profile: found without --drift
+    assert main(["--profile-figure", str(tmp_path / "p.json"), "--out-dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "value_cosine_by_distance.png").stat().st_size > 0

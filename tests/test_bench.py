@@ -198,3 +198,46 @@ def test_frontier_notebook_runs_top_to_bottom(tmp_path):
     outputs, text = run_notebook("frontier.ipynb")
     assert "| workload | strategy |" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+# ----------------------------------------------------------------------------------- options of the commands
+
+def test_cli_bench_follow_runs_the_edit_following_set(tmp_path, monkeypatch, one_torch_thread):
+    """``bench --follow`` (was scripts/bench_follow.py): the four follow-* workloads under the default
+    strategies and ``patchkv-noreaders``, whose plan recomputes less than patchkv's (no reader blocks)."""
+    from tiny_models import chat_engine
+
+    from patchkv_agent import cli
+    from patchkv_agent.eval.bench import FOLLOW_STRATEGIES, NOREADERS
+    from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
+    from patchkv_agent.strategies import STRATEGIES
+
+    monkeypatch.setattr(cli, "_engine", lambda args: chat_engine())
+    saved = dict(STRATEGIES)
+    try:
+        assert cli.main(["bench", "--follow", "--n", "1", "--target-tokens", "400", "--max-new-tokens", "1",
+                         "--out-dir", str(tmp_path)]) == 0
+    finally:
+        STRATEGIES.clear()
+        STRATEGIES.update(saved)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["workloads"] == list(FOLLOW_WORKLOADS) and set(s["strategies"]) == set(FOLLOW_STRATEGIES)
+    pooled = s["by_workload"]["all"]
+    assert pooled[NOREADERS]["n"] == pooled["patchkv"]["n"] == len(FOLLOW_WORKLOADS)
+    assert pooled[NOREADERS]["recompute_ratio_mean"] < pooled["patchkv"]["recompute_ratio_mean"]
+
+
+def test_cli_transport_capture_cost_on_a_tiny_model(tmp_path, monkeypatch, one_torch_thread):
+    """``bench-transport --capture-cost`` (was scripts/capture_cost.py): medians of the plain and the
+    capturing prefill of the same context, written as JSON."""
+    from tiny_models import chat_engine
+
+    from patchkv_agent import cli
+    from patchkv_agent.engine import PatchKVEngine
+
+    monkeypatch.setattr(PatchKVEngine, "from_pretrained", classmethod(lambda cls, *a, **k: chat_engine()))
+    out = tmp_path / "capture.json"
+    assert cli.main(["bench-transport", "--capture-cost", "--tokens", "120", "--repeats", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens"] == 120 and r["repeats"] == 2 and len(r["all_s"]["plain"]) == len(r["all_s"]["capture"]) == 2
+    assert r["plain_s"] > 0 and r["capture_s"] > 0 and r["extra"] == r["capture_s"] / r["plain_s"] - 1.0

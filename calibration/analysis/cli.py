@@ -57,7 +57,37 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precision", default="fp16", choices=["fp16", "mixed"],
                     help="(b, d) restore precision: checkpoint rows as stored, or the per-block mixed tags")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--profile-figure", default=None, metavar="PROFILE",
+                    help="only draw the calibration figure of this profile JSON and its drift curves (no model): "
+                         "value cosine by distance (--bin-size blocks) and d* vs d_hat, "
+                         "<out-dir>/value_cosine_by_distance.png")
+    ap.add_argument("--drift", default=None, help="with --profile-figure: the drift .npz (default: beside the "
+                                                   "profile, else calibration/profiles/<name>.drift.npz)")
     return ap
+
+
+def _profile_figure(args) -> int:
+    """``--profile-figure``: the calibration figure of a profile and its drift curves (no model)."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from .plots import _plt, plot_profile
+
+    prof_path = Path(args.profile_figure)
+    drift_path = Path(args.drift) if args.drift else prof_path.with_suffix(".drift.npz")
+    if not args.drift and not drift_path.is_file():  # the shipped profile's curves stay in calibration/profiles/
+        drift_path = Path(__file__).resolve().parents[1] / "profiles" / f"{prof_path.stem}.drift.npz"
+    try:
+        prof = json.loads(prof_path.read_text())
+        drift = dict(np.load(drift_path))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--profile-figure: {e}") from None
+    out = Path(args.out_dir) / "value_cosine_by_distance.png"
+    _plt().close(plot_profile(prof, drift, out, block=args.bin_size))
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit: bad arguments, or no context could be built.
     """
     args = build_parser().parse_args(argv)
+    if args.profile_figure:
+        return _profile_figure(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     figures = tuple(f.strip() for f in args.figures.split(",") if f.strip())

@@ -1,4 +1,5 @@
-"""The four figures from the analysis JSON alone (no model), and the writer of the JSON and the PNGs.
+"""The four figures from the analysis JSON alone (no model), the calibration figure of a profile and its
+drift curves (:func:`plot_profile`), and the writer of the JSON and the PNGs.
 
 The ``plot_*`` functions read only the JSON that :func:`..driver.run_analysis` returns, so the notebook
 (``notebooks/analysis.ipynb``) redraws the committed figures without a model.
@@ -210,6 +211,88 @@ def plot_ablation(data: dict, path: str | Path | None = None):
         ax.set_title(label, fontsize=10)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(f"{_title(data)}; fixed window {sec['window']} tokens", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def cosine_by_distance(drift, block: int = 32, max_distance: int = 1024, min_suffix: int = 256,
+                       reduce: str = "min"):
+    """Per distance block: (block starts, 10th, 50th, 90th percentile of cosine similarity, span counts).
+
+    Args:
+        drift: the drift curves ``.npz`` of a calibration (``metric="cosine"`` deviations; ``offsets``,
+            ``deviation``, ``S``), loaded.
+        block: distance bin in tokens.
+        max_distance: last distance shown.
+        min_suffix: only spans whose segment has at least this many tokens (short segments between two
+            nearby edits would only populate the first bins).
+        reduce: ``"min"`` (least similar token of the block) or ``"mean"``.
+    Returns:
+        Arrays ``starts, p10, p50, p90, n``.
+    """
+    off, dev, s = drift["offsets"], drift["deviation"].astype(np.float64), drift["S"]
+    starts = np.arange(0, max_distance, block)
+    per_bin: list[list[float]] = [[] for _ in starts]
+    for i in range(len(s)):
+        if s[i] < min_suffix:
+            continue
+        d = dev[off[i]:off[i + 1]]
+        for j, a in enumerate(starts):
+            if a < d.size:
+                seg = d[a:a + block]
+                per_bin[j].append(1.0 - float(seg.max() if reduce == "min" else seg.mean()))
+    keep = [j for j, v in enumerate(per_bin) if v]
+    q = np.array([np.percentile(per_bin[j], [10, 50, 90]) for j in keep]).reshape(-1, 3)
+    return starts[keep], q[:, 0], q[:, 1], q[:, 2], np.array([len(per_bin[j]) for j in keep])
+
+
+def plot_profile(prof: dict, drift, path: str | Path | None = None, *, block: int = 32):
+    """The calibration figure of a profile (``patchkv-agent calibrate``) and its drift curves, no model.
+
+    Left: value cosine similarity (stale restored V vs exact V, mean over profiled layers and KV heads) by
+    distance from the edit, in ``block``-token blocks: per block the least similar token (what ``d*``
+    compares with ``1 - tau_V``; median and 10-90 % band over spans) and the block mean (median). Right:
+    oracle ``d*`` against the length model's ``d_hat`` per span (calibration and validation tasks); points
+    on or under the diagonal are covered.
+
+    Args:
+        prof: the profile JSON (``model``, ``tau_v``, ``quantile``, ``labels``, ``validation_coverage``).
+        drift: its drift curves (:func:`cosine_by_distance`).
+        path: write a PNG here (None: only return the figure).
+        block: distance bin in tokens.
+    Returns:
+        The matplotlib figure.
+    """
+    plt = _plt()
+    starts, p10, p50, p90, n = cosine_by_distance(drift, block)
+    m_starts, _, m50, _, _ = cosine_by_distance(drift, block, reduce="mean")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    x = starts + block / 2
+    a1.fill_between(x, p10, p90, alpha=0.25, label="least similar token: 10-90 % of spans")
+    a1.plot(x, p50, marker="o", ms=3, label="least similar token: median")
+    a1.plot(m_starts + block / 2, m50, color="gray", lw=1, label="block mean: median")
+    a1.axhline(1 - prof["tau_v"], color="k", ls="--", lw=1, label=f"1 - tau_V = {1 - prof['tau_v']:.2f}")
+    a1.set_xlabel(f"distance from the edit (tokens, {block}-token blocks)")
+    a1.set_ylabel("value cosine similarity, restored vs exact")
+    a1.set_title(f"{prof['model']}: {int(n.max()) if n.size else 0} spans with |S| >= 256")
+    a1.legend(loc="lower right", fontsize=8)
+
+    lab = prof.get("labels", [])
+    for split, mk in (("calib", "o"), ("validation", "s")):
+        rows = [r for r in lab if r.get("split") == split]
+        if rows:
+            a2.scatter([max(r["d_hat"], 1) for r in rows], [max(r["d_star"], 1) for r in rows], marker=mk, s=16,
+                       alpha=0.7, label=f"{split} ({len(rows)} spans)")
+    lim = max([2] + [max(r["d_hat"], r["d_star"]) for r in lab]) * 1.3
+    a2.plot([1, lim], [1, lim], "k--", lw=1)
+    a2.set_xscale("log")
+    a2.set_yscale("log")
+    a2.set_xlabel("d_hat (length model)")
+    a2.set_ylabel("d* (oracle; 0 drawn at 1)")
+    cov = prof.get("validation_coverage")
+    a2.set_title(f"q={prof['quantile']}: validation coverage {cov:.2f}" if cov is not None else "coverage")
+    a2.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
 

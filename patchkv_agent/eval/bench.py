@@ -24,6 +24,10 @@ from .traces import ResultsFile, read_results  # noqa: F401  (read_results: re-e
 
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
+NOREADERS = "patchkv-noreaders"
+FOLLOW_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", NOREADERS, "patchkv")
+"""``bench --follow``'s strategies (on the edit-following workloads): the default ones and
+``patchkv-noreaders`` (:func:`register_noreaders`), so that one run measures what the reader blocks buy."""
 RESULTS_FILE = "results.jsonl"
 ALL = "all"  # the pooled group in a summary with several workloads
 
@@ -46,6 +50,27 @@ _COLUMNS = (  # (summary key, Markdown header, format)
 )
 # agent columns: shown when some group has a value (agent workloads; next action needs a tokenizer)
 _AGENT_COLUMNS = frozenset({"next_action", "next_action_restore", "next_action_after", "vs_floor"})
+
+
+def register_noreaders() -> str:
+    """Register ``patchkv-noreaders``: ``patchkv`` with the reader-block signal off (``readers="none"``, the
+    plan before edit-following: window + last block only); idempotent.
+
+    Returns:
+        The name, :data:`NOREADERS`.
+    """
+    from ..strategies import STRATEGIES, register_strategy
+    from ..strategies.builtin import PatchKVStrategy
+
+    if NOREADERS not in STRATEGIES:
+        class NoReaders(PatchKVStrategy):
+            name = NOREADERS
+
+            def __init__(self, **options):
+                super().__init__(**{**options, "readers": "none"})
+
+        register_strategy(NoReaders)
+    return NOREADERS
 
 
 # --------------------------------------------------------------------------- traces
