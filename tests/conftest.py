@@ -28,3 +28,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A throwaway redis-server on loopback (persistence off) for a test module; skips without redis."""
+    from kv_helpers import start_redis
+
+    srv = start_redis()
+    yield srv
+    srv.stop()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
+from patchkv_agent.runtime.kvstore import CheckpointKey, encode_checkpoint
 from patchkv_agent.eval.redis_server import RedisProcess
 
 REDIS_SKIP = ("Redis tier tests skipped: redis-server is not on PATH (Debian: apt-get install redis-server; "
@@ -59,6 +60,18 @@ def assert_same_payload(a, b) -> None:
         u = tb[name]
         assert t.shape == u.shape and t.dtype == u.dtype, name
         assert t.numel() == 0 or torch.equal(t.contiguous().view(torch.uint8), u.contiguous().view(torch.uint8)), name
+
+
+def put_entry(store, ckpt: Checkpoint, thread: str = "t", version: int = 1):
+    """Put ``ckpt`` under its key for (``thread``, ``version``); returns ``(key, put result)``."""
+    key = store.key_for(ckpt, thread_id=thread, version=version)
+    return key, store.put(key, ckpt)
+
+
+def payload_bytes(ckpt: Checkpoint) -> int:
+    """The bytes of ``ckpt``'s encoded blobs (what a store's budget counts)."""
+    meta, _ = encode_checkpoint(ckpt, CheckpointKey.of(ckpt, deployment="d", thread_id="t", version=0))
+    return sum(b["nbytes"] for b in meta["blobs"])
 
 
 def start_redis() -> RedisProcess:

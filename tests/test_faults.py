@@ -60,6 +60,7 @@ def exact(eng, pair):
 
 @pytest.fixture
 def redis_server():
+    """A fresh server per test (conftest's is per module): the fault tests stop it."""
     srv = start_redis()
     yield srv
     srv.stop()

@@ -1,12 +1,13 @@
-"""One conformance suite that every KV store tier passes (memory, disk, Redis), plus tier-specific checks.
+"""One conformance suite that every KV store tier passes (memory, disk, Redis): the store's contract, the
+integrity checks of issue 13 that hold on every tier, and the codec. Tier-specific checks (spill, disk
+crashes, Redis sharing, namespaces and index) are in ``test_kvstore_tiers.py``.
 
-The Redis tier runs against a real redis-server on loopback (started here) and skips with a clear
-message only when redis-server or the client is not installed.
+The Redis tier runs against a real redis-server on loopback (the ``redis_server`` fixture of conftest.py)
+and skips with a clear message only when redis-server or the client is not installed.
 
 Issue 13 (hardening): every byte read back is verified (metadata included) and a broken entry is
-quarantined; sizes come from verified data only; the disk replace never loses both copies; Redis
-namespaces are unambiguous and ``clear`` deletes exactly its own keys. Each of those findings has a test
-here (tier-generic ones in the conformance part) that fails on the code before the fix.
+quarantined; sizes come from verified data only. Each of those findings has a test here that fails on the
+code before the fix.
 """
 
 from __future__ import annotations
@@ -15,17 +16,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
-import stat
-import struct
 import threading
-import time
 import uuid
 
 import pytest
 import torch
 
-from kv_helpers import assert_same_checkpoint, make_ckpt, start_redis
+from kv_helpers import assert_same_checkpoint, make_ckpt, payload_bytes, put_entry
 from patchkv_agent.runtime.kvstore import (
     CheckpointKey,
     CheckpointMissing,
@@ -37,13 +34,6 @@ from patchkv_agent.runtime.kvstore import (
     encode_checkpoint,
 )
 from patchkv_agent.runtime.kvstore.codec import meta_checksum
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    srv = start_redis()
-    yield srv
-    srv.stop()
 
 
 class Tier:
@@ -143,18 +133,13 @@ def tier(request, tmp_path):
     return Tier(request.param, request, tmp_path)
 
 
-def _put(store, ckpt, thread="t", version=1):
-    key = store.key_for(ckpt, thread_id=thread, version=version)
-    return key, store.put(key, ckpt)
-
-
 # ----------------------------------------------------------------------------- conformance
 
 
 def test_put_get_contains_delete_roundtrip(tier):
     s = tier.open()
     c = make_ckpt(0)
-    key, r = _put(s, c)
+    key, r = put_entry(s, c)
     assert r.stored and r.nbytes > c.nbytes and r.evicted == ()  # K/V + mixed runs + ids + scores
     assert s.contains(key) and key in s and s.keys() == [key] and s.nbytes() == r.nbytes
     assert_same_checkpoint(s.get(key), c)
@@ -175,7 +160,7 @@ def test_missing_key_says_never_stored(tier):
 def test_overwrite_same_key_replaces_and_counts_once(tier):
     s = tier.open()
     c = make_ckpt(2)
-    key, r1 = _put(s, c)
+    key, r1 = put_entry(s, c)
     c2 = dataclasses.replace(c, stats={"source": "second"}, mixed=None)
     r2 = s.put(key, c2)
     assert s.keys() == [key] and s.nbytes() == r2.nbytes < r1.nbytes
@@ -185,16 +170,16 @@ def test_overwrite_same_key_replaces_and_counts_once(tier):
 
 def test_lru_eviction_order_under_budget(tier):
     cks = [make_ckpt(10 + i) for i in range(4)]
-    n = _probe_bytes(cks[0])
+    n = payload_bytes(cks[0])
     s = tier.open(budget_bytes=2 * n + n // 2)
-    a, _ = _put(s, cks[0], "a")
-    b, _ = _put(s, cks[1], "b")
+    a, _ = put_entry(s, cks[0], "a")
+    b, _ = put_entry(s, cks[1], "b")
     s.get(a)  # a is now more recent than b
-    c, r = _put(s, cks[2], "c")
+    c, r = put_entry(s, cks[2], "c")
     assert r.evicted == (b,) and s.keys() == [a, c] and s.nbytes() <= s.budget_bytes
     with pytest.raises(CheckpointMissing, match="evicted"):
         s.get(b)
-    d, r = _put(s, cks[3], "d")
+    d, r = put_entry(s, cks[3], "d")
     assert r.evicted == (a,) and s.keys() == [c, d]
     assert s.stats.evictions == 2 and s.stats.evicted_keys == [b, a]
     assert s.why_missing(a) and "evicted" in s.why_missing(a)
@@ -202,7 +187,7 @@ def test_lru_eviction_order_under_budget(tier):
 
 def test_checkpoint_larger_than_budget_is_refused_with_reason(tier):
     s = tier.open(budget_bytes=1000)
-    key, r = _put(s, make_ckpt(3))
+    key, r = put_entry(s, make_ckpt(3))
     assert not r.stored and "exceed" in r.reason and s.nbytes() == 0
     with pytest.raises(CheckpointMissing, match="exceed"):
         s.get(key)
@@ -211,7 +196,7 @@ def test_checkpoint_larger_than_budget_is_refused_with_reason(tier):
 def test_flipped_byte_is_detected_before_use(tier):
     s = tier.open()
     c = make_ckpt(4)
-    key, _ = _put(s, c)
+    key, _ = put_entry(s, c)
     tier.flip_byte(s, key, c)
     with pytest.raises(CorruptCheckpoint, match="checksum"):
         s.get(key)
@@ -222,7 +207,7 @@ def test_truncated_blob_is_detected(tier):
     if tier.name == "memory":
         pytest.skip("the memory tier holds tensors, not byte strings that can be cut short")
     s = tier.open()
-    key, _ = _put(s, make_ckpt(5))
+    key, _ = put_entry(s, make_ckpt(5))
     tier.truncate(s, key)
     with pytest.raises(CorruptCheckpoint, match="expected"):
         s.get(key)
@@ -233,7 +218,7 @@ def test_entry_of_another_thread_is_refused(tier):
         pytest.skip("the memory tier indexes objects by key: no bytes can land under another key")
     s = tier.open()
     c = make_ckpt(6)
-    ka, _ = _put(s, c, "thread-a")
+    ka, _ = put_entry(s, c, "thread-a")
     kb = s.key_for(c, thread_id="thread-b", version=1)
     tier.transplant(s, ka, kb)
     with pytest.raises(ForeignCheckpoint, match="thread"):
@@ -242,7 +227,7 @@ def test_entry_of_another_thread_is_refused(tier):
 
 def test_deployments_are_isolated(tier):
     s1, s2 = tier.open("alpha"), tier.open("beta")
-    key, _ = _put(s1, make_ckpt(7))
+    key, _ = put_entry(s1, make_ckpt(7))
     assert s2.keys() == [] and s2.nbytes() == 0
     with pytest.raises(ValueError, match="deployment 'alpha'.*store.key_for"):
         s2.get(key)
@@ -255,8 +240,8 @@ def test_survives_reopen(tier):
         pytest.skip("the memory tier lives and dies with its process")
     s = tier.open()
     cks = [make_ckpt(20), make_ckpt(21)]
-    a, _ = _put(s, cks[0], "a")
-    b, _ = _put(s, cks[1], "b")
+    a, _ = put_entry(s, cks[0], "a")
+    b, _ = put_entry(s, cks[1], "b")
     s.get(a)
     s.close()
     s2 = tier.open()  # a new process would see the same
@@ -266,7 +251,7 @@ def test_survives_reopen(tier):
 
 def test_concurrent_access_from_threads(tier):
     cks = [make_ckpt(30 + i, n=24) for i in range(8)]
-    budget = 4 * max(_probe_bytes(c) for c in cks)
+    budget = 4 * max(payload_bytes(c) for c in cks)
     s = tier.open(budget_bytes=budget)
     errors: list[BaseException] = []
 
@@ -292,7 +277,7 @@ def test_concurrent_access_from_threads(tier):
     assert not errors, errors
     assert s.nbytes() <= budget
     held = s.keys()
-    assert s.nbytes() == sum(_probe_bytes(cks[int(k.thread_id[1:])]) for k in held)
+    assert s.nbytes() == sum(payload_bytes(cks[int(k.thread_id[1:])]) for k in held)
     for k in held:
         assert_same_checkpoint(s.get(k), cks[int(k.thread_id[1:])])
     assert s.stats.evictions > 0
@@ -342,8 +327,8 @@ def test_damaged_metadata_is_refused_quarantined_and_never_breaks_the_next_call(
         pytest.skip("the memory tier holds its metadata as a dict, not as bytes")
     s = tier.open()
     c, other = make_ckpt(80), make_ckpt(81)
-    key, _ = _put(s, c, "victim")
-    okey, r = _put(s, other, "bystander")
+    key, _ = put_entry(s, c, "victim")
+    okey, r = put_entry(s, other, "bystander")
     tier.rewrite_meta(s, key, fn=fn, raw_fn=raw_fn, fix_checksum=fix)
     with pytest.raises(CorruptCheckpoint):
         s.get(key)
@@ -352,7 +337,7 @@ def test_damaged_metadata_is_refused_quarantined_and_never_breaks_the_next_call(
         s.get(key)  # the broken entry is out of service, not left to fail the next call the same way
     assert not s.contains(key) and s.keys() == [okey] and s.nbytes() == r.nbytes
     assert_same_checkpoint(s.get(okey), other)
-    k2, r2 = _put(s, c, "victim", version=2)  # the thread carries on
+    k2, r2 = put_entry(s, c, "victim", version=2)  # the thread carries on
     assert r2.stored
     assert_same_checkpoint(s.get(k2), c)
     if tier.persistent:
@@ -366,7 +351,7 @@ def test_quarantine_spares_an_entry_another_writer_replaced_meanwhile(tier, monk
         pytest.skip("only persistent tiers are shared with other writers")
     s, other = tier.open(), tier.open()
     c = make_ckpt(85)
-    key, _ = _put(s, c)
+    key, _ = put_entry(s, c)
     tier.rewrite_meta(s, key, fn=_set(["n_layers"], "2"), fix_checksum=True)
     real = type(s)._read
 
@@ -391,18 +376,18 @@ def test_damaged_size_records_cannot_evict_valid_entries_or_disable_the_budget(t
     if tier.name == "memory":
         pytest.skip("the memory tier's sizes never leave the process (nothing stored to damage)")
     cks = [make_ckpt(90 + i) for i in range(10)]
-    n = _probe_bytes(cks[0])
+    n = payload_bytes(cks[0])
     s = tier.open(budget_bytes=6 * n + n // 2)  # room for everything below but the last puts
-    keys = [_put(s, c, f"t{i}")[0] for i, c in enumerate(cks[:3])]
+    keys = [put_entry(s, c, f"t{i}")[0] for i, c in enumerate(cks[:3])]
     for bad, victim in ((10**15, keys[0]), (-(10**15), keys[1])):
         _damage_size(tier, s, victim, bad)
         s2 = tier.open(budget_bytes=s.budget_bytes)  # a fresh process reads the damaged record
-        k, r = _put(s2, cks[3 + (bad < 0)], f"new{bad < 0}")
+        k, r = put_entry(s2, cks[3 + (bad < 0)], f"new{bad < 0}")
         assert r.stored and set(r.evicted) <= {victim}, r.evicted  # no valid entry pays for the damage
         for other in keys[2:]:
             assert_same_checkpoint(s2.get(other), cks[keys.index(other)])
     for i, c in enumerate(cks[5:]):  # the budget still holds
-        _put(s2, c, f"more{i}")
+        put_entry(s2, c, f"more{i}")
         assert s2.nbytes() <= s2.budget_bytes and len(s2.keys()) <= 6
     assert s2.stats.evictions > 0
 
@@ -430,7 +415,7 @@ def test_a_fifo_in_place_of_an_entry_never_blocks(tier, tmp_path):
         pytest.skip("only the disk tier reads files")
     s = tier.open()
     c = make_ckpt(100)
-    key, _ = _put(s, c, "fifo")
+    key, _ = put_entry(s, c, "fifo")
     for p in (s.path_of(key), s.dir / "0123456789abcdef0123456789abcdef" / "meta.json"):
         p.parent.mkdir(exist_ok=True)
         if p.exists():
@@ -486,284 +471,3 @@ def test_codec_refuses_mismatched_key_and_damaged_metadata():
     del raw["k.1"]
     with pytest.raises(CorruptCheckpoint, match="k.1 .*missing"):
         decode_checkpoint(meta, raw, key)
-
-
-# ----------------------------------------------------------------------------- tier-specific
-
-
-def test_memory_tier_spills_evictions_to_disk(tmp_path):
-    cks = [make_ckpt(50 + i) for i in range(3)]
-    n = _probe_bytes(cks[0])
-    disk = DiskStore(tmp_path, deployment="dep", fsync=False)
-    mem = MemoryStore(deployment="dep", budget_bytes=n + n // 2, spill=disk)
-    keys = [_put(mem, c, f"t{i}")[0] for i, c in enumerate(cks)]
-    assert mem.keys() == keys[2:] and disk.keys() == keys[:2]
-    assert all(mem.contains(k) for k in keys)
-    assert_same_checkpoint(mem.get(keys[0]), cks[0])  # served by the spill tier
-    with pytest.raises(ValueError, match="deployment"):
-        MemoryStore(deployment="other", spill=disk)
-
-
-def _probe_bytes(ckpt):
-    meta, _ = encode_checkpoint(ckpt, CheckpointKey.of(ckpt, deployment="d", thread_id="t", version=0))
-    return sum(b["nbytes"] for b in meta["blobs"])
-
-
-def test_disk_publish_is_atomic_and_cleans_interrupted_writes(tmp_path):
-    s = DiskStore(tmp_path, deployment="dep", fsync=False)
-    key, _ = _put(s, make_ckpt(60))
-    stale = s.dir / f".tmp-{key.digest}-dead.kv"
-    stale.write_bytes(b"half")  # a crashed put: never visible
-    os.utime(stale, (0, 0))
-    s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
-    assert s2.keys() == [key] and not stale.exists()
-    assert sorted(p.name for p in s.dir.iterdir() if not p.name.startswith(".")) == [s.path_of(key).name]
-
-
-def test_disk_appended_bytes_are_a_wrong_length(tmp_path):
-    s = DiskStore(tmp_path, deployment="dep", fsync=False)
-    key, _ = _put(s, make_ckpt(61))
-    with open(s.path_of(key), "ab") as f:
-        f.write(b"\0\0")
-    with pytest.raises(CorruptCheckpoint, match="wrong length"):
-        s.get(key)
-
-
-def test_redis_budget_and_lru_are_shared_by_processes(redis_server):
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    c0, c1 = make_ckpt(70), make_ckpt(71)
-    n = _probe_bytes(c0)
-    w1 = RedisStore(redis_server.url, deployment="shared", prefix="lru", budget_bytes=n + n // 2)
-    w2 = RedisStore(redis_server.url, deployment="shared", prefix="lru", budget_bytes=n + n // 2)
-    k0, _ = _put(w1, c0, "a")
-    assert w2.keys() == [k0]
-    k1, r = _put(w2, c1, "b")
-    assert r.evicted == (k0,)
-    with pytest.raises(CheckpointMissing, match="evicted"):
-        w1.get(k0)  # the other worker learns why
-    assert_same_checkpoint(w1.get(k1), c1)
-    w1.clear()
-    assert w2.keys() == []
-
-
-def test_redis_ttl_expiry_says_expired(redis_server):
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    s = RedisStore(redis_server.url, deployment="ttl", prefix="ttl", ttl_s=60)
-    key, _ = _put(s, make_ckpt(72))
-    assert 0 < s.client.ttl(s.meta_key(key)) <= 60
-    assert all(0 < s.client.ttl(b) <= 60 for b in s.blob_keys(key))
-    for name in [s.meta_key(key), *s.blob_keys(key)]:
-        s.client.pexpire(name, 1)
-    time.sleep(0.05)
-    with pytest.raises(CheckpointMissing, match="expired"):
-        s.get(key)
-    assert s.keys() == [] and s.nbytes() == 0
-
-
-def test_redis_without_client_names_the_install(monkeypatch):
-    import builtins
-
-    real = builtins.__import__
-
-    def fake(name, *a, **k):
-        if name == "redis":
-            raise ImportError("no redis")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", fake)
-    from patchkv_agent.runtime.kvstore.redis_tier import RedisStore
-
-    with pytest.raises(ImportError, match=r"pip install 'patchkv-agent\[redis\]'"):
-        RedisStore()
-
-
-# ----------------------------------------------------------------------------- disk: crashes (issue 13)
-
-
-def _crash_in_child(store, key, ckpt, when: str) -> None:
-    """Run ``store.put(key, ckpt)`` in a forked child that dies (SIGKILL, no cleanup) ``when`` = ``before``
-    or ``after`` the atomic swap of a replace."""
-    from patchkv_agent.runtime.kvstore import disk as D
-
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        try:
-            real = D.DiskStore._swap
-
-            def swap(tmp, final):
-                if when == "after":
-                    real(tmp, final)
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            D.DiskStore._swap = staticmethod(swap)
-            store.put(key, ckpt)
-        finally:
-            os._exit(3)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
-def test_disk_crash_between_replace_steps_never_loses_both_copies(tmp_path, when):
-    """Finding: a crash between the two renames of a disk replace left the entry reported as never stored,
-    and both valid copies were garbage-collected later. Now the new copy is written and fsynced before one
-    atomic swap; recovery on open rolls back what a crash left before the swap."""
-    s = DiskStore(tmp_path, deployment="dep")
-    old = make_ckpt(110)
-    key, _ = _put(s, old)
-    new = dataclasses.replace(old, stats={"source": "replacement"})  # same key, new content
-    _crash_in_child(s, key, new, when)
-    leftovers = [p.name for p in s.dir.iterdir() if p.name.startswith(".tmp-")]
-    assert len(leftovers) == (1 if when == "before" else 0)
-    s2 = DiskStore(tmp_path, deployment="dep")  # the restarted process
-    assert s2.recovered["tmp_removed"] == len(leftovers)
-    assert not [p for p in s2.dir.iterdir() if p.name.startswith(".tmp-")]
-    assert s2.keys() == [key]
-    got = s2.get(key)
-    assert got.stats["source"] == ("test" if when == "before" else "replacement")
-    assert_same_checkpoint(dataclasses.replace(got, stats=old.stats), old)
-
-
-def test_disk_half_done_replace_of_the_previous_layout_is_restored(tmp_path):
-    """The previous layout's replace renamed the old entry aside, then the new one into place; a crash in
-    between left only ``.tmp-<digest>-<uuid>-old``. Opening the store now restores that copy."""
-    s = DiskStore(tmp_path, deployment="dep", fsync=False)
-    c = make_ckpt(111)
-    key = s.key_for(c, thread_id="legacy", version=4)
-    meta, blobs = encode_checkpoint(c, key)
-    aside = s.dir / f".tmp-{key.digest}-{uuid.uuid4().hex}-old"
-    aside.mkdir()
-    (aside / "meta.json").write_text(json.dumps(meta))
-    with open(aside / "data.bin", "wb") as f:
-        for spec in meta["blobs"]:
-            f.write(memoryview(blobs[spec["name"]]))
-    plain = s.dir / s.key_for(make_ckpt(112), thread_id="legacy2", version=1).digest  # an untouched old entry
-    k2 = s.key_for(make_ckpt(112), thread_id="legacy2", version=1)
-    m2, b2 = encode_checkpoint(make_ckpt(112), k2)
-    plain.mkdir()
-    (plain / "meta.json").write_text(json.dumps(m2))
-    (plain / "data.bin").write_bytes(b"".join(bytes(memoryview(b2[x["name"]])) for x in m2["blobs"]))
-    s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
-    assert s2.recovered["legacy_restored"] == 1 and s2.recovered["legacy_migrated"] == 1
-    assert sorted(s2.keys(), key=lambda k: k.thread_id) == [key, k2]
-    assert_same_checkpoint(s2.get(key), c)
-    assert_same_checkpoint(s2.get(k2), make_ckpt(112))
-    assert not aside.exists() and not plain.exists()
-
-
-def test_disk_bit_flip_in_metadata_is_quarantined_on_open(tmp_path):
-    """A flipped bit in an entry's metadata, found by the next process's scan: quarantined (moved aside,
-    counted), the reason recorded for whoever asks for the key; the other entries are untouched."""
-    s = DiskStore(tmp_path, deployment="dep", fsync=False)
-    bad, _ = _put(s, make_ckpt(113), "bad")
-    good, _ = _put(s, make_ckpt(114), "good")
-    from patchkv_agent.runtime.kvstore import disk as D
-
-    p = s.path_of(bad)
-    raw = bytearray(p.read_bytes())
-    raw[D.HEADER.size + 40] ^= 0x80
-    p.write_bytes(bytes(raw))
-    s2 = DiskStore(tmp_path, deployment="dep", fsync=False)
-    assert s2.keys() == [good] and s2.stats.quarantined == 1
-    assert [q.name[:32] for q in (s2.dir / ".quarantine").iterdir()] == [bad.digest]
-    with pytest.raises(CheckpointMissing, match="quarantined as corrupt .*header checksum"):
-        s2.get(bad)
-
-
-# ----------------------------------------------------------------------------- Redis: isolation and index (issue 13)
-
-
-def _all_keys(store):
-    return {k.decode() for k in store.client.scan_iter(count=1000)}
-
-
-def test_redis_namespaces_are_unambiguous(redis_server):
-    """Finding: the namespace was f"{prefix}:{deployment}", so prefix "p" + deployment "x:y" and prefix
-    "p:x" + deployment "y" shared keys, LRU and budget."""
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    a = RedisStore(redis_server.url, prefix="p", deployment="x:y")
-    b = RedisStore(redis_server.url, prefix="p:x", deployment="y")
-    assert a.ns != b.ns
-    ka, _ = _put(a, make_ckpt(120), "same-thread")
-    kb, _ = _put(b, make_ckpt(121), "same-thread")
-    assert a.keys() == [ka] and b.keys() == [kb] and a.nbytes() == b.nbytes() == _probe_bytes(make_ckpt(120))
-    assert not any(set(n) & set("*?[]") for n in _all_keys(a))  # no key ever holds a glob character
-    a.clear()
-    b.clear()
-
-
-def test_redis_clear_deletes_exactly_its_own_keys(redis_server):
-    """Finding: RedisStore(deployment="*").clear() deleted another deployment's entries (a glob built from
-    the deployment name). clear() now deletes the keys its namespace index lists, nothing else."""
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    prefix = f"clr{uuid.uuid4().hex[:8]}"
-    other = RedisStore(redis_server.url, prefix=prefix, deployment="prod")
-    ko, _ = _put(other, make_ckpt(122), "keep-me")
-    before = _all_keys(other)
-    star = RedisStore(redis_server.url, prefix=prefix, deployment="*")
-    ks, _ = _put(star, make_ckpt(123), "mine")
-    qmark = RedisStore(redis_server.url, prefix=prefix[:-1] + "?", deployment="prod")
-    _put(qmark, make_ckpt(124), "mine-too")
-    star.clear()
-    qmark.clear()
-    assert _all_keys(other) == before  # exactly what was there before the other two namespaces
-    assert_same_checkpoint(other.get(ko), make_ckpt(122))
-    assert star.keys() == [] and not [k for k in _all_keys(other) if k.startswith(star.ns + ":")]
-    other.clear()
-    assert not [k for k in _all_keys(other) if k.startswith(other.ns + ":")]
-
-
-def test_redis_damaged_index_records_are_rebuilt_from_verified_metadata(redis_server):
-    """Finding: a damaged ``:keys`` record made keys(), nbytes(), every budgeted put and
-    ThreadRegistry.expect() raise, orphaning the entry just written."""
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    cks = [make_ckpt(125 + i) for i in range(3)]
-    n = _probe_bytes(cks[0])
-    s = RedisStore(redis_server.url, prefix=f"idx{uuid.uuid4().hex[:8]}", deployment="d", budget_bytes=3 * n)
-    k0, _ = _put(s, cks[0], "a")
-    k1, _ = _put(s, cks[1], "b")
-    for h in ("keys", "idx"):  # the old key hash and the new index record: garbage, then wrong JSON
-        s.client.hset(f"{s.ns}:{h}", k0.digest, b"\xff\xfe not json")
-        s.client.hset(f"{s.ns}:{h}", k1.digest, b"0000000000000000 {\"key\": 5}")
-    assert s.keys() == [k0, k1] and s.nbytes() == 2 * n  # rebuilt from each entry's verified metadata
-    k2, r = _put(s, cks[2], "c")
-    assert r.stored and r.evicted == () and s.keys() == [k0, k1, k2]
-    s.client.hset(f"{s.ns}:idx", k0.digest, b"garbage")
-    s.client.hset(s.meta_key(k0), "meta", b"{broken")  # both damaged: the entry is quarantined
-    assert s.keys() == [k1, k2] and s.stats.quarantined == 1
-    with pytest.raises(CheckpointMissing, match="quarantined"):
-        s.get(k0)
-    s.client.set(f"{s.ns}:clock", b"not a number")  # the use clock too
-    assert_same_checkpoint(s.get(k1), cks[1])
-    assert s.keys() == [k2, k1]
-    s.clear()
-
-
-def test_redis_fields_outside_every_checksum_are_not_trusted(redis_server, monkeypatch):
-    """Finding: the hash fields ``nblobs``, ``gen`` and ``nbytes`` were used unchecked (a damaged nblobs of
-    3e6 cost 11 s of MGET and then an IndexError). Blob names and counts now come from checksummed
-    metadata; a hostile but checksummed blob table is refused before any blob is fetched."""
-    from patchkv_agent.runtime.kvstore import RedisStore
-
-    s = RedisStore(redis_server.url, prefix=f"fld{uuid.uuid4().hex[:8]}", deployment="d")
-    c = make_ckpt(130)
-    key, _ = _put(s, c)
-    asked = []
-    real = s.client.mget
-    monkeypatch.setattr(s.client, "mget", lambda names, *a: asked.append(len(names)) or real(names, *a))
-    s.client.hset(s.meta_key(key), mapping={"nblobs": 3_000_000, "gen": "zzz", "nbytes": -5})
-    assert_same_checkpoint(s.get(key), c)
-    assert asked == [len(encode_checkpoint(c, key)[0]["blobs"])]
-    meta = json.loads(s.client.hget(s.meta_key(key), "meta"))
-    meta["blobs"] = meta["blobs"] * 5000
-    meta["meta_xxh3"] = meta_checksum(meta)
-    s.client.hset(s.meta_key(key), "meta", json.dumps(meta))
-    with pytest.raises(CorruptCheckpoint, match="blob table"):
-        s.get(key)
-    assert asked == [len(meta["blobs"]) // 5000]  # no MGET for the hostile table
-    s.clear()
