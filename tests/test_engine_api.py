@@ -19,6 +19,7 @@ from patchkv_agent.runtime.kvstore import CheckpointMissing, ForeignCheckpoint, 
 from patchkv_agent.runtime.kvstore import load_for_resume, resume_from_store
 from patchkv_agent.strategies import PatchKVStrategy, get_strategy
 from patchkv_agent.eval.tiny import tiny_engine, tiny_model
+from test_recovery import edited_pair
 
 TOL = 1e-4
 
@@ -35,10 +36,7 @@ def eng():
 
 @pytest.fixture(scope="module")
 def pair(eng):
-    rng = np.random.default_rng(0)
-    old = rng.integers(3, eng.spec.vocab_size, size=120).tolist()
-    new = old[:40] + rng.integers(3, eng.spec.vocab_size, size=17).tolist() + old[50:]
-    return old, new
+    return edited_pair(eng.spec.vocab_size, n=120, low=3)
 
 
 # ----------------------------------------------------------------------------- RecoverySettings

@@ -26,6 +26,7 @@ from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore,
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
 from patchkv_agent.eval.tiny import tiny_model
+from test_recovery import edited_pair
 from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
@@ -42,10 +43,7 @@ def eng():
 
 @pytest.fixture(scope="module")
 def pair(eng):
-    rng = np.random.default_rng(0)
-    old = rng.integers(3, eng.spec.vocab_size, size=150).tolist()
-    new = old[:40] + rng.integers(3, eng.spec.vocab_size, size=17).tolist() + old[50:]
-    return old, new
+    return edited_pair(eng.spec.vocab_size, n=150, low=3)
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +82,23 @@ def _blob_span(meta: dict, name: str) -> tuple[int, int]:
     raise KeyError(name)
 
 
+def _store(tier, tmp_path, request):
+    """A fresh store of ``tier``: memory, disk under ``tmp_path``, or Redis on the ``redis_server`` fixture."""
+    if tier == "memory":
+        return MemoryStore()
+    if tier == "disk":
+        return DiskStore(tmp_path, fsync=False)
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    return RedisStore(request.getfixturevalue("redis_server").url)
+
+
 # ----------------------------------------------------------------------------- healthy path
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
 def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, eng, pair, ckpt, tmp_path, request):
-    if tier == "memory":
-        store = MemoryStore()
-    elif tier == "disk":
-        store = DiskStore(tmp_path, fsync=False)
-    else:
-        from patchkv_agent.runtime.kvstore import RedisStore
-
-        store = RedisStore(request.getfixturevalue("redis_server").url)
+    store = _store(tier, tmp_path, request)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
@@ -245,12 +247,7 @@ def _flip_meta_bit(store, key):
 def test_non_utf8_metadata_is_an_exact_resume_every_time(tier, eng, pair, ckpt, exact, tmp_path, request):
     """Finding: one flipped bit in an entry's metadata (non-UTF-8) raised UnicodeDecodeError out of
     resume_from_store, and every later call on that thread failed the same way."""
-    if tier == "disk":
-        store = DiskStore(tmp_path, fsync=False)
-    else:
-        from patchkv_agent.runtime.kvstore import RedisStore
-
-        store = RedisStore(request.getfixturevalue("redis_server").url)
+    store = _store(tier, tmp_path, request)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     _flip_meta_bit(store, key)

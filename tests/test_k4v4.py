@@ -35,6 +35,7 @@ from patchkv_agent.kernels.rope import rope_delta_reference  # noqa: E402
 from patchkv_agent.runtime.kvstore import CheckpointKey, CorruptCheckpoint, decode_checkpoint, encode_checkpoint  # noqa: E402
 from patchkv_agent.runtime.kvstore.codec import meta_checksum  # noqa: E402
 from patchkv_agent.eval.tiny import tiny_engine  # noqa: E402
+from test_recovery import edited_pair  # noqa: E402
 from patchkv_agent.strategies import get_strategy  # noqa: E402
 
 NATIVE = pytest.mark.skipif(not native.available(), reason=f"native kernels {native.status()}")
@@ -371,9 +372,7 @@ def test_engine_restores_k4v4_blocks_as_the_reference():
     """A mixed checkpoint with K4V4 (and every other) blocks, restored by a ``direct`` resume: each
     restored row equals the reference dequantization of its payload rotated by ``rope_delta_reference``."""
     eng = tiny_engine()
-    rng = np.random.default_rng(0)
-    old = rng.integers(0, eng.spec.vocab_size, size=150).tolist()
-    new = old[:40] + rng.integers(0, eng.spec.vocab_size, size=17).tolist() + old[50:]
+    old, new = edited_pair(eng.spec.vocab_size)
     ckpt = _forced(eng.checkpoint(old))
     res = eng.resume(ckpt, new, strategy=get_strategy("direct", {"precision": "mixed"}), max_new_tokens=1)
     assert res.stats["fallback"] is None

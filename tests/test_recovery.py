@@ -13,11 +13,12 @@ from patchkv_agent.strategies import get_strategy
 TOL = 1e-4
 
 
-def edited_pair(vocab: int, seed: int = 0, n: int = 150):
-    """old = P + M_old + S, new = P + M_new + S with |M_new| != |M_old| (a real RoPE shift)."""
+def edited_pair(vocab: int, seed: int = 0, n: int = 150, low: int = 0):
+    """old = P + M_old + S, new = P + M_new + S with |M_new| != |M_old| (a real RoPE shift); token ids in
+    ``[low, vocab)`` (``low=3``: no special ids of the tiny models)."""
     rng = np.random.default_rng(seed)
-    old = rng.integers(0, vocab, size=n).tolist()
-    new = old[:40] + rng.integers(0, vocab, size=17).tolist() + old[50:]
+    old = rng.integers(low, vocab, size=n).tolist()
+    new = old[:40] + rng.integers(low, vocab, size=17).tolist() + old[50:]
     return old, new
 
 

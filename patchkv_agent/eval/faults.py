@@ -32,7 +32,6 @@ Knows the engine, the stores and the stress workload; nothing about LangGraph.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import resource
@@ -55,9 +54,8 @@ from ..core.fallback import FallbackKind
 from ..engine import PatchKVEngine
 from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
                                StoreUnavailable, resume_from_store)
-from ..runtime.kvstore.codec import encode_checkpoint
 from .redis_server import RedisProcess
-from .stress import LOGIT_TOL, ThreadEpisode, thread_versions
+from .stress import ThreadEpisode, same_as_solo, stress_workload
 from .tiny import tiny_engine
 
 REDIS_TIMEOUT_S = 0.5
@@ -508,11 +506,8 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
 
     t_all = time.perf_counter()
     engine = engine or tiny_engine(seed=seed)
-    work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
-    probe = engine.checkpoint(work[0][0])
-    entry = sum(b["nbytes"] for b in encode_checkpoint(
-        probe, CheckpointKey.of(probe, deployment="stress", thread_id="probe", version=0))[0]["blobs"])
-    budget = int(budget_entries * entry)
+    work, entry, budget = stress_workload(engine, seed=seed, threads=threads, versions=versions, length=length,
+                                          budget_entries=budget_entries)
     kw = dict(strategy=strategy, max_new_tokens=max_new_tokens)
     per_tier: dict[str, Any] = {}
     total_faults: Counter = Counter()
@@ -546,9 +541,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
                 else:
                     reasons[_reason(fb)] += 1
                     no_reason += getattr(fb, "kind", None) is None or not str(fb).startswith("exact recompute: ")
-                same = (r["output_ids"] == s["output_ids"] and (fb is None) == (s["fallback"] is None)
-                        and float((r["logits"] - s["logits"]).abs().max()) <= LOGIT_TOL)
-                if same:
+                if same_as_solo(r, s):
                     equal += 1
                 else:
                     mismatches.append({"tier": tier, "thread": t, "version": r["version"],

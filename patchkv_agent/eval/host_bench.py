@@ -289,16 +289,6 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     return vals
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_cli(sub) -> None:
     """Register ``bench-host`` on the ``patchkv-agent`` subcommands (argument errors exit 2)."""
     p = sub.add_parser("bench-host", help="host time of the resume path per stage (validate, diff, words, plan, "
@@ -307,12 +297,12 @@ def add_cli(sub) -> None:
                    help="context lengths (default 2048,8192,32768,131072)")
     p.add_argument("--edits", type=lambda t: _int_list(t, "--edits"), default=DEFAULT_EDITS,
                    help="edit counts (default 1,4,16)")
-    p.add_argument("--repeats", type=_positive, default=5)
+    p.add_argument("--repeats", type=int, default=5)  # --repeats / --threads >= 1: usage.RANGES
     p.add_argument("--model", default=None,
                    help="use this model's KV shapes (HF id, dir, .gguf or 'smollm2-135m'; default: a one-layer "
                         "llama from a config)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_host_out")
     p.set_defaults(func=main)

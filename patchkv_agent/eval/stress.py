@@ -53,6 +53,35 @@ def thread_versions(seed: int, thread: int, versions: int, length: int, vocab: i
     return out
 
 
+def stress_workload(engine: PatchKVEngine, *, seed: int, threads: int, versions: int, length: int,
+                    budget_entries: float) -> tuple[list[list[list[int]]], int, int]:
+    """The load test's work and its store budget.
+
+    Args:
+        engine: the engine (its vocabulary; it checkpoints the first thread's version 0 once).
+        seed, threads, versions, length: of :func:`thread_versions`.
+        budget_entries: the budget in entries of that first checkpoint's size.
+
+    Returns:
+        ``(work, entry_bytes, budget_bytes)``: every thread's versions, the encoded blob bytes of one
+        entry, and ``int(budget_entries * entry_bytes)``.
+    """
+    from ..runtime.kvstore.codec import encode_checkpoint
+
+    work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
+    probe = engine.checkpoint(work[0][0])
+    entry = sum(b["nbytes"] for b in encode_checkpoint(
+        probe, CheckpointKey.of(probe, deployment="stress", thread_id="probe", version=0))[0]["blobs"])
+    return work, entry, int(budget_entries * entry)
+
+
+def same_as_solo(row: dict[str, Any], solo: dict[str, Any]) -> bool:
+    """A resume under load returned what the thread run alone did: the same tokens, both served from the
+    store or both fallen back, logits within :data:`LOGIT_TOL`."""
+    return (row["output_ids"] == solo["output_ids"] and (row["fallback"] is None) == (solo["fallback"] is None)
+            and float((row["logits"] - solo["logits"]).abs().max()) <= LOGIT_TOL)
+
+
 class ThreadEpisode:
     """One agent thread's episode of the load test, step by step (OS threads and asyncio tasks drive the
     same code; :mod:`.faults` replays threads alone with it).
@@ -171,13 +200,8 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
     if mode not in ("threads", "asyncio"):
         raise ValueError(f"mode must be 'threads' or 'asyncio', got {mode!r}")
     engine = engine or tiny_engine(seed=seed)
-    work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
-    probe = engine.checkpoint(work[0][0])
-    from ..runtime.kvstore.codec import encode_checkpoint
-
-    entry = sum(b["nbytes"] for b in encode_checkpoint(
-        probe, CheckpointKey.of(probe, deployment="stress", thread_id="probe", version=0))[0]["blobs"])
-    budget = int(budget_entries * entry)
+    work, entry, budget = stress_workload(engine, seed=seed, threads=threads, versions=versions, length=length,
+                                          budget_entries=budget_entries)
     tmp = None
     if tier == "memory":
         store: KVStore = MemoryStore(deployment="stress", budget_bytes=budget)
@@ -220,9 +244,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
                               **kw)
         solo = solo_pool.submit(alone.run).result()
         for r, s in zip(rows, solo, strict=True):
-            same = (r["output_ids"] == s["output_ids"] and (r["fallback"] is None) == (s["fallback"] is None)
-                    and float((r["logits"] - s["logits"]).abs().max()) <= LOGIT_TOL)
-            if not same:
+            if not same_as_solo(r, s):
                 mismatches.append({"thread": t, "version": r["version"], "fallback": r["fallback"]})
     solo_pool.shutdown()
     flat = [r for rows in results for r in rows]
