@@ -481,11 +481,12 @@ def _check_edit(args) -> None:
 def _bench_defaults(args) -> None:
     """``bench``'s ``--workloads`` / ``--strategies`` when not given: the defaults, or with ``--follow`` the
     edit-following ones (and ``patchkv-noreaders`` registered)."""
-    from .eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, register_noreaders
+    from .eval.bench import (DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, register_noreaders,
+                             register_norecent)
     from .eval.follow import FOLLOW_WORKLOADS
 
-    if args.follow:
-        register_noreaders()
+    register_noreaders()  # the ablation variants may be named in --strategies
+    register_norecent()
     if args.workloads is None:
         args.workloads = ",".join(FOLLOW_WORKLOADS if args.follow else DEFAULT_WORKLOADS)
     if args.strategies is None:

@@ -25,6 +25,7 @@ from .traces import ResultsFile, read_results  # noqa: F401  (read_results: re-e
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
 NOREADERS = "patchkv-noreaders"
+NORECENT = "patchkv-norecent"
 FOLLOW_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", NOREADERS, "patchkv")
 """``bench --follow``'s strategies (on the edit-following workloads): the default ones and
 ``patchkv-noreaders`` (:func:`register_noreaders`), so that one run measures what the reader blocks buy."""
@@ -52,6 +53,22 @@ _COLUMNS = (  # (summary key, Markdown header, format)
 _AGENT_COLUMNS = frozenset({"next_action", "next_action_restore", "next_action_after", "vs_floor"})
 
 
+def _register_variant(name: str, doc: str, **fixed) -> str:
+    from ..strategies import STRATEGIES, register_strategy
+    from ..strategies.builtin import PatchKVStrategy
+
+    if name not in STRATEGIES:
+        class Variant(PatchKVStrategy):
+            __doc__ = doc
+
+            def __init__(self):
+                super().__init__(**fixed)
+
+        Variant.name = name
+        register_strategy(Variant)
+    return name
+
+
 def register_noreaders() -> str:
     """Register ``patchkv-noreaders``: ``patchkv`` with the reader-block signal off (``readers="none"``, the
     plan before edit-following: window + last block only); idempotent.
@@ -59,18 +76,17 @@ def register_noreaders() -> str:
     Returns:
         The name, :data:`NOREADERS`.
     """
-    from ..strategies import STRATEGIES, register_strategy
-    from ..strategies.builtin import PatchKVStrategy
+    return _register_variant(NOREADERS, "patchkv with the reader blocks off", readers="none")
 
-    if NOREADERS not in STRATEGIES:
-        class NoReaders(PatchKVStrategy):
-            name = NOREADERS
 
-            def __init__(self, **options):
-                super().__init__(**{**options, "readers": "none"})
+def register_norecent() -> str:
+    """Register ``patchkv-norecent``: ``patchkv`` with the recency window off (``recent_window=0``: the plan
+    before the recency rule), so one run measures what the window buys and costs; idempotent.
 
-        register_strategy(NoReaders)
-    return NOREADERS
+    Returns:
+        The name, :data:`NORECENT`.
+    """
+    return _register_variant(NORECENT, "patchkv with the recency window off", recent_window=0)
 
 
 # --------------------------------------------------------------------------- traces
