@@ -320,7 +320,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dirty-window", type=int, default=None,
                    help="fixed dirty window; default: the profile's length model, else 32 tokens")
     p.add_argument("--profile", default="auto",
-                   help="calibration profile: 'auto' (calibration/profiles/ by model fingerprint), 'none' (the "
+                   help="calibration profile: 'auto' (the search path of patchkv_agent.profiles, by model fingerprint), 'none' (the "
                         "built-in defaults), or a profile JSON path")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-new-tokens", type=_max_new_tokens, default=16,
