@@ -22,7 +22,7 @@ import numpy as np
 from .core.diff import Edit
 from .core.fallback import Fallback
 
-__all__ = ["ResumeStats", "RuntimeStats", "ResumeResult"]
+__all__ = ["ResumeStats", "RuntimeStats", "ResumeResult", "json_safe"]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -97,7 +97,7 @@ class ResumeStats(Mapping):
         for k, v in self.to_dict().items():
             if isinstance(v, np.ndarray) and not arrays:
                 continue
-            out[k] = _json_safe(v)
+            out[k] = json_safe(v)
         return out
 
     @classmethod
@@ -148,13 +148,14 @@ class ResumeStats(Mapping):
     __hash__ = None  # mutable
 
 
-def _json_safe(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
+    """``x`` with Fallbacks as text, numpy scalars as Python numbers and arrays as lists (nested)."""
     if isinstance(x, Fallback):
         return str(x)
     if isinstance(x, Mapping):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):

@@ -36,7 +36,6 @@ import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
-import numpy as np
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.callbacks.manager import handle_event
 from langchain_core.language_models import BaseChatModel, LangSmithParams
@@ -46,6 +45,7 @@ from langchain_core.runnables.config import ensure_config, run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..core.sampling import Sampler, SamplingParams
+from ..results import json_safe
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, new_call_id, parse_tool_calls, plain_messages,
@@ -72,18 +72,6 @@ def grammar_compiler(engine):
         if gc is None:
             gc = _GRAMMARS[engine] = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.eos_ids)
         return gc
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return x
 
 
 def structured_instruction(response_format: dict) -> str:
@@ -514,7 +502,7 @@ class PatchKVChatModel(BaseChatModel):
                               "seed": opt["params"].seed}}
         if processor is not None:
             extra.update(grammar_mask_s=processor.mask_s, grammar_steps=processor.steps)
-        stats = {**res.stats.to_json(), **_jsonable(extra)}
+        stats = {**res.stats.to_json(), **json_safe(extra)}
         yield "final", {
             "content": parsed.content, "tail": parsed.content[len(emitted):], "parsed": parsed,
             "response_metadata": {"patchkv": stats, "model_name": self.model_name, "finish_reason": finish},
