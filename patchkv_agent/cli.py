@@ -460,9 +460,9 @@ def _check_workloads(flag: str, spec: str) -> list[str]:
     """Workload names checked against the registry (eval.workloads + the edit-following ones)."""
     from .eval import workloads as wl
     from .eval.agent_workloads import AGENT_WORKLOADS
-    from .eval.follow import FOLLOW_WORKLOADS
+    from .eval.follow import FOLLOW_WORKLOADS, HELDOUT_WORKLOADS
 
-    known = set(wl.WORKLOADS) | set(FOLLOW_WORKLOADS) | set(AGENT_WORKLOADS)
+    known = set(wl.WORKLOADS) | set(FOLLOW_WORKLOADS) | set(HELDOUT_WORKLOADS) | set(AGENT_WORKLOADS)
     names = [w.strip() for w in spec.split(",") if w.strip()]
     unknown = [w for w in names if w not in known]
     if not names or unknown:

@@ -16,6 +16,12 @@ the end asks something whose answer that replacement changes. Templates (one wor
 - ``follow-retract`` (retraction): a record states a value; the edit replaces the whole tool result by an
   error; the question asks for the value or ``unknown``.
 
+Held-out shapes (:data:`HELDOUT_WORKLOADS`: the reader rule's constants were set on the four above, these
+measure it on shapes it was not written for): ``follow-alias`` (later records name the edited manager only
+by a nickname: three hops), ``follow-directory`` (the edited building is looked up in one long directory
+result), ``follow-repeated`` (the old value of the edited name recurs in many later log records) and
+``follow-paraphrase`` (later records refer to the edited person only by role, "the project lead").
+
 Each episode is a thread of ``system``, (assistant ``lookup`` call + tool result) per record, and the ``user``
 question: the edited record comes first, then unrelated notices, then the template's later records, so the
 edit lies outside the dirty window and the last block. The texts are short and plain so that a 135M
@@ -35,7 +41,7 @@ import hashlib
 import random
 from typing import Callable
 
-__all__ = ["FOLLOW_WORKLOADS", "build_follow_traces", "is_follow_workload"]
+__all__ = ["FOLLOW_WORKLOADS", "HELDOUT_WORKLOADS", "build_follow_traces", "is_follow_workload"]
 
 SYSTEM_PROMPT = "Answer the question using the tool results."
 
@@ -61,12 +67,24 @@ FOLLOW_WORKLOADS: dict[str, str] = {
     "follow-count": "aggregation: a count over records, one of which is edited",
     "follow-retract": "retraction: a tool result replaced by an error",
 }
+HELDOUT_WORKLOADS: dict[str, str] = {
+    "follow-alias": "three hops: an edited relation; later records name the entity only by its alias",
+    "follow-directory": "two hops through a long directory (one tool result of twelve lines)",
+    "follow-repeated": "the edited name's old value repeated in many later records",
+    "follow-paraphrase": "later records refer to the edited entity by its role, never by its name",
+}
+"""Shapes the reader rule was not written for (issue 20): measured, never used to set its constants."""
+_NICKS = ("Ace", "Bear", "Coach", "Duke", "Echo", "Falcon", "Gizmo", "Hawk", "Iggy", "Jazz")
+_STREETS = ("Elm Street", "Oak Avenue", "Pine Road", "Maple Lane", "Cedar Way", "Birch Court", "Willow Drive",
+            "Ash Boulevard", "Spruce Place", "Linden Row", "Poplar Walk", "Hazel Square")
+_ACTS = ("restarted the server", "updated the firewall", "rotated the keys", "patched the database",
+         "cleared the queue", "renewed the certificate")
 _N_WORDS = {0: "zero", 1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 
 
 def is_follow_workload(name: str) -> bool:
-    """True for the names in :data:`FOLLOW_WORKLOADS`."""
-    return name in FOLLOW_WORKLOADS
+    """True for the names in :data:`FOLLOW_WORKLOADS` and :data:`HELDOUT_WORKLOADS`."""
+    return name in FOLLOW_WORKLOADS or name in HELDOUT_WORKLOADS
 
 
 class _Thread:
@@ -132,8 +150,47 @@ def _episode(workload: str, rng: random.Random, n_fillers: int) -> tuple[list[li
             first = (f"Parcel {parcels[0]} is in {cities[0]}.", f"Error: no record found for parcel {parcels[0]}.")[v]
             return [(f"parcel {parcels[0]}", first)], [(f"parcel {p}", f"Parcel {p} is in {c}.")
                                                        for p, c in zip(parcels[1:], cities[1:])]
+    elif workload == "follow-alias":
+        person = rng.choice(_PEOPLE)
+        managers, nicks = rng.sample(_MANAGERS, k=3), rng.sample(_NICKS, k=3)
+        rooms = [str(r) for r in rng.sample(range(10, 99), k=3)]
+        order, room_order = rng.sample(range(3), k=3), rng.sample(range(3), k=3)
+        question, answers = f"{person}'s boss works in which room?", [[rooms[0]], [rooms[1]]]
+
+        def records(v):
+            return [("boss", f"{person}'s boss is {managers[v]}.")], (
+                [(f"alias {managers[i]}", f"{managers[i]} is called {nicks[i]} at work.") for i in order]
+                + [(f"room {nicks[i]}", f"{nicks[i]} works in room {rooms[i]}.") for i in room_order])
+    elif workload == "follow-directory":
+        person = rng.choice(_PEOPLE)
+        streets = rng.sample(_STREETS, k=12)
+        blds = [f"B{n}" for n in rng.sample(range(1, 40), k=12)]
+        question, answers = f"On which street is {person}'s office?", [[streets[0]], [streets[1]]]
+        lines = [f"Building {b} is on {st}." for b, st in zip(blds, streets)]
+        rng.shuffle(lines)
+
+        def records(v):
+            return ([("office", f"{person}'s office is in building {blds[v]}.")],
+                    [("building directory", "\n".join(lines))])
+    elif workload == "follow-repeated":
+        old, new = rng.sample(_PEOPLE, k=2)
+        acts = rng.sample(_ACTS, k=5)
+        question, answers = "Who is the on-call engineer this week?", [[old], [new]]
+
+        def records(v):
+            return ([("on-call", f"The on-call engineer this week is {(old, new)[v]}.")],
+                    [(f"log {i + 1}", f"Log {i + 1}: {old} {a} last month.") for i, a in enumerate(acts)])
+    elif workload == "follow-paraphrase":
+        leads = rng.sample(_PEOPLE, k=2)
+        k = rng.randrange(1, 4)
+        question, answers = f"Who reviewed ticket {k}?", [[leads[0]], [leads[1]]]
+
+        def records(v):
+            return ([("project lead", f"The project lead is {leads[v]}.")],
+                    [(f"ticket {i}", f"Ticket {i} was reviewed by the project lead.") for i in range(1, 4)])
     else:
-        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {sorted(FOLLOW_WORKLOADS)}")
+        known = sorted(FOLLOW_WORKLOADS) + sorted(HELDOUT_WORKLOADS)
+        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {known}")
     versions = []
     for v in (0, 1):
         t = _Thread()
@@ -180,8 +237,9 @@ def build_follow_traces(workload: str, *, n: int = 40, split: str = "eval", seed
     Raises:
         ValueError: unknown workload or split, ``n < 0`` or ``n_fillers < 2``.
     """
-    if workload not in FOLLOW_WORKLOADS:
-        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {sorted(FOLLOW_WORKLOADS)}")
+    if not is_follow_workload(workload):
+        known = sorted(FOLLOW_WORKLOADS) + sorted(HELDOUT_WORKLOADS)
+        raise ValueError(f"unknown edit-following workload {workload!r}; choose from {known}")
     if split not in ("calib", "eval"):
         raise ValueError(f"split must be 'calib' or 'eval', got {split!r}")
     if n < 0 or n_fillers < 2:
