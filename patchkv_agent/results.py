@@ -124,7 +124,8 @@ class ResumeStats(Mapping):
         """
         if not (isinstance(cls, type) and issubclass(cls, ResumeStats)):
             raise TypeError(f"extend takes a ResumeStats subclass, got {cls!r}")
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name in {g.name for g in fields(cls)}}
+        theirs = set(cls.field_names())
+        own = {k: getattr(self, k) for k in self.field_names() if k in theirs}
         own["extras"] = dict(self.extras)
         return cls(**{**own, **values})
 
