@@ -666,6 +666,7 @@ class PatchKVEngine:
             # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
             nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
             head_rewrite=bool(getattr(plan, "head_rewrite", False)),
+            small_restore=bool(getattr(plan, "small_restore", False)),
         )
         exact_rows = len(new)
         if n_restore:

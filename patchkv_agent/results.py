@@ -50,6 +50,7 @@ class ResumeStats(Mapping):
         approx_rows: rows of the result's K/V that may differ from a full prefill (0: exact).
         nonfinite_values: non-finite values in the logits and recomputed K/V rows (reported, never raised).
         head_rewrite: the plan's head-rewrite rule recomputed every suffix token.
+        small_restore: the plan's small-restore rule recomputed every suffix token (too little to restore).
         heal_s, healed_rows: set on the copy :meth:`PatchKVEngine.heal` returns (None before a heal).
         extras: strategy-specific fields (``restore_kernel``, ``cacheblend_*``), in the order given.
     """
@@ -74,6 +75,7 @@ class ResumeStats(Mapping):
     approx_rows: int = 0
     nonfinite_values: int = 0
     head_rewrite: bool = False
+    small_restore: bool = False
     heal_s: float | None = None
     healed_rows: int | None = None
     extras: dict[str, Any] = field(default_factory=dict)

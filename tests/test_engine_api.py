@@ -142,7 +142,7 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
 
 def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(eng, pair):
     old, new = pair
-    named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "heal_s", "healed_rows")
+    named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "small_restore", "heal_s", "healed_rows")
     assert ResumeStats.field_names() == named
     res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
     assert isinstance(res.stats, ResumeStats) and res.stats.extras == {"restore_kernel": res.stats["restore_kernel"]}

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.core.plan import (
     plan_blocks,
     plan_suffix_blocks,
@@ -344,3 +345,39 @@ def test_recency_window_is_validated():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="recent_window"):
             plan_repair(edit, None, length_model=LengthModel.fixed(4), recent_window=bad)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("share", [0.2, 0.5, 0.9])
+def test_small_restore_rule_recomputes_the_suffix_when_little_would_be_restored(seed, share):
+    """The small-restore rule against its definition: the plan without it restores ``F``; when ``|F|`` is
+    below ``share`` of the suffix the plan recomputes every suffix token (the prefix plan's rows, exact),
+    else it is the plan without the rule."""
+    r = np.random.default_rng(seed)
+    old = r.integers(0, 500, size=int(r.integers(80, 400))).astype(np.int64)
+    cut = int(r.integers(1, len(old) - 10))
+    new = np.concatenate([old[:cut], marks(int(r.integers(1, 20))), old[cut + int(r.integers(0, 9)):]])
+    edit = diff_versions(old, new)
+    scores = r.random(len(old)).astype(np.float32)
+    kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 120))), kappa=float(r.choice([0.0, 0.3])),
+              block_size=16, recent_window=int(r.choice([0, 64])))
+    base = plan_repair(edit, scores, **kw)
+    got = plan_repair(edit, scores, min_restore_share=share, **kw)
+    check_partition(got, edit)
+    if base.n_restore < share * base.n_suffix:
+        full = plan_full(edit, block_size=16)
+        assert got.small_restore and got.n_restore == 0
+        assert got.recompute_positions.tolist() == full.recompute_positions.tolist()
+    else:
+        assert not got.small_restore
+        assert got.recompute_positions.tolist() == base.recompute_positions.tolist()
+        assert got.restore_old_positions.tolist() == base.restore_old_positions.tolist()
+
+
+def test_small_restore_share_is_validated():
+    edit = diff_versions(np.arange(50), np.concatenate([np.arange(20), marks(3), np.arange(25, 50)]))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_restore_share"):
+            plan_repair(edit, None, length_model=LengthModel.fixed(4), min_restore_share=bad)
+    with pytest.raises(ValueError, match="min_restore_share"):
+        RecoverySettings(min_restore_share=2.0)

@@ -14,6 +14,8 @@ it, computed while the old version was in view), adding at most ``reader_budget`
 ``W`` = the blocks of the last ``recent_window`` tokens the rest would restore (the recency rule: the rows
 nearest the generation point, which the next action reads most),
 ``R = BlockRound(D | H) | L | W`` plus the block holding the last context token; ``F`` = the other blocks.
+A plan whose ``F`` would hold less than ``min_restore_share`` of the suffix recomputes all of it instead
+(``small_restore``: exact, where the saving is too small to pay for an approximation).
 
 Per-span length features (shared with the calibration profiler through :func:`span_features`): for
 edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k| + |M_new_k|``,
@@ -58,6 +60,7 @@ __all__ = [
     "head_rewrite_share",
     "DEFAULT_REWRITE_SHARE",
     "DEFAULT_RECENT_WINDOW",
+    "DEFAULT_MIN_RESTORE_SHARE",
 ]
 
 DEFAULT_BLOCK_SIZE = 32  # suffix block size in tokens: unit of selection, transfer and precision tags
@@ -72,6 +75,9 @@ DEFAULT_REWRITE_SHARE = 0.35
 # next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 512, chosen by
 # next-action agreement on agent-clear / agent-offload resumes, docs/RESULTS.md "Recency window")
 DEFAULT_RECENT_WINDOW = 0
+# small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
+# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, docs/RESULTS.md "Small restores")
+DEFAULT_MIN_RESTORE_SHARE = 0.0
 REWRITE_ATTENTION = 4.0  # removed attention share counts this many times (recent queries read ~1/4 of a summarized head)
 
 READERS = ("none", "lexical")  # reader-block signals plan_repair knows
@@ -240,6 +246,7 @@ class RepairPlan:
     n_readers: int = 0  # reader blocks added beyond BlockRound(D | H)
     n_recent: int = 0  # blocks the recency rule added
     head_rewrite: bool = False  # the rewrite rule fired: every suffix token is recomputed
+    small_restore: bool = False  # the small-restore rule fired: every suffix token is recomputed
 
     @property
     def n_recompute(self) -> int:
@@ -308,7 +315,8 @@ def _top_fraction(values: np.ndarray, kappa: float) -> np.ndarray:
 
 def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strategy: str, prefix_len: int,
            d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0,
-           n_readers: int = 0, n_recent: int = 0, head_rewrite: bool = False) -> RepairPlan:
+           n_readers: int = 0, n_recent: int = 0, head_rewrite: bool = False,
+           small_restore: bool = False) -> RepairPlan:
     """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
     new_len = edit.new_len
     tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
@@ -344,6 +352,7 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         n_readers=int(n_readers),
         n_recent=int(n_recent),
         head_rewrite=bool(head_rewrite),
+        small_restore=bool(small_restore),
     )
 
 
@@ -478,7 +487,8 @@ def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
                 block_size: int = DEFAULT_BLOCK_SIZE, readers: str = "none",
                 reader_budget: float = DEFAULT_READER_BUDGET,
-                rewrite_share: float = DEFAULT_REWRITE_SHARE, recent_window: int = 0) -> RepairPlan:
+                rewrite_share: float = DEFAULT_REWRITE_SHARE, recent_window: int = 0,
+                min_restore_share: float = 0.0) -> RepairPlan:
     """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L | W`` and the last token; restore ``F``.
 
     Args:
@@ -501,12 +511,17 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             that the rest of the plan would restore are recomputed too (the rows the next action reads
             most, nearest the generation point), ``>= 0`` (0: off, :data:`DEFAULT_RECENT_WINDOW`; a calibration
             profile sets a model's window).
+        min_restore_share: the small-restore rule: when the rows the plan would restore are fewer than this
+            share of the suffix, every suffix token is recomputed instead (``small_restore`` in the plan; the
+            result is exact, and a resume that restores so little saves too little to pay for an
+            approximation), in ``[0, 1]`` (0: off).
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``; when there are any and ``scores``
         is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention;
         ``n_recent``: the blocks the recency rule added).
     Raises:
-        ValueError: on an empty new context, ``kappa``, ``reader_budget`` or ``rewrite_share`` outside ``[0, 1]``, an unknown
+        ValueError: on an empty new context, ``kappa``, ``reader_budget``, ``rewrite_share`` or
+            ``min_restore_share`` outside ``[0, 1]``, an unknown
             ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
     """
     if not 0.0 <= kappa <= 1.0:
@@ -517,6 +532,8 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         raise ValueError(f"reader_budget must be in [0, 1], got {reader_budget}")
     if not 0.0 <= rewrite_share <= 1.0:
         raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
+    if not 0.0 <= min_restore_share <= 1.0:
+        raise ValueError(f"min_restore_share must be in [0, 1], got {min_restore_share}")
     if isinstance(recent_window, bool) or not isinstance(recent_window, (int, np.integer)) or recent_window < 0:
         raise ValueError(f"recent_window must be an int >= 0, got {recent_window!r}")
     prefix_len, blocks = _prep(edit, block_size)
@@ -569,8 +586,15 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         add = np.unique(blocks.token_block[restored[-int(recent_window):]])
         repair[add] = True
         n_recent = int(add.size)
+    small = False
+    if min_restore_share > 0 and blocks.n_blocks:  # too little to restore: recompute the suffix (exact)
+        n_restore = int((blocks.ends - blocks.starts)[~repair].sum())
+        if n_restore < min_restore_share * blocks.new_positions.shape[0]:
+            repair[:] = True
+            small = True
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
-                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers, n_recent=n_recent)
+                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers, n_recent=n_recent,
+                  small_restore=small)
 
 
 def plan_suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> SuffixBlocks:

@@ -17,8 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_READER_BUDGET, DEFAULT_RECENT_WINDOW,
-                   DEFAULT_REWRITE_SHARE, READERS, LengthModel)
+from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_READER_BUDGET,
+                   DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE, READERS, LengthModel)
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
@@ -56,6 +56,9 @@ class RecoverySettings:
             off.
         recent_window: the recency rule: the last this many tokens a plan would restore are recomputed
             (see :func:`~patchkv_agent.core.plan.plan_repair`), ``>= 0`` (0: off).
+        min_restore_share: a plan that would restore less than this share of the suffix recomputes all
+            of it (exact: the saving no longer pays for an approximation; see
+            :func:`~patchkv_agent.core.plan.plan_repair`), in ``[0, 1]`` (0: off).
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -72,6 +75,7 @@ class RecoverySettings:
     reader_budget: float = DEFAULT_READER_BUDGET
     rewrite_share: float = DEFAULT_REWRITE_SHARE
     recent_window: int = DEFAULT_RECENT_WINDOW
+    min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -80,7 +84,7 @@ class RecoverySettings:
             raise ValueError(f"recent_window must be an int >= 0, got {self.recent_window!r}")
         if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
             raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
-        for name in ("kappa", "reader_budget", "rewrite_share"):  # shares in [0, 1], stored as floats
+        for name in ("kappa", "reader_budget", "rewrite_share", "min_restore_share"):  # shares in [0, 1], stored as floats
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")

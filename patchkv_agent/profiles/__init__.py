@@ -62,6 +62,8 @@ class Profile:
         block_size: block size in tokens, ``>= 1``.
         readers: the reader signal (None: an older profile; the base settings' own is kept).
         recent_window: the recency rule's window (None: an older profile; the base settings' own is kept).
+        min_restore_share: the small-restore rule's share (None: an older profile; the base settings' own
+            is kept).
         precision_policy: the calibrated per-block precision policy (None: not calibrated; defaults kept).
         path: the file it was read from (None: built from a dict).
         match: how it was found: ``"fingerprint"``, ``"name"``, ``"explicit"`` (a path) or ``"given"``.
@@ -75,6 +77,7 @@ class Profile:
     block_size: int
     readers: str | None = None
     recent_window: int | None = None
+    min_restore_share: float | None = None
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
     match: str = "given"
@@ -109,6 +112,10 @@ class Profile:
             recent = data.get("recent_window")
             if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
                 raise ValueError(f"recent_window={recent!r} (need an int >= 0)")
+            small = data.get("min_restore_share")
+            if small is not None and (isinstance(small, bool) or not isinstance(small, (int, float)) or not (
+                    math.isfinite(small) and 0.0 <= small <= 1.0)):
+                raise ValueError(f"min_restore_share={small!r} (need a number in [0, 1])")
             policy = _policy(data.get("precision_policy"))
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
@@ -117,6 +124,7 @@ class Profile:
             raise ValueError(f"{where} is malformed: {e}; recalibrate with 'patchkv-agent calibrate'") from None
         return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
                    kappa=float(kappa), block_size=int(block), readers=readers, recent_window=recent,
+                   min_restore_share=None if small is None else float(small),
                    precision_policy=policy,
                    path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
 
@@ -127,6 +135,8 @@ class Profile:
             out["readers"] = self.readers
         if self.recent_window is not None:
             out["recent_window"] = self.recent_window
+        if self.min_restore_share is not None:
+            out["min_restore_share"] = self.min_restore_share
         if self.precision_policy is not None:
             out["precision_policy"] = self.precision_policy
         return out

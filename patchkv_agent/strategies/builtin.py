@@ -67,6 +67,8 @@ class PatchKVStrategy(Strategy):
         reader_budget: the most suffix blocks (a share) added as reader blocks.
         rewrite_share: the head-rewrite rule's threshold (1.0: off; default: the settings').
         recent_window: the recency rule's window in tokens (0: off; default: the settings').
+        min_restore_share: the small-restore rule's threshold, a share of the suffix (0: off; default: the
+            settings').
 
     Raises:
         ValueError: an option outside its range.
@@ -77,10 +79,11 @@ class PatchKVStrategy(Strategy):
     def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
                  block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
                  reader_budget: float | None = None, rewrite_share: float | None = None,
-                 recent_window: int | None = None):
+                 recent_window: int | None = None, min_restore_share: float | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
-                           reader_budget=reader_budget, rewrite_share=rewrite_share, recent_window=recent_window)
+                           reader_budget=reader_budget, rewrite_share=rewrite_share, recent_window=recent_window,
+                           min_restore_share=min_restore_share)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
@@ -93,4 +96,4 @@ class PatchKVStrategy(Strategy):
         scores = ckpt.scores if ckpt is not None else None
         return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
                            readers=s.readers, reader_budget=s.reader_budget, rewrite_share=s.rewrite_share,
-                           recent_window=s.recent_window)
+                           recent_window=s.recent_window, min_restore_share=s.min_restore_share)
