@@ -27,6 +27,7 @@ import torch
 
 from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed, count_nonfinite
 from .core.diff import diff_versions
+from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
@@ -138,6 +139,7 @@ class PatchKVEngine:
         # the lexical reader signal compares words, not token ids (None without a tokenizer: token ids)
         self.words: WordIndex | None = (WordIndex.from_tokenizer(tokenizer)
                                         if hasattr(tokenizer, "convert_ids_to_tokens") else None)
+        self._encoder: SegmentEncoder | None = None
         self.spec: ModelSpec = model_spec(model, tokenizer)
         self.profile: Profile | None = None
         if settings is not None and not isinstance(settings, RecoverySettings):
@@ -206,6 +208,18 @@ class PatchKVEngine:
             raise AttributeError(f"PatchKVEngine has no attribute {name!r} to set: replace the frozen settings "
                                  f"whole, engine.settings = engine.settings.replace({name}=...)")
         super().__setattr__(name, value)
+
+    @property
+    def encoder(self) -> SegmentEncoder | None:
+        """Text -> ids from memoized pieces between the tokenizer's added tokens (None without a tokenizer):
+        an edited conversation is tokenized where it changed, with the ids a whole-text call gives
+        (:mod:`patchkv_agent.core.encoding`). Rebuilt when ``tokenizer`` is replaced."""
+        enc = self._encoder
+        if self.tokenizer is None:
+            return None
+        if enc is None or enc.tokenizer is not self.tokenizer:
+            enc = self._encoder = SegmentEncoder(self.tokenizer)
+        return enc
 
     @property
     def settings_sources(self) -> dict[str, str]:
@@ -278,13 +292,13 @@ class PatchKVEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, or build it with a tokenizer")
             if isinstance(context, str):
-                return list(self.tokenizer(context, add_special_tokens=False)["input_ids"])
+                return self.encoder.encode(context).tolist()
             bad = [i for i, m in enumerate(context) if not isinstance(m, dict)]
             if bad:
                 raise InvalidInput(f"encode got a message list whose element {bad[0]} is "
                                    f"{type(context[bad[0]]).__name__}, not a {{'role', 'content'}} dict")
             text = self.tokenizer.apply_chat_template(list(context), tokenize=False, add_generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self.encoder.encode(text).tolist()
         return self.validate_ids(context, "context").tolist()
 
     def validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:

@@ -358,7 +358,7 @@ class PatchKVChatModel(BaseChatModel):
                 tok = self.engine.tokenizer
                 text = tok.apply_chat_template(_native(trace), tools=list(tools), tokenize=False,
                                                add_generation_prompt=True)
-                return trace, list(tok(text, add_special_tokens=False)["input_ids"]), "template"
+                return trace, self.engine.encoder.encode(text).tolist(), "template"
             except Exception as e:  # a template that takes tools= but not tool-call messages
                 log.warning("chat template failed on tool messages (%s); using the JSON tool protocol", e)
         trace = with_tool_protocol(trace, tools)

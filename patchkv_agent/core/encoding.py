@@ -1,0 +1,201 @@
+"""Text -> token ids, memoized per segment: the resume path tokenizes what an edit changed, not the context.
+
+An agent's next call renders its whole conversation through the chat template, and tokenizing that text
+grows with the context (SmolLM2's fast tokenizer: ~20 ms at 8k tokens, ~90 ms at 32k on this project's CPU,
+docs/RESULTS.md "Tokenization"), far more than everything else the host does on a resume. But a Hugging Face
+fast tokenizer first cuts its input at its *added tokens* (``<|im_start|>``, ``<|im_end|>``, ...) and then
+normalizes, pre-tokenizes and encodes each piece between them on its own. So the ids of a rendered
+conversation are the concatenation of the ids of its pieces, and a piece that was seen before (an unchanged
+message: the same role line and content between the same special tokens) has the ids it had then.
+
+:class:`SegmentEncoder` cuts the text the way the tokenizer does (leftmost-longest match of the added tokens'
+contents), looks every piece up in a bounded LRU cache and encodes the misses in one batch. A piece that does
+not start the text is encoded behind an added token (and that token's id dropped), so a pre-tokenizer that
+treats the start of the input specially (SentencePiece's ``prepend_scheme="first"``) sees each piece exactly
+where it stands. What the tokenizer does that this cannot mirror disables the memo (:attr:`reason` says why;
+every call then tokenizes the whole text): a slow (Python) tokenizer, added tokens with ``lstrip`` /
+``rstrip`` / ``single_word`` or normalized matching, ``split_special_tokens``, or a probe whose segmented ids
+differ from the whole-text ids (checked when the encoder is built).
+
+Boundary: a tokenizer object (duck-typed: ``__call__``, ``added_tokens_decoder``, ``is_fast``) in, numpy
+int64 arrays out; no model, no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SegmentEncoder", "DEFAULT_CACHE_TOKENS"]
+
+DEFAULT_CACHE_TOKENS = 1 << 21  # ids the memo keeps (int64: 16 MiB), least recently used dropped first
+_PROBE_TEXT = ("system\nYou are helpful.", "user\n  Hi there!\n\n{\"a\": [1, 2]}", "assistant\n", "\n",
+               " leading space", "tool\nnaïve — 12345 ok\tTab", "x")
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+class SegmentEncoder:
+    """Token ids of a text, from cached ids of the pieces between the tokenizer's added tokens.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerFast`` for the memo to work).
+        max_tokens: ids the memo keeps at most (least recently used pieces are dropped), ``>= 0``
+            (0: no memo).
+
+    Attributes:
+        reason: None when the memo is used, else why not (every call then tokenizes the whole text).
+        hits, misses: pieces served from the memo / encoded, since construction.
+
+    Raises:
+        ValueError: ``max_tokens`` negative or not an int.
+    """
+
+    def __init__(self, tokenizer: Any, *, max_tokens: int = DEFAULT_CACHE_TOKENS):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+        self.hits = self.misses = 0
+        self._memo: OrderedDict[tuple[bool, str], np.ndarray] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._special: dict[str, int] = {}
+        self._pattern: re.Pattern | None = None
+        self._anchor: tuple[str, int] | None = None
+        self.reason: str | None = "max_tokens=0" if max_tokens == 0 else self._configure()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _configure(self) -> str | None:
+        tok = self.tokenizer
+        if not getattr(tok, "is_fast", False):
+            return "not a fast tokenizer"
+        if getattr(tok, "split_special_tokens", False):
+            return "split_special_tokens is on"
+        decoder = getattr(tok, "added_tokens_decoder", None)
+        if not isinstance(decoder, dict) or not decoder:
+            return "no added tokens to cut at"
+        special: dict[str, int] = {}
+        for tid, at in decoder.items():
+            content = getattr(at, "content", None)
+            if not isinstance(content, str) or not content:
+                return f"added token {tid} has no text"
+            for flag in ("lstrip", "rstrip", "single_word", "normalized"):
+                if getattr(at, flag, False):
+                    return f"added token {content!r} has {flag}=True"
+            special[content] = int(tid)
+        self._special = special
+        # leftmost match, longest first at a position (the tokenizer's added-vocabulary split)
+        self._pattern = re.compile("|".join(re.escape(s) for s in sorted(special, key=len, reverse=True)))
+        anchor = min(special, key=lambda s: (len(s), s))
+        self._anchor = (anchor, special[anchor])
+        a, b = list(special)[:2] if len(special) > 1 else (anchor, anchor)
+        for probe in (a.join(_PROBE_TEXT), b + a.join(_PROBE_TEXT) + b, _PROBE_TEXT[1] + a + b + _PROBE_TEXT[0]):
+            try:
+                whole = self._whole(probe)
+                got = self._segmented(probe, memo=False)
+            except Exception as e:  # a tokenizer this cannot drive: tokenize whole texts
+                return f"probe failed: {type(e).__name__}: {e}"
+            if not np.array_equal(whole, got):
+                return "segmented ids differ from the whole text's on a probe"
+        return None
+
+    # ------------------------------------------------------------------ encoding
+
+    def _whole(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+    def _encode_pieces(self, keys: list[tuple[bool, str]]) -> list[np.ndarray]:
+        """Ids of pieces, each as it stands in a text (``first``: at its start), in one batch call."""
+        anchor, anchor_id = self._anchor
+        texts = [p if first else anchor + p for first, p in keys]
+        out = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        got = []
+        for (first, piece), ids in zip(keys, out):
+            arr = np.asarray(ids, dtype=np.int64)
+            if not first:
+                if arr.shape[0] == 0 or arr[0] != anchor_id:
+                    raise ValueError(f"the tokenizer did not cut at its added token {anchor!r}")
+                arr = arr[1:]
+            arr.setflags(write=False)
+            got.append(arr)
+        return got
+
+    def _segmented(self, text: str, *, memo: bool = True) -> np.ndarray:
+        parts: list[Any] = []  # np.ndarray of a piece, or the key of a piece still to look up
+        pos = 0
+        for m in self._pattern.finditer(text):
+            if m.start() > pos:
+                parts.append((pos == 0, text[pos:m.start()]))
+            parts.append(self._special[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            parts.append((pos == 0, text[pos:]))
+        keys = [p for p in parts if isinstance(p, tuple)]
+        found: dict[tuple[bool, str], np.ndarray] = {}
+        if memo:
+            with self._lock:
+                for k in keys:
+                    v = self._memo.get(k)
+                    if v is not None:
+                        self._memo.move_to_end(k)
+                        found[k] = v
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
+        if missing:
+            for k, v in zip(missing, self._encode_pieces(missing)):
+                found[k] = v
+            if memo:
+                self._remember(missing, found)
+        if memo:
+            self.hits += len(keys) - len(missing)
+            self.misses += len(missing)
+        chunks = [found[p] if isinstance(p, tuple) else np.asarray([p], dtype=np.int64) for p in parts]
+        return np.concatenate(chunks) if chunks else _empty()
+
+    def _remember(self, keys: list[tuple[bool, str]], found: dict[tuple[bool, str], np.ndarray]) -> None:
+        with self._lock:
+            for k in keys:
+                v = found[k]
+                if v.shape[0] > self.max_tokens or k in self._memo:
+                    continue
+                self._memo[k] = v
+                self._held += int(v.shape[0]) + 1  # a piece holds at least one slot (empty pieces count)
+            while self._held > self.max_tokens and self._memo:
+                _, old = self._memo.popitem(last=False)
+                self._held -= int(old.shape[0]) + 1
+
+    def encode(self, text: str) -> np.ndarray:
+        """The ids ``tokenizer(text, add_special_tokens=False)`` gives, as a fresh int64 array.
+
+        Args:
+            text: the text (e.g. a rendered chat template).
+        Returns:
+            int64 ``[n]`` (writable; the memo keeps its own read-only pieces).
+        Raises:
+            TypeError: ``text`` is not a string.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        if self.reason is not None:
+            return self._whole(text)
+        return self._segmented(text)
+
+    __call__ = encode
+
+    @property
+    def cached_tokens(self) -> int:
+        """Ids the memo holds now."""
+        return self._held
+
+    def clear(self) -> None:
+        """Forget every memoized piece."""
+        with self._lock:
+            self._memo.clear()
+            self._held = 0
