@@ -252,7 +252,7 @@ def cmd_bench(args) -> int:
         traces = []
         for wl in args.workloads.split(","):
             traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
-                                            seed=args.seed, count_tokens=count)
+                                            n_versions=args.versions, seed=args.seed, count_tokens=count)
         i, k = _shard(args.shard)
         traces = [t for j, t in enumerate(traces) if j % k == i]
         heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]
@@ -301,6 +301,17 @@ def cmd_bench_loop(args) -> int:
     print(format_loop(summary))
     print(f"wrote {out / 'loop.json'}, {out / 'loop_ttft.png'}", file=sys.stderr)
     return 0
+
+
+def _at_least_two(text: str) -> int:
+    """argparse type: an integer >= 2."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (a base version and an edited one), got {n}")
+    return n
 
 
 def _non_negative(text: str) -> int:
@@ -369,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
     p.add_argument("--n", type=int, default=30, help="episodes per workload")
     p.add_argument("--target-tokens", type=int, default=3000)
+    p.add_argument("--versions", type=_at_least_two, default=None,
+                   help="context versions per episode, >= 2 (default: 2 for QA and follow workloads, 5 for the "
+                        "agent workloads: the call before the first edit and the calls after it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench_out")
     p.add_argument("--resume", action="store_true", help="keep results.jsonl and skip episodes already in it")

@@ -92,18 +92,18 @@ def register_norecent() -> str:
 # --------------------------------------------------------------------------- traces
 
 def build_workload_traces(workload: str, edit: str = "all", *, n: int | None = None, target_tokens: int = 3000,
-                          n_versions: int = 2, seed: int = 0, count_tokens=None) -> list[dict]:
+                          n_versions: int | None = None, seed: int = 0, count_tokens=None) -> list[dict]:
     """The evaluation traces of any benchmark workload: QA and edit-following ones
     (:func:`.workloads.build_traces`) or the agent workloads edited by LangChain's middlewares
     (:func:`.agent_workloads.build_agent_traces`; there ``target_tokens`` is the largest version, at least
-    2,000 tokens, ``n_versions`` the versions kept per episode (2: the default 5), ``edit`` does not apply).
+    2,000 tokens, ``n_versions`` the versions kept per episode (default 5), ``edit`` does not apply).
 
     Args:
         workload: a workload name.
         edit: the QA workloads' edit kind (or ``all``).
         n: episodes at most.
         target_tokens: QA: version-0 length; agent: largest version.
-        n_versions: versions per episode.
+        n_versions: versions per episode, ``>= 2`` (None: 2, the agent workloads 5).
         seed: the builders' seed.
         count_tokens: ``trace messages -> token count`` (the model's chat-template count), or None.
 
@@ -119,8 +119,8 @@ def build_workload_traces(workload: str, edit: str = "all", *, n: int | None = N
     if workload in AGENT_WORKLOADS:
         count = (lambda msgs: count_tokens(from_langchain(msgs))) if count_tokens is not None else None
         return build_agent_traces(workload, n=n, count_tokens=count, max_tokens=max(2000, target_tokens),
-                                  max_versions=5 if n_versions <= 2 else n_versions, seed=seed)
-    return build_traces(workload, edit, n=n, split="eval", target_tokens=target_tokens, n_versions=n_versions,
+                                  max_versions=5 if n_versions is None else n_versions, seed=seed)
+    return build_traces(workload, edit, n=n, split="eval", target_tokens=target_tokens, n_versions=n_versions or 2,
                         seed=seed, count_tokens=count_tokens)
 
 
