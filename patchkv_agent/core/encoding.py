@@ -67,6 +67,7 @@ class SegmentEncoder:
         self._held = 0
         self._lock = threading.Lock()
         self._special: dict[str, int] = {}
+        self._special_ids: dict[str, np.ndarray] = {}
         self._pattern: re.Pattern | None = None
         self._anchor: tuple[str, int] | None = None
         self.reason: str | None = "max_tokens=0" if max_tokens == 0 else self._configure()
@@ -93,7 +94,8 @@ class SegmentEncoder:
             special[content] = int(tid)
         self._special = special
         # leftmost match, longest first at a position (the tokenizer's added-vocabulary split)
-        self._pattern = re.compile("|".join(re.escape(s) for s in sorted(special, key=len, reverse=True)))
+        self._pattern = re.compile("(" + "|".join(re.escape(s) for s in sorted(special, key=len, reverse=True)) + ")")
+        self._special_ids = {k: np.asarray([v], dtype=np.int64) for k, v in special.items()}
         anchor = min(special, key=lambda s: (len(s), s))
         self._anchor = (anchor, special[anchor])
         a, b = list(special)[:2] if len(special) > 1 else (anchor, anchor)
@@ -129,34 +131,33 @@ class SegmentEncoder:
         return got
 
     def _segmented(self, text: str, *, memo: bool = True) -> np.ndarray:
-        parts: list[Any] = []  # np.ndarray of a piece, or the key of a piece still to look up
-        pos = 0
-        for m in self._pattern.finditer(text):
-            if m.start() > pos:
-                parts.append((pos == 0, text[pos:m.start()]))
-            parts.append(self._special[m.group()])
-            pos = m.end()
-        if pos < len(text):
-            parts.append((pos == 0, text[pos:]))
-        keys = [p for p in parts if isinstance(p, tuple)]
+        parts = self._pattern.split(text)  # text, special, text, special, ..., text (texts may be empty)
+        texts = parts[0::2]
+        keys = [(j == 0, t) for j, t in enumerate(texts) if t]
         found: dict[tuple[bool, str], np.ndarray] = {}
         if memo:
             with self._lock:
+                get, touch = self._memo.get, self._memo.move_to_end
                 for k in keys:
-                    v = self._memo.get(k)
+                    v = get(k)
                     if v is not None:
-                        self._memo.move_to_end(k)
+                        touch(k)
                         found[k] = v
         missing = list(dict.fromkeys(k for k in keys if k not in found))
         if missing:
-            for k, v in zip(missing, self._encode_pieces(missing)):
-                found[k] = v
+            found.update(zip(missing, self._encode_pieces(missing)))
             if memo:
                 self._remember(missing, found)
         if memo:
             self.hits += len(keys) - len(missing)
             self.misses += len(missing)
-        chunks = [found[p] if isinstance(p, tuple) else np.asarray([p], dtype=np.int64) for p in parts]
+        special = self._special_ids
+        chunks = []
+        for j, t in enumerate(texts):
+            if t:
+                chunks.append(found[(j == 0, t)])
+            if 2 * j + 1 < len(parts):
+                chunks.append(special[parts[2 * j + 1]])
         return np.concatenate(chunks) if chunks else _empty()
 
     def _remember(self, keys: list[tuple[bool, str]], found: dict[tuple[bool, str], np.ndarray]) -> None:

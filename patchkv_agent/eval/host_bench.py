@@ -16,6 +16,12 @@ checkpoints of 2k to 128k tokens with 1 / 4 / 16 edits, and times each stage:
   suffix rows dequantized and RoPE-shifted), and ``kv_copy_fp`` from the full-precision rows;
 - ``cache``: :func:`~patchkv_agent.core.recovery.to_dynamic_cache` of the recovered K/V.
 
+With a tokenizer (``--tokenizer``, or a ``--model`` that has one), the text side too: a synthetic
+conversation of each length rendered through the chat template (``template``), then tokenized whole
+(``tokenize_whole``: what a prefix cache's caller pays) and through the engine's
+:class:`~patchkv_agent.core.encoding.SegmentEncoder` after the previous version was encoded
+(``tokenize_memo``: one tool result cleared and one appended, the ClearToolUsesEdit shape).
+
 ``host_ms`` is the sum of every stage but the forward and the KV copy (validation of the list form). Beside
 it, the KV copy's bandwidth (destination bytes written per second) against a plain ``copy_`` of the same
 bytes on the same device: the physical limit. The model is a one-layer llama built from a config (random
@@ -39,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-__all__ = ["run_host_bench", "host_engine", "plot_host", "bench_plan", "add_cli", "main"]
+__all__ = ["run_host_bench", "run_tokenize_bench", "host_engine", "plot_host", "bench_plan", "add_cli", "main"]
 
 STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
 DEFAULT_LENGTHS = (2048, 8192, 32768, 131072)
@@ -235,6 +241,90 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                      "(memcpy_fresh: page faults included, as the restore's fresh destination pays them)."}
 
 
+_TEXT_WORDS = ("the", "agent", "called", "search", "with", "query", "and", "got", "results", "for", "Sofia",
+               "Bulgaria", "population", "1,236,047", "in", "2021", "def", "return", "x", "+", "1", "{", "}",
+               "\"id\":", "\"name\":", "error:", "FileNotFoundError", "/src/app/main.py", "line", "42", "ok.",
+               "Then", "it", "read", "the", "file", "naïve", "café", "—", "tests", "passed", "\n", "\t")
+
+
+def _conversation(tokenizer, n_tokens: int, seed: int) -> list[dict]:
+    """A deterministic agent conversation of about ``n_tokens`` tokens: a task, then assistant / tool turns."""
+    rng = np.random.default_rng(seed)
+    msgs = [{"role": "system", "content": "You are a coding agent. Use the tools."},
+            {"role": "user", "content": "Fix the failing test in the repository."}]
+    total = 0
+    while total < n_tokens:
+        k = len(msgs)
+        words = rng.choice(_TEXT_WORDS, size=40 if k % 2 == 0 else 160)
+        content = " ".join(words)
+        msgs.append({"role": "assistant" if k % 2 == 0 else "user", "content": content})
+        total += len(tokenizer(content, add_special_tokens=False)["input_ids"]) + 5
+    return msgs
+
+
+def run_tokenize_bench(tokenizer, *, lengths=DEFAULT_LENGTHS, repeats: int = 5, seed: int = 0,
+                       progress: bool = True) -> list[dict[str, Any]]:
+    """Text-side host time of a resume: chat-template rendering and tokenization, whole and memoized.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        lengths: context lengths in tokens (approximate: whole messages).
+        repeats: timed repetitions (medians), ``>= 1``.
+        seed: the conversation's seed.
+        progress: show a progress bar.
+
+    Returns:
+        One row per length: ``tokens``, ``template_ms``, ``tokenize_whole_ms``, ``tokenize_memo_ms``, the
+        memo's ``memo`` (``reason`` it is off, or None) and ``same_ids`` (the memo's ids equal the whole
+        text's).
+
+    Raises:
+        ValueError: ``repeats < 1``.
+    """
+    from ..core.encoding import SegmentEncoder
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    rows = []
+    for n in tqdm(lengths, desc="bench-host tokenize", disable=not progress, file=sys.stderr):
+        old = _conversation(tokenizer, n, seed)
+        new = [dict(m) for m in old]
+        new[2 * len(new) // 3 | 1]["content"] = "[cleared]"  # one tool result cleared, one appended
+        new.append({"role": "user", "content": " ".join(_TEXT_WORDS[:30])})
+
+        def render(msgs):
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+        t_old, t_new = render(old), render(new)
+        whole = tokenizer(t_new, add_special_tokens=False)["input_ids"]
+        times: dict[str, list[float]] = {"template": [], "tokenize_whole": [], "tokenize_memo": []}
+        same, reason = True, None
+        for _ in range(repeats):
+            times["template"].append(_timed(lambda: render(new), torch.device("cpu"))[0])
+            times["tokenize_whole"].append(
+                _timed(lambda: tokenizer(t_new, add_special_tokens=False), torch.device("cpu"))[0])
+            enc = SegmentEncoder(tokenizer)
+            reason = enc.reason
+            enc.encode(t_old)  # the previous call's version
+            t, got = _timed(lambda: enc.encode(t_new), torch.device("cpu"))
+            times["tokenize_memo"].append(t)
+            same = same and got.tolist() == whole
+        rows.append({"tokens": len(whole), **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+                     "memo": reason, "same_ids": bool(same)})
+    return rows
+
+
+def format_tokenize(rows: list[dict[str, Any]]) -> str:
+    """The tokenization rows as an aligned text table."""
+    lines = [["tokens", "template", "tokenize_whole", "tokenize_memo", "whole/memo", "same_ids"]]
+    for r in rows:
+        lines.append([str(r["tokens"]), f"{r['template_ms']:.2f}", f"{r['tokenize_whole_ms']:.2f}",
+                      f"{r['tokenize_memo_ms']:.2f}", f"{r['tokenize_whole_ms'] / max(r['tokenize_memo_ms'], 1e-9):.0f}x",
+                      str(r["same_ids"])])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines)
+
+
 def format_host(summary: dict[str, Any]) -> str:
     """The rows as an aligned text table."""
     head = ["tokens", "edits", "validate", "val_np", "diff", "words", "plan", "bookkeep", "cache", "host_ms",
@@ -301,6 +391,9 @@ def add_cli(sub) -> None:
     p.add_argument("--model", default=None,
                    help="use this model's KV shapes (HF id, dir, .gguf or 'smollm2-135m'; default: a one-layer "
                         "llama from a config)")
+    p.add_argument("--tokenizer", default=None,
+                   help="also time chat-template rendering and tokenization (whole vs the engine's memo) with this "
+                        "model's tokenizer (HF id, dir, .gguf or 'smollm2-135m'; default: --model's, if given)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
@@ -370,8 +463,18 @@ def main(args) -> int:
     else:
         eng = host_engine(device=device, max_positions=max(args.lengths) + 20 * max(args.edits) + 1024)
     summary = run_host_bench(eng, lengths=args.lengths, edits=args.edits, repeats=args.repeats, seed=args.seed)
+    tokenizer = eng.tokenizer
+    if args.tokenizer:
+        from ..loading import load_model
+
+        tokenizer = load_model(args.tokenizer)[1]
+    if tokenizer is not None:
+        summary["tokenize"] = run_tokenize_bench(tokenizer, lengths=args.lengths, repeats=args.repeats,
+                                                 seed=args.seed)
     (out / "host.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_host(summary, out / "host.png")
     print(format_host(summary))
+    if summary.get("tokenize"):
+        print(format_tokenize(summary["tokenize"]))
     print(f"wrote {out / 'host.json'}, {out / 'host.png'}", file=sys.stderr)
     return 0
