@@ -277,12 +277,26 @@ class PatchKVEngine:
                 like :meth:`validate_ids`).
 
         Returns:
-            The token ids.
+            The token ids (:meth:`encode_array` as a list).
 
         Raises:
             InvalidInput: (a ``ValueError`` and ``TypeError``) a single message dict, a list mixing
                 messages and other things, or bad ids.
             ValueError: text or messages without a tokenizer.
+        """
+        return self.encode_array(context).tolist()
+
+    def encode_array(self, context: str | Sequence[dict] | Sequence[int]) -> np.ndarray:
+        """:meth:`encode` as a fresh int64 array, the form :meth:`resume` checks in one pass (no per-id
+        conversion): text is tokenized through :attr:`encoder`, so an edited conversation is tokenized where
+        it changed.
+
+        Args:
+            context: as :meth:`encode`.
+        Returns:
+            int64 ``[n]``.
+        Raises:
+            InvalidInput, ValueError: as :meth:`encode`.
         """
         if isinstance(context, dict):
             raise InvalidInput("encode takes chat messages as a list of {'role', 'content'} dicts, text, or token "
@@ -292,14 +306,14 @@ class PatchKVEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, or build it with a tokenizer")
             if isinstance(context, str):
-                return self.encoder.encode(context).tolist()
+                return self.encoder.encode(context)
             bad = [i for i, m in enumerate(context) if not isinstance(m, dict)]
             if bad:
                 raise InvalidInput(f"encode got a message list whose element {bad[0]} is "
                                    f"{type(context[bad[0]]).__name__}, not a {{'role', 'content'}} dict")
             text = self.tokenizer.apply_chat_template(list(context), tokenize=False, add_generation_prompt=True)
-            return self.encoder.encode(text).tolist()
-        return self.validate_ids(context, "context").tolist()
+            return self.encoder.encode(text)
+        return self.validate_ids(context, "context")
 
     def validate_ids(self, token_ids, what: str = "token_ids") -> np.ndarray:
         """The public boundary's check of token ids (see :func:`patchkv_agent.core.inputs.as_token_ids`).

@@ -33,6 +33,8 @@ import json
 import logging
 import threading
 import weakref
+
+import numpy as np
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
@@ -329,7 +331,7 @@ class PatchKVChatModel(BaseChatModel):
         return self._template_tools
 
     def render(self, messages: Sequence[BaseMessage], tools: Sequence[dict] | None = None,
-               response_format: dict | None = None) -> tuple[list[dict], list[int], str]:
+               response_format: dict | None = None) -> tuple[list[dict], np.ndarray, str]:
         """The context one call sees.
 
         Args:
@@ -339,7 +341,8 @@ class PatchKVChatModel(BaseChatModel):
 
         Returns:
             ``(trace_messages, token_ids, mode)``: trace-format messages (docs/TRACES.md) as the model saw
-            them (JSON protocol included), their ids, and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
+            them (JSON protocol included), their ids (an int64 array from the engine's memoized encoder:
+            the form the resume checks in one pass), and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
             ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids.
 
         Raises:
@@ -351,18 +354,18 @@ class PatchKVChatModel(BaseChatModel):
         if response_format is not None:
             trace = _with_system(trace, structured_instruction(response_format))
         if not tools:
-            return trace, self.engine.encode(plain_messages(trace)), "plain"
+            return trace, self.engine.encode_array(plain_messages(trace)), "plain"
         use_template = self.tool_protocol == "template" or (self.tool_protocol == "auto" and self.template_renders_tools())
         if use_template:
             try:
                 tok = self.engine.tokenizer
                 text = tok.apply_chat_template(_native(trace), tools=list(tools), tokenize=False,
                                                add_generation_prompt=True)
-                return trace, self.engine.encoder.encode(text).tolist(), "template"
+                return trace, self.engine.encoder.encode(text), "template"
             except Exception as e:  # a template that takes tools= but not tool-call messages
                 log.warning("chat template failed on tool messages (%s); using the JSON tool protocol", e)
         trace = with_tool_protocol(trace, tools)
-        return trace, self.engine.encode(plain_messages(trace)), "json"
+        return trace, self.engine.encode_array(plain_messages(trace)), "json"
 
     def _decode_text(self, output_ids: list[int]) -> str:
         """Text of the output so far (subclasses may override, e.g. to script replies in tests)."""
@@ -452,8 +455,8 @@ class PatchKVChatModel(BaseChatModel):
         key = self._thread_key(run_manager, ThreadKey(tuple(explicit)) if explicit else None)
         strategy = self.engine.strategy(opt["strategy"], opt["strategy_options"])  # options checked by name
         stream = self.registry.stream(key, ids, strategy=strategy, max_new_tokens=opt["max_new"], sampler=sampler)
-        _dispatch(run_manager, CONTEXT_EVENT, {"thread_key": list(key) if key else None, "messages": trace,
-                                               "token_ids": list(map(int, ids)), "mode": mode})
+        _dispatch(run_manager, CONTEXT_EVENT, lambda: {"thread_key": list(key) if key else None, "messages": trace,
+                                                       "token_ids": ids.tolist(), "mode": mode})
         stops = [s for s in list(stop or []) + list(self.stop or []) if s]
         markers = stops + ([TOOL_CALL_OPEN] + ([] if self.constrained else ["{"]) if tools else [])
         emitted, text, stopped = "", "", False
@@ -592,11 +595,14 @@ def _parsers():
 _CompleteJson, _CompletePydantic = _parsers()
 
 
-def _dispatch(run_manager, name: str, data: dict) -> None:
+def _dispatch(run_manager, name: str, data) -> None:
     """Send a custom event to the run's handlers, with the model run's id (a recorder matches it to the
-    run's ``on_chat_model_start``); ``CallbackManagerForLLMRun.on_custom_event`` itself is a no-op."""
+    run's ``on_chat_model_start``); ``CallbackManagerForLLMRun.on_custom_event`` itself is a no-op. ``data``
+    is a dict, or a function that builds it (called only when there are handlers)."""
     if run_manager is None or not run_manager.handlers:
         return
+    if callable(data):
+        data = data()
     handle_event(run_manager.handlers, "on_custom_event", "ignore_custom_event", name, data,
                  run_id=run_manager.run_id, tags=run_manager.tags, metadata=run_manager.metadata)
 
