@@ -5,15 +5,18 @@ does around the forward must be far below that. This benchmark runs the resume p
 as :meth:`PatchKVEngine.resume <patchkv_agent.engine.PatchKVEngine.resume>` calls them, on synthetic
 checkpoints of 2k to 128k tokens with 1 / 4 / 16 edits, and times each stage:
 
-- ``validate``: :meth:`PatchKVEngine.validate_ids` of ``C_new`` as a Python list (what a tokenizer gives)
-  and, separately, as an int64 array (``validate_np``);
+- ``validate``: :meth:`PatchKVEngine.validate_ids` of ``C_new`` as an int64 array (what the engine's
+  encoder and the chat model hand the resume) and, separately, as a Python list (``validate_list``: what a
+  tokenizer's ``input_ids`` are; converting 128k Python ints costs milliseconds whatever is checked);
 - ``diff``: :func:`~patchkv_agent.core.diff.diff_versions` of the checkpoint's ids and ``C_new``;
 - ``words``: :meth:`Edit.new_words <patchkv_agent.core.diff.Edit.new_words>`, the new version's word ids
   from the checkpoint's carried ones (only the edited words are read);
 - ``plan``: the ``patchkv`` strategy's plan (lexical readers on, stored attention);
 - ``bookkeeping``: :class:`~patchkv_agent.core.recovery.RecoveryBuffers` (plan checks, destination K/V);
 - ``kv_copy``: its ``restore`` from the mixed-precision runs (the ``patchkv`` path: prefix rows copied,
-  suffix rows dequantized and RoPE-shifted), and ``kv_copy_fp`` from the full-precision rows;
+  suffix rows dequantized and RoPE-shifted), and ``kv_copy_fp`` from the full-precision rows, both into the
+  freshly allocated destination a resume writes (its first touch pays the page faults); ``kv_copy_fp_warm``
+  is the same restore again into that destination (the copy itself, as into a reused buffer);
 - ``cache``: :func:`~patchkv_agent.core.recovery.to_dynamic_cache` of the recovered K/V.
 
 With a tokenizer (``--tokenizer``, or a ``--model`` that has one), the text side too: a synthetic
@@ -22,7 +25,7 @@ conversation of each length rendered through the chat template (``template``), t
 :class:`~patchkv_agent.core.encoding.SegmentEncoder` after the previous version was encoded
 (``tokenize_memo``: one tool result cleared and one appended, the ClearToolUsesEdit shape).
 
-``host_ms`` is the sum of every stage but the forward and the KV copy (validation of the list form). Beside
+``host_ms`` is the sum of every stage but the forward and the KV copy (validation of the array form). Beside
 it, the KV copy's bandwidth (destination bytes written per second) against a plain ``copy_`` of the same
 bytes on the same device: the physical limit. The model is a one-layer llama built from a config (random
 weights, no forward is run) unless ``--model`` names a real one, whose shapes are then used.
@@ -186,14 +189,15 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
             old, new = _versions(n, n_edits, vocab, seed + n + n_edits)
             ckpt = _checkpoint(eng, old, seed)
             new_list = new.tolist()
-            times: dict[str, list[float]] = {k: [] for k in (*STAGES, "validate_np", "kv_copy", "kv_copy_fp")}
+            times: dict[str, list[float]] = {k: [] for k in (*STAGES, "validate_list", "kv_copy", "kv_copy_fp",
+                                                                 "kv_copy_fp_warm")}
             info: dict[str, Any] = {}
             for _ in range(repeats):
                 from ..core.diff import diff_versions
 
-                t, ids = _timed(lambda: eng.validate_ids(new_list, "new_token_ids"), device)
+                t, ids = _timed(lambda: eng.validate_ids(new, "new_token_ids"), device)
                 times["validate"].append(t)
-                times["validate_np"].append(_timed(lambda: eng.validate_ids(new, "new_token_ids"), device)[0])
+                times["validate_list"].append(_timed(lambda: eng.validate_ids(new_list, "new_token_ids"), device)[0])
                 t, edit = _timed(lambda: diff_versions(ckpt.token_ids, ids, words=eng.words, old_words=ckpt.words),
                                  device)
                 times["diff"].append(t)
@@ -206,6 +210,8 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                 times["kv_copy"].append(_timed(lambda: buf.restore(ckpt.keys, ckpt.values, ckpt.mixed), device)[0])
                 buf_fp = RecoveryBuffers(eng.model, eng.spec, ids_t, plan)
                 times["kv_copy_fp"].append(_timed(lambda: buf_fp.restore(ckpt.keys, ckpt.values, None), device)[0])
+                times["kv_copy_fp_warm"].append(
+                    _timed(lambda: buf_fp.restore(ckpt.keys, ckpt.values, None), device)[0])
                 times["cache"].append(_timed(lambda: to_dynamic_cache(eng.model, buf.keys, buf.values), device)[0])
                 info = {"restore_tokens": int(plan.n_restore), "recompute_tokens": int(plan.n_recompute),
                         "prefix_tokens": int(plan.prefix_len), "restore_kernel": buf.kernel,
@@ -224,6 +230,8 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                    "memcpy_gbps": kv_bytes / max(mem_s, 1e-12) / 1e9,
                    "memcpy_fresh_ms": fresh_s * 1e3, "memcpy_fresh_gbps": kv_bytes / max(fresh_s, 1e-12) / 1e9}
             row["kv_copy_fp_vs_memcpy"] = row["kv_copy_fp_gbps"] / max(row["memcpy_gbps"], 1e-12)
+            row["kv_copy_fp_warm_gbps"] = kv_bytes / max(med["kv_copy_fp_warm_ms"] / 1e3, 1e-12) / 1e9
+            row["kv_copy_fp_warm_vs_memcpy"] = row["kv_copy_fp_warm_gbps"] / max(row["memcpy_gbps"], 1e-12)
             row["kv_copy_vs_memcpy"] = row["kv_copy_gbps"] / max(row["memcpy_gbps"], 1e-12)
             row["kv_copy_fp_vs_fresh_memcpy"] = row["kv_copy_fp_gbps"] / max(row["memcpy_fresh_gbps"], 1e-12)
             rows.append(row)
@@ -234,7 +242,7 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
             "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
             "targets_ms": {str(k): v for k, v in TARGETS_MS.items()},
-            "notes": "host_ms = validate (list input) + diff + words + plan + bookkeeping + cache; the forward "
+            "notes": "host_ms = validate (int64 array input) + diff + words + plan + bookkeeping + cache; the forward "
                      "and the KV copy are outside it. kv_copy: restore from the mixed-precision runs "
                      "(dequantize + RoPE shift); kv_copy_fp: from the full-precision rows; memcpy: a plain "
                      "copy_ of the same destination bytes into a warm buffer (memcpy) and into a newly allocated one "
@@ -327,14 +335,15 @@ def format_tokenize(rows: list[dict[str, Any]]) -> str:
 
 def format_host(summary: dict[str, Any]) -> str:
     """The rows as an aligned text table."""
-    head = ["tokens", "edits", "validate", "val_np", "diff", "words", "plan", "bookkeep", "cache", "host_ms",
-            "kv_copy", "kv_fp", "memcpy", "fresh", "fp/memcpy", "fp/fresh"]
+    head = ["tokens", "edits", "validate", "val_list", "diff", "words", "plan", "bookkeep", "cache", "host_ms",
+            "kv_copy", "kv_fp", "kv_fp_warm", "memcpy", "fresh", "fp/memcpy", "fp/fresh", "warm/memcpy"]
     lines = [head]
     for r in summary["rows"]:
         lines.append([str(r["tokens"]), str(r["edits"])] + [f"{r[k]:.2f}" for k in (
-            "validate_ms", "validate_np_ms", "diff_ms", "words_ms", "plan_ms", "bookkeeping_ms", "cache_ms",
-            "host_ms", "kv_copy_ms", "kv_copy_fp_ms", "memcpy_ms", "memcpy_fresh_ms")] + [
-            f"{r['kv_copy_fp_vs_memcpy']:.2f}", f"{r['kv_copy_fp_vs_fresh_memcpy']:.2f}"])
+            "validate_ms", "validate_list_ms", "diff_ms", "words_ms", "plan_ms", "bookkeeping_ms", "cache_ms",
+            "host_ms", "kv_copy_ms", "kv_copy_fp_ms", "kv_copy_fp_warm_ms", "memcpy_ms", "memcpy_fresh_ms")] + [
+            f"{r['kv_copy_fp_vs_memcpy']:.2f}", f"{r['kv_copy_fp_vs_fresh_memcpy']:.2f}",
+            f"{r['kv_copy_fp_warm_vs_memcpy']:.2f}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in lines)
 
@@ -361,6 +370,7 @@ def plot_host(summary: dict[str, Any], path: str | Path) -> None:
     bx.plot(x, [r["memcpy_gbps"] for r in rs], "k--", label="memcpy, same bytes")
     bx.plot(x, [r["memcpy_fresh_gbps"] for r in rs], "k:", label="memcpy into a fresh buffer")
     bx.plot(x, [r["kv_copy_fp_gbps"] for r in rs], "o-", label="KV restore, full precision")
+    bx.plot(x, [r["kv_copy_fp_warm_gbps"] for r in rs], "^-", label="KV restore, full precision, warm destination")
     bx.plot(x, [r["kv_copy_gbps"] for r in rs], "s-", label="KV restore, mixed runs")
     bx.set(xscale="log", xlabel="context tokens", ylabel="GB/s (destination bytes)", title="KV copy bandwidth")
     bx.legend()
