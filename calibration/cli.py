@@ -9,6 +9,12 @@ candidates and the full 4 x 4 (kappa, block) grid on the validation pairs; its r
 docs/RESULTS.md (section "Calibration run time"). On a shared machine pass ``--threads 1`` (torch
 threads competing with other processes for few cores are slower than one).
 
+The agent stage (:mod:`.agent_stage`) is opt-in: ``--agent-workloads agent-clear,...`` also selects the
+recency window ``recent_window`` by next-action agreement on agent-workload episodes (the last
+``--agent-n`` of the first ``--agent-skip + --agent-n``, disjoint from the benchmark's first ones), under the
+settings the main stages chose; off by default because its 48-token continuations of ~4k-token contexts
+take tens of minutes on a CPU.
+
 Writes three files: the profile (``--out``), the drift curves (``.drift.npz``, for figures) and the raw
 resume rows (``.rows.jsonl``, to redo the selection offline).
 """
@@ -96,6 +102,21 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="precision candidates 'tau_L:tau_H,...' (default: tau_L 0.1/0.25/0.5/1 x tau_H 4/8)")
     p.add_argument("--grid-max-pairs", type=int, default=None, help="grid on at most this many validation pairs")
     p.add_argument("--ref-tokens", type=int, default=8, help="greedy reference tokens (teacher-forced agreement)")
+    p.add_argument("--agent-workloads", default="",
+                   help="agent stage (opt-in, tens of minutes): comma-separated agent workloads (agent-clear, "
+                        "agent-summarize, agent-offload) on which to select recent_window by next-action agreement "
+                        "with exact; '' or 'none' (default) skips it")
+    p.add_argument("--agent-n", type=int, default=6, help="agent stage: episodes per agent workload")
+    p.add_argument("--agent-skip", type=int, default=20,
+                   help="agent stage: leading episodes of each agent workload left out (the benchmark takes the first "
+                        "--n; the stage takes the next --agent-n)")
+    p.add_argument("--agent-windows", type=_ints, default=(0, 256, 512, 1024),
+                   help="agent stage: candidate recency windows in tokens (comma-separated)")
+    p.add_argument("--agent-target", type=float, default=0.95,
+                   help="agent stage: least next-action agreement share; the smallest window reaching it wins "
+                        "(none does: the most agreeing one)")
+    p.add_argument("--agent-target-tokens", type=int, default=4000,
+                   help="agent stage: largest version of an agent episode in tokens (at least 2000 are used)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")
     p.add_argument("--no-progress", action="store_true")
@@ -202,6 +223,49 @@ def _number_or_none(flag: str, s: str, lo: float, hi: float) -> float | None:
     return v
 
 
+def _agent_workloads(spec: str) -> list[str]:
+    """``--agent-workloads``: the agent workloads named (``''`` / ``'none'``: none, the stage is skipped).
+
+    Raises:
+        UsageError: a name that is not an agent workload.
+    """
+    from patchkv_agent.eval.agent_workloads import AGENT_WORKLOADS
+    from patchkv_agent.usage import UsageError
+
+    names = [w.strip() for w in (spec or "").split(",") if w.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [w for w in names if w not in AGENT_WORKLOADS]
+    if unknown:
+        raise UsageError(f"--agent-workloads: unknown agent workload(s) {unknown}; choose from "
+                         f"{list(AGENT_WORKLOADS)}, or 'none' to skip the agent stage")
+    return list(dict.fromkeys(names))
+
+
+def _check_agent_args(args: argparse.Namespace) -> None:
+    """The agent stage's options (checked whether or not the stage runs: a bad value is a bad value).
+
+    Raises:
+        UsageError: the first bad one, naming the fix.
+    """
+    import math
+
+    from patchkv_agent.usage import UsageError
+
+    _agent_workloads(args.agent_workloads)
+    if args.agent_n < 1:
+        raise UsageError(f"--agent-n must be >= 1 (episodes per agent workload), got {args.agent_n}")
+    if args.agent_skip < 0:
+        raise UsageError(f"--agent-skip must be >= 0 (leading episodes left to the benchmark), got {args.agent_skip}")
+    bad = [w for w in args.agent_windows if w < 0]
+    if bad:
+        raise UsageError(f"--agent-windows must be >= 0 (tokens; 0 turns the recency rule off), got {bad[0]}")
+    if not (math.isfinite(args.agent_target) and 0.0 <= args.agent_target <= 1.0):
+        raise UsageError(f"--agent-target must be in [0, 1] (a share of agreeing resumes), got {args.agent_target!r}")
+    if args.agent_target_tokens < 1:
+        raise UsageError(f"--agent-target-tokens must be >= 1, got {args.agent_target_tokens}")
+
+
 def check_calibrate_args(args: argparse.Namespace) -> None:
     """Every check of ``calibrate``'s arguments that needs no model (run before the model loads).
 
@@ -231,6 +295,7 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     _number_or_none("--precision-target", args.precision_target, 0.0, float("inf"))
     _target(args.target)
     _policy_grid(args.policy_grid)
+    _check_agent_args(args)
     for flag, path in (("--out", args.out), ("--drift-out", args.drift_out)):
         if path and Path(path).is_dir():
             raise UsageError(f"{flag} {path} is a directory; pass a file path")
@@ -333,6 +398,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
         workloads += follow
     if not traces:
         raise SystemExit("no calibration episodes could be built; check --workload/--edit/--n")
+    agent = _build_agent_traces(args, count)  # before the long stages: a bad --agent-skip fails now
     readers = tuple(r.strip() for r in args.readers.split(",") if r.strip())
     from patchkv_agent.core.plan import READERS
 
@@ -357,6 +423,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
                                          progress=not args.no_progress)
     except ValueError as e:
         raise SystemExit(f"calibration failed: {e}") from None
+    if agent:
+        profile = _agent_stage(eng, profile, agent, args, command)
     profile["timing"]["wall_s"] = round(time.perf_counter() - t0, 1)
     write_profile(profile, out)
     save_drift(pairs, drift_out, profile)
@@ -373,8 +441,72 @@ def calibrate_main(args: argparse.Namespace) -> int:
           + ("" if fr is None else f", follow rate {fr:.3f}") + ")")
     print(f"  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
                                             for x in profile["d_hat_examples"]))
+    sel = profile.get("recent_window_selection")
+    if sel is not None and sel.get("chosen") is not None:
+        g = sel["grid"][str(sel["chosen"])]
+        print(f"  recent_window={sel['chosen']} (next-action agreement {g['agree']}/{g['n']}, target "
+              f"{sel['target']:g} {'met' if sel['target_met'] else 'not met'}); grid: "
+              + ", ".join(f"{w}: {r['agree']}/{r['n']} at {r['recompute_tokens_mean']:.0f} tokens"
+                          for w, r in sel["grid"].items()))
+    elif sel is not None:
+        print(f"  recent_window not selected: {sel.get('skipped')}")
     print(f"  wall time {profile['timing']['wall_s']:.0f}s")
     return 0
+
+
+def _build_agent_traces(args: argparse.Namespace, count) -> list[dict]:
+    """The agent stage's episodes (none when ``--agent-workloads`` is empty).
+
+    Raises:
+        SystemExit: the stage was asked for and no episode is left after ``--agent-skip``.
+    """
+    from .agent_stage import agent_traces
+
+    out: list[dict] = []
+    names = _agent_workloads(args.agent_workloads)
+    for w in names:
+        got = agent_traces(w, n=args.agent_n, skip=args.agent_skip, target_tokens=args.agent_target_tokens,
+                           count_tokens=count, seed=args.seed)
+        if len(got) < args.agent_n:
+            print(f"{w}: only {len(got)} agent episodes after skipping {args.agent_skip}", file=sys.stderr)
+        out += got
+    if names and not out:
+        raise SystemExit(f"--agent-workloads: no episode of {names} is left after --agent-skip {args.agent_skip}; "
+                         "lower --agent-skip or --agent-n")
+    return out
+
+
+def _agent_stage(eng, profile: dict, traces: list[dict], args: argparse.Namespace, command: str) -> dict:
+    """Run the agent stage under the settings just calibrated; the profile with ``recent_window`` (and its
+    ``recent_window_selection``; without ``recent_window`` when no version restored rows)."""
+    from patchkv_agent.profiles import Profile
+
+    from .agent_stage import RULE, select_recent_window, with_recent_window
+
+    t0 = time.perf_counter()
+    eng.settings = Profile.from_dict(profile).settings(eng.settings)  # W on top of the plan it will join
+    rows: list[dict] = []
+    try:
+        sel = select_recent_window(eng, traces, windows=args.agent_windows, target=args.agent_target,
+                                   progress=not args.no_progress, rows=rows)
+    except ValueError as e:
+        print(f"agent stage: {e}; the profile gets no recent_window", file=sys.stderr)
+        sel = {"rule": RULE, "chosen": None, "skipped": str(e),
+               "workloads": sorted({str(t.get("workload", "")) for t in traces}),
+               "episodes": [str(t.get("id")) for t in traces]}
+    n, skip = args.agent_n, args.agent_skip
+    sel.update({
+        "episodes_from": (f"the last {n} of the first {skip + n} episodes of each agent workload (seed {args.seed}, "
+                          f"{args.agent_target_tokens} target tokens): disjoint from a benchmark run with --n <= "
+                          f"{skip} at the same target tokens and seed, which takes the first --n"),
+        "n_per_workload": n, "skip": skip, "target_tokens": args.agent_target_tokens, "seed": args.seed,
+        "settings_from": "this profile (length model, kappa, block size, readers, precision policy); the other "
+                         "settings at the built-in defaults",
+        "command": command, "seconds": round(time.perf_counter() - t0, 1)})
+    out = with_recent_window(profile, sel)
+    out.setdefault("_rows", {})["agent"] = rows
+    out["timing"]["agent_stage_s"] = sel["seconds"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,293 @@
+"""The agent stage of calibration: the recency window ``recent_window`` (``W``) chosen by next-action agreement.
+
+Boundary: one opt-in stage of ``patchkv-agent calibrate`` (``--agent-workloads``). It builds agent-workload
+episodes (:func:`agent_traces`: LangChain's middlewares editing agent histories,
+:func:`patchkv_agent.eval.bench.build_workload_traces`), resumes every edited version from the exact KV of
+the call before it through the engine's public methods only (``checkpoint``, ``resume`` with ``exact`` and
+:class:`~patchkv_agent.strategies.builtin.PatchKVStrategy` ``(recent_window=w)``, the rest of the settings
+the engine's), scores each resume's next action against the exact one
+(:func:`patchkv_agent.eval.metrics.next_action_agree`) and picks ``W`` by :func:`choose_window`. It returns
+JSON-safe dicts; it writes no file and touches no other part of the profile (:func:`with_recent_window` puts
+the choice into a profile dict, :mod:`.outputs` writes it).
+
+Why a stage of its own: ``W`` recomputes the restored rows nearest the generation point, which an agent's
+next tool call reads most; the QA pairs of the main stages (answers 8 tokens after a short question) do not
+measure that, and 48-token greedy continuations of ~4k-token agent contexts are what makes this stage slow
+(tens of minutes on a CPU for the default size), hence opt-in.
+
+Episodes: :func:`agent_traces` builds ``skip + n`` episodes per workload and keeps the last ``n``, so they
+are disjoint from a benchmark run's (``patchkv-agent bench`` takes the first ``--n`` episodes of each agent
+workload) when its ``--n`` is at most ``skip`` at the same target tokens and seed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
+           "choose_window", "agent_traces", "select_recent_window", "with_recent_window"]
+
+DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
+DEFAULT_TARGET = 0.95
+DEFAULT_SKIP = 20
+DEFAULT_N = 6
+DEFAULT_TARGET_TOKENS = 4000
+RULE = ("recency window W: the last recent_window tokens a plan would restore are recomputed; chosen: the smallest "
+        "window whose next-action agreement with exact is >= target, else (none reaches it) the window of the "
+        "highest agreement, ties to the smaller window")
+
+
+def _check_windows(windows: Sequence[int]) -> tuple[int, ...]:
+    ws = tuple(windows)
+    if not ws:
+        raise ValueError("windows is empty; give one or more recency windows in tokens, e.g. (0, 256, 512)")
+    for w in ws:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"every window must be an int >= 0 (tokens), got {w!r}")
+    return tuple(sorted(set(ws)))
+
+
+def _check_target(target: float) -> float:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0.0 <= target <= 1.0:
+        raise ValueError(f"target must be a number in [0, 1] (a share of agreeing resumes), got {target!r}")
+    return float(target)
+
+
+def choose_window(grid: Mapping[Any, Mapping[str, Any]], target: float) -> int:
+    """The selection rule: the smallest window whose agreement ``agree / n`` is at least ``target``; when
+    none reaches it, the window with the highest agreement (ties: the smaller window).
+
+    Args:
+        grid: window (an int, or its ``str`` as in a JSON grid) -> ``{"agree": count, "n": resumes}``.
+        target: the least agreement share, in ``[0, 1]``.
+    Returns:
+        The chosen window (tokens).
+    Raises:
+        ValueError: an empty grid, a key that is not a window, a row without resumes (``n < 1``) or with
+            ``agree`` outside ``[0, n]``, or a target outside ``[0, 1]``.
+    """
+    target = _check_target(target)
+    if not grid:
+        raise ValueError("the window grid is empty: nothing to choose from")
+    rows = []
+    for key, row in grid.items():
+        try:
+            w = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"grid key {key!r} is not a window in tokens") from None
+        if isinstance(key, bool) or w < 0 or str(w) != str(key).strip():
+            raise ValueError(f"grid key {key!r} is not a window in tokens (an int >= 0)")
+        a, n = row["agree"], row["n"]
+        if n < 1 or not 0 <= a <= n:
+            raise ValueError(f"window {w}: need n >= 1 and 0 <= agree <= n, got agree={a!r}, n={n!r}")
+        rows.append((w, a, n))
+    rows.sort()
+    # a / n >= target, with the comparison made on counts so 19/20 meets 0.95 whatever the float rounding
+    meets = [w for w, a, n in rows if a + 1e-9 >= target * n]
+    if meets:
+        return meets[0]
+    return min(rows, key=lambda r: (-(r[1] / r[2]), r[0]))[0]
+
+
+def agent_traces(workload: str, *, n: int = DEFAULT_N, skip: int = DEFAULT_SKIP,
+                 target_tokens: int = DEFAULT_TARGET_TOKENS, count_tokens: Callable | None = None,
+                 seed: int = 0) -> list[dict]:
+    """Calibration episodes of one agent workload: the last ``n`` of its first ``skip + n`` (the benchmark
+    takes the first ``--n``, so these are disjoint from a run with ``--n <= skip`` at the same
+    ``target_tokens`` and seed).
+
+    Args:
+        workload: one of :data:`patchkv_agent.eval.agent_workloads.AGENT_WORKLOADS`.
+        n: episodes wanted (fewer when the histories run out).
+        skip: leading episodes left to the benchmark.
+        target_tokens: the largest version's tokens (at least 2,000; see ``build_workload_traces``).
+        count_tokens: ``trace messages -> token count`` (the model's chat-template count), or None
+            (LangChain's approximate count).
+        seed: the builder's seed.
+    Returns:
+        Trace dicts (``docs/TRACES.md``), at most ``n``.
+    Raises:
+        ValueError: not an agent workload, ``n < 1`` or ``skip < 0``.
+    """
+    from patchkv_agent.eval.agent_workloads import AGENT_WORKLOADS
+    from patchkv_agent.eval.bench import build_workload_traces
+
+    if workload not in AGENT_WORKLOADS:
+        raise ValueError(f"unknown agent workload {workload!r}; choose from {list(AGENT_WORKLOADS)}")
+    if n < 1 or skip < 0:
+        raise ValueError(f"need n >= 1 and skip >= 0, got n={n}, skip={skip}")
+    return build_workload_traces(workload, n=skip + n, target_tokens=target_tokens, count_tokens=count_tokens,
+                                 seed=seed)[skip:]
+
+
+def _scorer(engine) -> Callable[[Sequence[int], Sequence[int]], bool]:
+    """``(output ids, exact output ids) -> same next action``: decoded text through
+    :func:`~patchkv_agent.eval.metrics.next_action_agree`, or equal ids without a tokenizer."""
+    from patchkv_agent.eval.metrics import next_action_agree
+
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        return lambda out, ref: list(out) == list(ref)
+    return lambda out, ref: next_action_agree(tok.decode(list(out), skip_special_tokens=True),
+                                              tok.decode(list(ref), skip_special_tokens=True))
+
+
+def _settings_record(engine) -> dict[str, Any]:
+    """The engine's plan settings the stage ran under (all but ``recent_window``, which it varies)."""
+    s = engine.settings
+    return {"length_model": s.length_model.to_dict(), "kappa": float(s.kappa), "block_size": int(s.block_size),
+            "readers": str(s.readers), "reader_budget": float(s.reader_budget),
+            "rewrite_share": float(s.rewrite_share), "min_restore_share": float(s.min_restore_share),
+            "mixed_precision": bool(s.mixed_precision)}
+
+
+def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
+                         target: float = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
+                         rows: list | None = None) -> dict[str, Any]:
+    """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
+
+    For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
+    of the call before); ``ids[k]`` is resumed with ``PatchKVStrategy(recent_window=w)`` for each window
+    (the engine's other settings) and with ``exact`` (the reference), ``max_new_tokens`` greedy tokens
+    each. Only versions whose plan at ``w=0`` restores rows are scored: the others are exact at every
+    window (append-only calls, head rewrites). Once a window's plan restores nothing, every larger window
+    plans the same full recompute; its resume is reused (``reused`` in the rows), not rerun.
+
+    Args:
+        engine: a :class:`~patchkv_agent.engine.PatchKVEngine` (its ``settings`` apply, but for
+            ``recent_window``).
+        traces: trace dicts with two or more versions each (``token_ids``, ``messages`` or ``text``).
+        windows: recency windows in tokens (ints >= 0; sorted, duplicates dropped).
+        target: the least agreement share for the rule of :func:`choose_window`.
+        max_new_tokens: greedy tokens per resume (48: an agent's next tool call).
+        progress: a tqdm bar on stderr.
+        rows: if given, one dict per scored version is appended (id, version, sizes, per-window results).
+    Returns:
+        ``{"rule", "chosen", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
+        "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
+        "n_scored", "workloads", "episodes", "settings", "max_new_tokens"}`` (JSON-safe).
+    Raises:
+        ValueError: bad windows, target or ``max_new_tokens``; no traces; or no version whose plan at
+            ``recent_window=0`` restores rows (nothing to choose by).
+    """
+    from tqdm import tqdm
+
+    from patchkv_agent.eval.traces import version_ids
+    from patchkv_agent.strategies.builtin import PatchKVStrategy
+
+    ws = _check_windows(windows)
+    target = _check_target(target)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    traces = list(traces)
+    if not traces:
+        raise ValueError("no agent traces to calibrate the recency window on")
+    agree_fn = _scorer(engine)
+    scored: list[dict] = []
+    n_versions = sum(max(0, len(tr["versions"]) - 1) for tr in traces)
+    with tqdm(total=n_versions, desc="recent_window", unit="version", file=sys.stderr, disable=not progress) as bar:
+        for tr in traces:
+            ids = [version_ids(engine, v) for v in tr["versions"]]
+            for k in range(1, len(ids)):
+                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens)
+                bar.update(1)
+                if row is None:
+                    continue
+                scored.append(row)
+                if rows is not None:
+                    rows.append(row)
+                bar.set_postfix_str(" ".join(f"{w}:{sum(r['results'][str(w)]['agree'] for r in scored)}"
+                                             f"/{len(scored)}" for w in ws))
+    if not scored:
+        raise ValueError(f"none of the {n_versions} versions of {len(traces)} agent traces restores rows at "
+                         "recent_window=0 (each resume is exact at every window): nothing to choose the window "
+                         "by; use more or longer episodes")
+    grid = _grid(scored, ws)
+    chosen = choose_window(grid, target)
+    workloads = sorted({str(tr.get("workload", "")) for tr in traces})
+    return {
+        "rule": RULE, "chosen": chosen, "target": target,
+        "target_met": grid[str(chosen)]["agree"] + 1e-9 >= target * grid[str(chosen)]["n"],
+        "by": (f"next-action agreement with exact (the first tool call, else the text, of {max_new_tokens} greedy "
+               "tokens) on the agent versions whose patchkv plan at recent_window=0 restores rows, each resumed "
+               "from the exact KV of the call before it"),
+        "grid": grid,
+        "grid_by_workload": {wl: _grid([r for r in scored if r["workload"] == wl], ws) for wl in workloads
+                             if any(r["workload"] == wl for r in scored)},
+        "prefix_recompute_tokens_mean": statistics.fmean(r["prefix_recompute_tokens"] for r in scored),
+        "n_versions": n_versions, "n_scored": len(scored), "workloads": workloads,
+        "episodes": [str(tr.get("id")) for tr in traces], "settings": _settings_record(engine),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
+                   max_new_tokens: int) -> dict | None:
+    """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
+    new = ids[k]
+    ckpt = engine.checkpoint(ids[k - 1])
+    first = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=0),
+                          max_new_tokens=max_new_tokens if ws[0] == 0 else 0)
+    st = first.stats
+    if st["restore_tokens"] <= 0:
+        return None
+    ref = list(engine.resume(None, new, strategy="exact", max_new_tokens=max_new_tokens).output_ids)
+    results: dict[str, dict] = {}
+    prev: dict | None = None
+    for w in ws:
+        if w == 0:
+            out, s, reused = list(first.output_ids), st, False
+        elif prev is not None and prev["restore_tokens"] == 0:
+            out, s, reused = prev["_out"], prev, True  # the same full-recompute plan as the smaller window
+        else:
+            res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=w), max_new_tokens=max_new_tokens)
+            out, s, reused = list(res.output_ids), res.stats, False
+            del res
+        prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),
+                "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
+        results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
+    del first, ckpt
+    edit = (tr["versions"][k].get("edit") if isinstance(tr["versions"][k], dict) else None)
+    return {"id": str(tr.get("id")), "workload": str(tr.get("workload", "")), "version": k,
+            "edit": None if edit is None else str(edit), "old_tokens": len(ids[k - 1]), "new_tokens": len(new),
+            "prefix_tokens": int(st["prefix_tokens"]), "suffix_tokens": int(st["suffix_tokens"]),
+            "prefix_recompute_tokens": len(new) - int(st["prefix_tokens"]), "results": results}
+
+
+def _grid(scored: Sequence[dict], ws: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for w in ws:
+        rs = [r["results"][str(w)] for r in scored]
+        a = sum(1 for x in rs if x["agree"])
+        out[str(w)] = {"agree": a, "n": len(rs), "share": a / len(rs),
+                       "recompute_tokens_mean": statistics.fmean(x["recompute_tokens"] for x in rs)}
+    return out
+
+
+def with_recent_window(profile: Mapping[str, Any], selection: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a profile dict with ``recent_window`` (``selection["chosen"]``; left out when it is None)
+    and ``recent_window_selection`` set, placed after ``readers`` (else ``block_size``) like the shipped
+    profile's.
+
+    Args:
+        profile: a profile dict (as :func:`.profile.run_calibration` returns it).
+        selection: from :func:`select_recent_window` (plus provenance), or a record of a skipped stage.
+    Returns:
+        The new dict (``profile`` is left as it was).
+    """
+    anchor = "readers" if "readers" in profile else "block_size"
+    out: dict[str, Any] = {}
+    extra = {"recent_window_selection": dict(selection)}
+    if selection.get("chosen") is not None:
+        extra = {"recent_window": int(selection["chosen"]), **extra}
+    for key, value in profile.items():
+        if key in ("recent_window", "recent_window_selection"):
+            continue
+        out[key] = value
+        if key == anchor:
+            out.update(extra)
+    if "recent_window_selection" not in out:
+        out.update(extra)
+    return out

@@ -1,0 +1,308 @@
+"""The agent stage of calibration (calibration/agent_stage.py): the recency window chosen by next-action
+agreement, oracle = the exact resume; the selection rule; the wiring into ``calibrate`` and its options."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+
+from patchkv_agent.calibration.agent_stage import (
+    DEFAULT_WINDOWS,
+    agent_traces,
+    choose_window,
+    select_recent_window,
+    with_recent_window,
+)
+from patchkv_agent.eval.tiny import CHATML, tiny_engine
+from patchkv_agent.strategies.builtin import PatchKVStrategy
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (conftest.py)
+
+TOKENS = 48  # greedy tokens per resume, as the stage's default (an agent's next tool call)
+
+# --- the selection rule -----------------------------------------------------------------------------------------------
+
+
+def _grid(*rows):
+    return {w: {"agree": a, "n": n} for w, a, n in rows}
+
+
+def test_choose_window_takes_the_smallest_window_reaching_the_target():
+    g = _grid((0, 5, 12), (256, 11, 12), (512, 12, 12), (1024, 12, 12))
+    assert choose_window(g, 0.9) == 256  # 11/12 = 0.917
+    assert choose_window(g, 0.95) == 512
+    assert choose_window(g, 1.0) == 512  # 1024 reaches it too: the smaller wins
+    assert choose_window(g, 0.0) == 0
+    # the boundary counts as reached, whatever the float rounding of 19/20 against 0.95
+    assert choose_window(_grid((0, 18, 20), (64, 19, 20)), 0.95) == 64
+    # keys may be strings (a grid read back from a profile) and in any order
+    assert choose_window({"1024": {"agree": 4, "n": 4}, "0": {"agree": 1, "n": 4}, "16": {"agree": 4, "n": 4}},
+                         0.95) == 16
+
+
+def test_choose_window_without_a_window_reaching_the_target_takes_the_most_agreeing_smaller_one():
+    g = _grid((0, 6, 12), (256, 9, 12), (512, 10, 12), (1024, 10, 12))
+    assert choose_window(g, 0.95) == 512  # tie with 1024 at 10/12: the smaller window
+    assert choose_window(_grid((0, 3, 4), (128, 3, 4)), 1.0) == 0  # every window ties: the smallest
+    assert choose_window(_grid((0, 2, 4), (128, 1, 4)), 0.9) == 0  # a larger window can agree less
+
+
+@pytest.mark.parametrize("grid,target,match", [
+    ({}, 0.9, "empty"),
+    (_grid((0, 0, 0)), 0.9, "need n >= 1"),
+    (_grid((0, 5, 4)), 0.9, "agree <= n"),
+    ({"abc": {"agree": 1, "n": 1}}, 0.9, "not a window"),
+    ({-1: {"agree": 1, "n": 1}}, 0.9, "not a window"),
+    (_grid((0, 1, 1)), 1.5, "target must be a number in"),
+    (_grid((0, 1, 1)), math.nan, "target must be a number in"),
+])
+def test_choose_window_rejects_bad_grids_and_targets(grid, target, match):
+    with pytest.raises(ValueError, match=match):
+        choose_window(grid, target)
+
+
+# --- the stage end to end on a tiny engine, against exact -------------------------------------------------------------
+
+
+def _agent_like_trace(i: int, rng, n: int = 260, vocab: int = 211) -> dict:
+    """Agent-like versions as token ids: a tool result cleared in the middle and a new result appended
+    (restores a tail), an append-only call (restores nothing), a second clear further on."""
+    v0 = rng.integers(3, vocab, n).tolist()
+    v1 = v0[:70] + rng.integers(3, vocab, 6).tolist() + v0[110:] + rng.integers(3, vocab, 12).tolist()
+    v2 = v1 + rng.integers(3, vocab, 20).tolist()
+    v3 = v2[:150] + rng.integers(3, vocab, 4).tolist() + v2[175:] + rng.integers(3, vocab, 8).tolist()
+    return {"id": f"agent-clear/syn{i}", "workload": "agent-clear",
+            "versions": [{"token_ids": v} for v in (v0, v1, v2, v3)]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine(max_positions=1024)  # token ids only: next actions compared as output ids
+
+
+def _oracle(eng, traces, window, decode=None):
+    """Per version with a restoring plan at W=0: whether PatchKVStrategy(recent_window=window) takes the
+    exact resume's next action, computed here directly."""
+    from patchkv_agent.eval.metrics import next_action_agree
+    from patchkv_agent.eval.traces import version_ids
+
+    out = []
+    for tr in traces:
+        ids = [version_ids(eng, v) for v in tr["versions"]]
+        for k in range(1, len(ids)):
+            ckpt = eng.checkpoint(ids[k - 1])
+            if eng.resume(ckpt, ids[k], strategy=PatchKVStrategy(recent_window=0),
+                          max_new_tokens=0).stats["restore_tokens"] == 0:
+                continue
+            got = eng.resume(ckpt, ids[k], strategy=PatchKVStrategy(recent_window=window), max_new_tokens=TOKENS)
+            ref = eng.resume(None, ids[k], strategy="exact", max_new_tokens=TOKENS)
+            if decode is None:
+                out.append(list(got.output_ids) == list(ref.output_ids))
+            else:
+                out.append(next_action_agree(decode(got.output_ids), decode(ref.output_ids)))
+    return out
+
+
+def test_stage_scores_w0_as_exact_says_and_a_whole_suffix_window_agrees_always(engine):
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    big, bigger = 4096, 8192  # more than any suffix: every restored row is recomputed (exact)
+    rows: list[dict] = []
+    out = select_recent_window(engine, traces, windows=(big, 0, 16, bigger, 16), target=0.95,
+                               max_new_tokens=TOKENS, progress=False, rows=rows)
+    json.dumps(out)  # JSON-safe
+    assert list(out["grid"]) == ["0", "16", str(big), str(bigger)]  # sorted, duplicates dropped
+    w0 = _oracle(engine, traces, 0)
+    n = len(w0)
+    assert n == 4 and out["n_scored"] == n and out["n_versions"] == 6  # the append-only calls restore nothing
+    assert [r["version"] for r in rows] == [1, 3, 1, 3]
+    assert out["grid"]["0"] == {"agree": sum(w0), "n": n, "share": sum(w0) / n,
+                                "recompute_tokens_mean": pytest.approx(np.mean(
+                                    [r["results"]["0"]["recompute_tokens"] for r in rows]))}
+    assert out["grid"]["16"]["agree"] == sum(_oracle(engine, traces, 16))
+    # the whole-suffix window recomputes everything after the prefix: exact, agreement n/n
+    assert out["grid"][str(big)]["agree"] == n == out["grid"][str(bigger)]["n"]
+    assert out["grid"][str(big)]["recompute_tokens_mean"] == pytest.approx(out["prefix_recompute_tokens_mean"])
+    for r in rows:
+        assert r["results"][str(big)]["restore_tokens"] == 0 and r["results"]["0"]["restore_tokens"] > 0
+        assert r["results"][str(bigger)]["reused"] and not r["results"][str(big)]["reused"]
+        rec = [r["results"][w]["recompute_tokens"] for w in out["grid"]]
+        assert rec == sorted(rec)  # a larger window only adds recomputed blocks
+    assert out["chosen"] == choose_window(out["grid"], 0.95)
+    assert out["target_met"] == (out["grid"][str(out["chosen"])]["share"] >= 0.95)
+    assert out["workloads"] == ["agent-clear"] and out["episodes"] == [t["id"] for t in traces]
+    assert out["settings"]["block_size"] == engine.settings.block_size and out["max_new_tokens"] == TOKENS
+
+
+def test_stage_decodes_the_next_action_with_a_tokenizer():
+    eng = tiny_engine(chat_template=CHATML, config={"vocab_size": 102}, max_positions=2048)
+    sysm = {"role": "system", "content": "You are an agent with a search tool."}
+    task = {"role": "user", "content": "Find the year the bridge opened."}
+
+    def exchange(i, text):
+        return [{"role": "assistant", "content": "", "tool_calls": [{"id": f"c{i}", "name": "search",
+                                                                      "args": {"query": f"bridge {i}"}}]},
+                {"role": "tool", "tool_call_id": f"c{i}", "content": text}]
+
+    results = [f"Result {i}: " + "the old stone bridge over the river was rebuilt. " * 3 for i in range(4)]
+    full = [sysm, task] + [m for i, t in enumerate(results) for m in exchange(i, t)]
+    cleared = [sysm, task] + exchange(0, "[cleared]") + [m for i, t in enumerate(results[1:], 1)
+                                                         for m in exchange(i, t)]
+    trace = {"id": "agent-clear/chat", "workload": "agent-clear",
+             "versions": [{"messages": full}, {"messages": cleared + exchange(9, "Opened in 1932.")}]}
+    out = select_recent_window(eng, [trace], windows=(0, 4096), max_new_tokens=TOKENS, progress=False)
+    decode = lambda ids: eng.tokenizer.decode(list(ids), skip_special_tokens=True)  # noqa: E731
+    assert out["grid"]["0"]["n"] == 1 and out["grid"]["0"]["agree"] == sum(_oracle(eng, [trace], 0, decode))
+    assert out["grid"]["4096"]["agree"] == 1
+
+
+def test_stage_rejects_bad_settings_and_traces_with_nothing_to_choose_by(engine):
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, 211, 120).tolist()
+    append_only = {"id": "a", "workload": "agent-clear", "versions": [{"token_ids": ids}, {"token_ids": ids + [5, 6]}]}
+    with pytest.raises(ValueError, match="restores rows at recent_window=0"):
+        select_recent_window(engine, [append_only], progress=False)
+    with pytest.raises(ValueError, match="no agent traces"):
+        select_recent_window(engine, [], progress=False)
+    for bad in ((), (0, -1), (0, 1.5), (True,)):
+        with pytest.raises(ValueError, match="window"):
+            select_recent_window(engine, [append_only], windows=bad, progress=False)
+    with pytest.raises(ValueError, match="target"):
+        select_recent_window(engine, [append_only], target=2, progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        select_recent_window(engine, [append_only], max_new_tokens=0, progress=False)
+
+
+def test_agent_traces_are_the_ones_after_the_benchmarks_first():
+    from patchkv_agent.eval.bench import build_workload_traces
+
+    got = agent_traces("agent-clear", n=2, skip=3, target_tokens=4000)  # LangChain's approximate token count
+    bench = build_workload_traces("agent-clear", n=3, target_tokens=4000)
+    longer = build_workload_traces("agent-clear", n=5, target_tokens=4000)
+    assert [t["id"] for t in got] == [t["id"] for t in longer[3:]] and len(got) == 2
+    assert not {t["meta"]["history"] for t in got} & {t["meta"]["history"] for t in bench}
+    with pytest.raises(ValueError, match="unknown agent workload"):
+        agent_traces("hotpotqa-e")
+
+
+# --- wiring: the profile gets recent_window and loads with it ---------------------------------------------------------
+
+
+def test_calibrate_wiring_writes_a_recent_window_the_profile_loader_reads(engine, tmp_path):
+    from patchkv_agent.calibration.cli import _agent_stage, build_calibrate_parser
+    from patchkv_agent.calibration.config import CalibConfig, Episode
+    from patchkv_agent.calibration.outputs import save_rows, write_profile
+    from patchkv_agent.calibration.profile import run_calibration
+    from patchkv_agent.engine import PatchKVEngine
+    from patchkv_agent.profiles import read_profile
+
+    rng = np.random.default_rng(0)
+    eps = []
+    for t in range(4):
+        old = rng.integers(3, 211, 120)
+        new = np.concatenate([old[:40], rng.integers(3, 211, 8), old[50:]])
+        eps.append(Episode(id=f"syn/{t}", task=f"syn/{t}", workload="syn", versions=(tuple(old.tolist()),
+                                                                                       tuple(new.tolist()))))
+    cfg = CalibConfig(kappas=(0.0,), blocks=(8,), readers=("none",), ref_tokens=2, val_share=0.5, policy_grid=(),
+                      precision_target=None)
+    profile, _ = run_calibration(engine, eps, cfg, model_name="tiny-agent", command="pytest")
+    before = engine.settings
+    args = build_calibrate_parser().parse_args(["--agent-workloads", "agent-clear", "--agent-windows", "0,4096",
+                                                "--no-progress"])
+    traces = [_agent_like_trace(0, np.random.default_rng(3))]
+    try:
+        out = _agent_stage(engine, profile, traces, args, "pytest")
+    finally:
+        engine.settings = before  # the module's engine is shared
+    sel = out["recent_window_selection"]
+    assert out["recent_window"] == sel["chosen"] in (0, 4096) and "recent_window" not in profile
+    keys = list(out)
+    assert keys.index("recent_window") == keys.index("readers") + 1  # beside the other plan settings
+    assert sel["grid"]["4096"]["agree"] == sel["grid"]["4096"]["n"] == 2 and sel["skip"] == 20
+    assert sel["settings"]["block_size"] == profile["block_size"] and sel["settings"]["readers"] == "none"
+    assert "last 6 of the first 26" in sel["episodes_from"] and out["timing"]["agent_stage_s"] >= 0
+    path = write_profile(out, tmp_path / "tiny-agent.json")
+    stages = [json.loads(x)["stage"] for x in save_rows(out, tmp_path / "r.jsonl").read_text().splitlines()]
+    assert stages.count("agent") == 2
+    loaded = read_profile(path)
+    assert loaded.recent_window == sel["chosen"]
+    assert PatchKVEngine(engine.model, profile=loaded).settings.recent_window == sel["chosen"]
+    # with nothing to choose by the profile keeps no recent_window and says why
+    ids = traces[0]["versions"][0]["token_ids"]
+    none = [{"id": "a", "workload": "agent-clear", "versions": [{"token_ids": ids}, {"token_ids": ids + [7]}]}]
+    try:
+        skipped = _agent_stage(engine, profile, none, args, "pytest")
+    finally:
+        engine.settings = before
+    assert "recent_window" not in skipped and "restores rows" in skipped["recent_window_selection"]["skipped"]
+    assert read_profile(write_profile(skipped, tmp_path / "skipped.json")).recent_window is None
+
+
+def test_with_recent_window_replaces_an_old_choice_and_leaves_the_input():
+    prof = {"kappa": 0.0, "block_size": 32, "recent_window": 64, "recent_window_selection": {"chosen": 64}, "x": 1}
+    out = with_recent_window(prof, {"chosen": 256, "grid": {}})
+    assert list(out) == ["kappa", "block_size", "recent_window", "recent_window_selection", "x"]
+    assert out["recent_window"] == 256 and prof["recent_window"] == 64
+
+
+# --- the command line -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Every way calibrate loads a model raises (a bad argument must be caught before)."""
+    from patchkv_agent import cli, engine
+    from patchkv_agent import loading as models
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli, "_engine", boom)
+    monkeypatch.setattr(engine.PatchKVEngine, "from_pretrained", classmethod(boom))
+    monkeypatch.setattr(models, "load_model", boom)
+
+
+BAD = [
+    (["--agent-workloads", "nope"], r"--agent-workloads: unknown agent workload\(s\) \['nope'\]; choose from"),
+    (["--agent-workloads", "agent-clear,hotpotqa-e"], r"--agent-workloads: unknown .*'hotpotqa-e'.*'none' to skip"),
+    (["--agent-n", "0"], r"--agent-n must be >= 1"),
+    (["--agent-skip", "-1"], r"--agent-skip must be >= 0"),
+    (["--agent-windows", "0,-256"], r"--agent-windows must be >= 0 .*got -256"),
+    (["--agent-windows", "0,1.5"], r"--agent-windows: expected comma-separated integers"),
+    (["--agent-windows", ","], r"--agent-windows: expected one or more"),
+    (["--agent-target", "1.5"], r"--agent-target must be in \[0, 1\]"),
+    (["--agent-target", "nan"], r"--agent-target must be in \[0, 1\]"),
+    (["--agent-target", "high"], r"--agent-target: invalid float value"),
+    (["--agent-target-tokens", "0"], r"--agent-target-tokens must be >= 1"),
+    (["--agent-n", "x"], r"--agent-n: invalid int value"),
+]
+
+
+@pytest.mark.parametrize("argv,pattern", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_agent_options_give_one_line_and_exit_2_before_any_model_loads(argv, pattern, no_model, capsys):
+    from patchkv_agent import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["calibrate", *argv])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    assert re.search(pattern, lines[0]) and lines[0].startswith("patchkv-agent"), lines[0]
+
+
+def test_agent_options_default_to_a_skipped_stage():
+    from patchkv_agent.calibration.cli import _agent_workloads, build_calibrate_parser, check_calibrate_args
+    from patchkv_agent.calibration.cli import main as calibrate_cli_main
+
+    args = build_calibrate_parser().parse_args([])
+    check_calibrate_args(args)
+    assert _agent_workloads(args.agent_workloads) == [] and _agent_workloads("none") == []
+    assert (args.agent_n, args.agent_skip, args.agent_windows, args.agent_target, args.agent_target_tokens) == (
+        6, 20, DEFAULT_WINDOWS, 0.95, 4000)
+    assert _agent_workloads(" agent-clear,agent-offload,agent-clear ") == ["agent-clear", "agent-offload"]
+    with pytest.raises(SystemExit) as e:  # the stand-alone entry point checks them too
+        calibrate_cli_main(["--agent-n", "0"])
+    assert e.value.code == 2
