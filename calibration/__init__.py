@@ -10,6 +10,8 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
 - :mod:`.evaluation`: resumes of the kept pairs under given configurations, scored against the exact reference.
 - :mod:`.precision_stage`: the precision-policy stage (``direct`` at FP16 vs each policy; the smallest payload
   meeting the target).
+- :mod:`.agent_stage`: the opt-in agent stage (``--agent-workloads``): the recency window ``recent_window`` chosen
+  by next-action agreement with exact on agent-workload resumes from the exact KV of the call before.
 - :mod:`.profile`: the profiler driving an engine end to end (``run_calibration``) and the profile's report;
   re-exports the profiler's public names.
 - :mod:`.outputs`: the profile writer, the raw resume rows and the drift curves.
