@@ -116,6 +116,8 @@ def _ranges(starts: list[int], lengths: list[int]) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for each pair, as int64."""
     if not starts:
         return np.zeros(0, dtype=np.int64)
+    if len(starts) <= 8:  # few runs (the common edit): one arange each, no index arithmetic over every token
+        return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)])
     st = np.asarray(starts, dtype=np.int64)
     ln = np.asarray(lengths, dtype=np.int64)
     first = np.cumsum(ln) - ln
