@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.inputs import InvalidInput, as_token_ids
@@ -310,3 +311,26 @@ def test_vectorized_reader_scores_and_block_attention_match_their_oracles(seed):
         sel = blocks.old_positions[blocks.token_block == b]
         ref[b] = np.nan_to_num(scores[sel], nan=0.0).max()
     np.testing.assert_array_equal(block_attention(blocks, scores), ref)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_unquantizable_tokens_marks_nonfinite_and_out_of_range_values(seed):
+    """The offload's fp16-range screen against a per-element numpy oracle: a token is marked when any
+    layer's K or V, in any head or channel, is NaN, +-inf or beyond FP16_SAFE in magnitude (the bound itself
+    is kept)."""
+    from patchkv_agent.core.checkpoint import unquantizable_tokens
+    from patchkv_agent.core.precision import FP16_SAFE
+
+    g = torch.Generator().manual_seed(seed)
+    keys = [torch.randn(2, 50, 8, generator=g) for _ in range(3)]
+    values = [torch.randn(2, 50, 8, generator=g) for _ in range(3)]
+    r = np.random.default_rng(seed)
+    for v in (float("nan"), float("inf"), -float("inf"), FP16_SAFE * 1.01, -FP16_SAFE * 2, FP16_SAFE, -FP16_SAFE):
+        t = (keys + values)[int(r.integers(0, 6))]
+        t[int(r.integers(0, 2)), int(r.integers(0, 50)), int(r.integers(0, 8))] = v
+    want = np.zeros(50, dtype=bool)
+    for t in keys + values:
+        a = t.numpy()
+        want |= (~np.isfinite(a) | (np.abs(a) > FP16_SAFE)).any(axis=(0, 2))
+    assert want.any()
+    assert unquantizable_tokens(keys, values).tolist() == want.tolist()
