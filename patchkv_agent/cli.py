@@ -303,26 +303,22 @@ def cmd_bench_loop(args) -> int:
     return 0
 
 
-def _at_least_two(text: str) -> int:
-    """argparse type: an integer >= 2."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (a base version and an edited one), got {n}")
-    return n
+def _int_at_least(minimum: int, why: str):
+    """argparse type: an integer >= ``minimum`` (``why`` explains the bound in the error)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} ({why}), got {n}")
+        return n
+
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: all), got {n}")
-    return n
+_at_least_two = _int_at_least(2, "a base version and an edited one")
+_non_negative = _int_at_least(0, "0: all")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -252,20 +252,6 @@ def test_with_recent_window_replaces_an_old_choice_and_leaves_the_input():
 # --- the command line -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Every way calibrate loads a model raises (a bad argument must be caught before)."""
-    from patchkv_agent import cli, engine
-    from patchkv_agent import loading as models
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(cli, "_engine", boom)
-    monkeypatch.setattr(engine.PatchKVEngine, "from_pretrained", classmethod(boom))
-    monkeypatch.setattr(models, "load_model", boom)
-
-
 BAD = [
     (["--agent-workloads", "nope"], r"--agent-workloads: unknown agent workload\(s\) \['nope'\]; choose from"),
     (["--agent-workloads", "agent-clear,hotpotqa-e"], r"--agent-workloads: unknown .*'hotpotqa-e'.*'none' to skip"),

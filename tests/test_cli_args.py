@@ -14,22 +14,6 @@ from patchkv_agent import cli
 
 
 @pytest.fixture
-def no_model(monkeypatch):
-    """Every way a command loads a model raises (a bad argument must be caught before)."""
-    from patchkv_agent import engine
-    from patchkv_agent import loading as models
-    from patchkv_agent.eval import stress_cli
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(cli, "_engine", boom)
-    monkeypatch.setattr(engine.PatchKVEngine, "from_pretrained", classmethod(boom))
-    monkeypatch.setattr(models, "load_model", boom)
-    monkeypatch.setattr(stress_cli, "tiny_engine", boom)
-
-
-@pytest.fixture
 def files(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "blank.jsonl").write_text("\n  \n")

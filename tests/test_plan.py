@@ -315,17 +315,21 @@ def test_plan_partitions_new_context(n_old, ops, kappa, d, block_size, seed):
     assert np.isin(dirty, rep.recompute_positions).all()
 
 
+def _random_edit(seed: int):
+    """``(rng, edit, scores)``: one replaced span in a random context, and random stored attention."""
+    r = np.random.default_rng(seed)
+    old = r.integers(0, 500, size=int(r.integers(80, 400))).astype(np.int64)
+    cut = int(r.integers(1, len(old) - 10))
+    new = np.concatenate([old[:cut], marks(int(r.integers(1, 20))), old[cut + int(r.integers(0, 9)):]])
+    return r, diff_versions(old, new), r.random(len(old)).astype(np.float32)
+
+
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("window", [1, 31, 100, 10_000])
 def test_recency_window_recomputes_the_last_restored_tokens_blocks(seed, window):
     """The recency rule against its definition: take the plan without it, the last ``window`` tokens it
     restores (by new position), and recompute their whole blocks; nothing else changes."""
-    r = np.random.default_rng(seed)
-    old = r.integers(0, 500, size=int(r.integers(80, 400))).astype(np.int64)
-    cut = int(r.integers(1, len(old) - 10))
-    new = np.concatenate([old[:cut], marks(int(r.integers(1, 20))), old[cut + int(r.integers(0, 9)):]])
-    edit = diff_versions(old, new)
-    scores = r.random(len(old)).astype(np.float32)
+    r, edit, scores = _random_edit(seed)
     kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 40))), kappa=0.05, block_size=16)
     base = plan_repair(edit, scores, **kw)
     got = plan_repair(edit, scores, recent_window=window, **kw)
@@ -353,12 +357,7 @@ def test_small_restore_rule_recomputes_the_suffix_when_little_would_be_restored(
     """The small-restore rule against its definition: the plan without it restores ``F``; when ``|F|`` is
     below ``share`` of the suffix the plan recomputes every suffix token (the prefix plan's rows, exact),
     else it is the plan without the rule."""
-    r = np.random.default_rng(seed)
-    old = r.integers(0, 500, size=int(r.integers(80, 400))).astype(np.int64)
-    cut = int(r.integers(1, len(old) - 10))
-    new = np.concatenate([old[:cut], marks(int(r.integers(1, 20))), old[cut + int(r.integers(0, 9)):]])
-    edit = diff_versions(old, new)
-    scores = r.random(len(old)).astype(np.float32)
+    r, edit, scores = _random_edit(seed)
     kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 120))), kappa=float(r.choice([0.0, 0.3])),
               block_size=16, recent_window=int(r.choice([0, 64])))
     base = plan_repair(edit, scores, **kw)
