@@ -154,3 +154,12 @@ def test_engine_encode_uses_the_memo_and_matches_the_tokenizer():
     other = bytelevel_bpe()
     eng.tokenizer = other  # the memo follows the tokenizer
     assert eng.encoder.tokenizer is other
+
+
+def test_a_piece_the_tokenizer_does_not_cut_turns_the_memo_off_not_the_call():
+    tok = bytelevel_bpe()
+    enc = SegmentEncoder(tok)
+    text = tok.apply_chat_template(_conversation(np.random.default_rng(3), 3), tokenize=False)
+    enc._anchor = ("zz", enc._anchor[1])  # as if the anchor were not an added token: its id never leads
+    assert enc.encode(text).tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert enc.reason is not None and "segmentation failed" in enc.reason and enc.cached_tokens == 0
