@@ -33,10 +33,10 @@ import json
 import logging
 import threading
 import weakref
-
-import numpy as np
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
+
+import numpy as np
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.callbacks.manager import handle_event
@@ -595,15 +595,13 @@ def _parsers():
 _CompleteJson, _CompletePydantic = _parsers()
 
 
-def _dispatch(run_manager, name: str, data) -> None:
+def _dispatch(run_manager, name: str, build_data) -> None:
     """Send a custom event to the run's handlers, with the model run's id (a recorder matches it to the
-    run's ``on_chat_model_start``); ``CallbackManagerForLLMRun.on_custom_event`` itself is a no-op. ``data``
-    is a dict, or a function that builds it (called only when there are handlers)."""
+    run's ``on_chat_model_start``); ``CallbackManagerForLLMRun.on_custom_event`` itself is a no-op.
+    ``build_data()`` makes the event's dict, called only when there are handlers."""
     if run_manager is None or not run_manager.handlers:
         return
-    if callable(data):
-        data = data()
-    handle_event(run_manager.handlers, "on_custom_event", "ignore_custom_event", name, data,
+    handle_event(run_manager.handlers, "on_custom_event", "ignore_custom_event", name, build_data(),
                  run_id=run_manager.run_id, tags=run_manager.tags, metadata=run_manager.metadata)
 
 
