@@ -445,9 +445,7 @@ class PatchKVEngine:
         if len(words) == n:
             return words
         m = len(words)
-        n2o = np.full(n, -1, dtype=np.int64)
-        n2o[:m] = np.arange(m, dtype=np.int64)
-        return self.words.carry(ids, words, n2o, [(m, n)])
+        return self.words.carry_runs(ids, words, [(0, 0, m)], [(m, n)])
 
     def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import difflib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -35,6 +36,7 @@ _FALLBACK_MAX_CELLS = 1 << 16  # SequenceMatcher only on anchor-free gaps with l
 _FALLBACK_BUDGET = 1 << 18  # and on at most this many cells per diff (bounds the worst case)
 _SAMPLE_FROM = 4096  # ranges with more k-grams than this look for anchors among a content-defined sample ...
 _SAMPLE_MASK = np.uint64(15)  # ... the k-grams whose hash is 0 mod 16 (both sides keep the same k-grams)
+_SMALL_RANGE = 512  # ranges of at most this many tokens (both sides) find their anchors in Python
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _BASE = np.uint64(0xC2B2AE3D27D4EB4F)
 
@@ -132,7 +134,7 @@ class Edit:
     span 1, segment 1, ... in order, contiguous, covering ``[0, old_len)`` resp. ``[0, new_len)``. The
     last span may or may not be followed by a segment. ``spans`` is empty iff the versions are identical.
 
-    Derived read-only int64 arrays (computed once at construction):
+    Derived read-only int64 arrays (computed on first use from the spans and segments, then cached):
         old_to_new: ``[old_len]`` new position of each kept old token (prefix and segments), ``-1`` if dropped.
         new_to_old: ``[new_len]`` old position of each reused new token, ``-1`` for new tokens (``X``).
         suffix_new_positions / suffix_old_positions: ``[|S|]`` positions of the suffix tokens, in order.
@@ -150,37 +152,50 @@ class Edit:
     new_ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     word_index: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False, compare=False)
     old_words: np.ndarray | None = field(default=None, repr=False, compare=False)  # word ids of old_ids, when known
-    old_to_new: np.ndarray = field(init=False, repr=False, compare=False)
-    new_to_old: np.ndarray = field(init=False, repr=False, compare=False)
-    suffix_new_positions: np.ndarray = field(init=False, repr=False, compare=False)
-    suffix_old_positions: np.ndarray = field(init=False, repr=False, compare=False)
-    suffix_distance: np.ndarray = field(init=False, repr=False, compare=False)
-    new_positions: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spans", tuple(self.spans))
         object.__setattr__(self, "segments", tuple(self.segments))
         self._check_layout()
-        segs, spans = self.segments, self.spans
-        seg_old = [s.old_start for s in segs]
-        seg_new = [s.new_start for s in segs]
-        seg_len = [s.length for s in segs]
-        s_old = _ranges(seg_old, seg_len)
-        s_new = _ranges(seg_new, seg_len)
+
+    # The per-token arrays below are derived from the spans and segments on first use and cached: the resume
+    # path (plan, word carry) works on the runs, so a diff costs the edits, not the context.
+
+    @cached_property
+    def old_to_new(self) -> np.ndarray:
+        """``[old_len]`` new position of each kept old token (prefix and segments), ``-1`` if dropped."""
         o2n = np.full(self.old_len, -1, dtype=np.int64)
+        o2n[: self.prefix_len] = np.arange(self.prefix_len, dtype=np.int64)
+        o2n[self.suffix_old_positions] = self.suffix_new_positions
+        return _readonly(o2n)
+
+    @cached_property
+    def new_to_old(self) -> np.ndarray:
+        """``[new_len]`` old position of each reused new token, ``-1`` for new tokens (``X``)."""
         n2o = np.full(self.new_len, -1, dtype=np.int64)
-        head = np.arange(self.prefix_len, dtype=np.int64)
-        o2n[: self.prefix_len] = head
-        n2o[: self.prefix_len] = head
-        o2n[s_old] = s_new
-        n2o[s_new] = s_old
-        set_ = object.__setattr__
-        set_(self, "old_to_new", _readonly(o2n))
-        set_(self, "new_to_old", _readonly(n2o))
-        set_(self, "suffix_old_positions", _readonly(s_old))
-        set_(self, "suffix_new_positions", _readonly(s_new))
-        set_(self, "suffix_distance", _readonly(_ranges([0] * len(segs), seg_len)))
-        set_(self, "new_positions", _readonly(_ranges([s.new_start for s in spans], [s.new_len for s in spans])))
+        n2o[: self.prefix_len] = np.arange(self.prefix_len, dtype=np.int64)
+        n2o[self.suffix_new_positions] = self.suffix_old_positions
+        return _readonly(n2o)
+
+    @cached_property
+    def suffix_old_positions(self) -> np.ndarray:
+        """``[|S|]`` old positions of the suffix tokens, in order."""
+        return _readonly(_ranges([s.old_start for s in self.segments], [s.length for s in self.segments]))
+
+    @cached_property
+    def suffix_new_positions(self) -> np.ndarray:
+        """``[|S|]`` new positions of the suffix tokens, in order."""
+        return _readonly(_ranges([s.new_start for s in self.segments], [s.length for s in self.segments]))
+
+    @cached_property
+    def suffix_distance(self) -> np.ndarray:
+        """``[|S|]`` ``d_i``: distance from the end of the preceding edited span (new coordinates)."""
+        return _readonly(_ranges([0] * len(self.segments), [s.length for s in self.segments]))
+
+    @cached_property
+    def new_positions(self) -> np.ndarray:
+        """``[|X|]`` new positions of all tokens of the ``M_new`` spans, in order."""
+        return _readonly(_ranges([s.new_start for s in self.spans], [s.new_len for s in self.spans]))
 
     def words(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Word id per position of both versions (read-only int64 arrays), from ``word_index``.
@@ -218,9 +233,9 @@ class Edit:
     def new_words(self) -> np.ndarray | None:
         """Word id per position of the new version (read-only int64), or None without ``word_index`` or ids.
 
-        With a ``word_index`` that has ``carry`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`), only
-        the words touching the edited spans are read; the rest are the old version's ids moved through
-        ``new_to_old``. Cached on first use.
+        With a ``word_index`` that has ``carry_runs`` (a :class:`~patchkv_agent.core.lexicon.WordIndex`),
+        only the words touching the edited spans are read; the rest are the old version's ids copied run by
+        run (prefix and aligned segments). Cached on first use.
 
         Raises:
             ValueError: ``word_index`` returned another number of ids than tokens.
@@ -228,10 +243,11 @@ class Edit:
         got = self.__dict__.get("_new_words_cache")
         if got is not None or self.word_index is None or self.new_ids is None:
             return got
-        carry = getattr(self.word_index, "carry", None)
+        carry = getattr(self.word_index, "carry_runs", None)
         old = self._old_words() if callable(carry) else None
         if old is not None:
-            got = carry(self.new_ids, old, self.new_to_old, [(s.new_start, s.new_end) for s in self.spans])
+            runs = [(0, 0, self.prefix_len)] + [(s.new_start, s.old_start, s.length) for s in self.segments]
+            got = carry(self.new_ids, old, runs, [(s.new_start, s.new_end) for s in self.spans])
         else:
             got = self.word_index(self.new_ids)
         got = _readonly(np.asarray(got, dtype=np.int64).ravel())
@@ -263,12 +279,12 @@ class Edit:
     @property
     def suffix_len(self) -> int:
         """``|S|``: total length of the aligned segments."""
-        return int(self.suffix_new_positions.shape[0])
+        return sum(s.length for s in self.segments)
 
     @property
     def new_token_count(self) -> int:
         """``|X|``: total length of the ``M_new`` spans."""
-        return int(self.new_positions.shape[0])
+        return sum(s.new_len for s in self.spans)
 
     @property
     def identical(self) -> bool:
@@ -336,9 +352,49 @@ class _Aligner:
         self.a, self.b, self.min_match = a, b, min_match
         self.a_rev, self.b_rev = a[::-1], b[::-1]
         self.k = min(min_match, _ANCHOR_MAX_K)
-        self.ha = _kgram_hashes(a, self.k)
-        self.hb = _kgram_hashes(b, self.k)
+        self._hashes: tuple[np.ndarray, np.ndarray] | None = None  # k-gram hashes, for the first large range
         self.budget = _FALLBACK_BUDGET
+
+    def _kgrams_small(self, lo: int, hi: int, x: np.ndarray) -> dict[tuple[int, ...], int]:
+        """k-gram -> its start in ``x[lo:hi]`` (``-1`` when it occurs more than once), in Python (small ranges)."""
+        xs, k, out = x[lo:hi].tolist(), self.k, {}
+        for i in range(len(xs) - k + 1):
+            g = tuple(xs[i:i + k])
+            out[g] = -1 if g in out else i + lo
+        return out
+
+    def _anchors(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[list[int], list[int]]:
+        """Starts ``(ai, bj)`` of the k-grams that occur exactly once in both ranges, sorted by ``ai``."""
+        k = self.k
+        if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE:  # exact k-grams in Python: no per-call numpy overhead
+            ga, gb = self._kgrams_small(a_lo, a_hi, self.a), self._kgrams_small(b_lo, b_hi, self.b)
+            pairs = sorted((i, gb[g]) for g, i in ga.items() if i >= 0 and gb.get(g, -1) >= 0)
+            return [p[0] for p in pairs], [p[1] for p in pairs]
+        if self._hashes is None:
+            self._hashes = (_kgram_hashes(self.a, k), _kgram_hashes(self.b, k))
+        ha, hb = self._hashes[0][a_lo : a_hi - k + 1], self._hashes[1][b_lo : b_hi - k + 1]
+        if min(ha.shape[0], hb.shape[0]) > _SAMPLE_FROM:
+            # long ranges (many edits far apart): anchors among the k-grams whose hash is 0 mod 16. A hash is
+            # sampled on both sides or on neither, so a sampled k-gram is unique exactly when it was; every
+            # long match holds sampled anchors, and the gaps between the kept matches are aligned again at
+            # full density (short matches are found there). Sorting 1/16 of the k-grams: the cost of a
+            # many-edit diff follows the edits, not the context.
+            sa = np.flatnonzero((ha & _SAMPLE_MASK) == 0)
+            sb = np.flatnonzero((hb & _SAMPLE_MASK) == 0)
+            ha, hb = ha[sa], hb[sb]
+        else:
+            sa = sb = None
+        ua, pa, ca = np.unique(ha, return_index=True, return_counts=True)
+        ub, pb, cb = np.unique(hb, return_index=True, return_counts=True)
+        once_a, once_b = ca == 1, cb == 1
+        _, xa, xb = np.intersect1d(ua[once_a], ub[once_b], assume_unique=True, return_indices=True)
+        if xa.size == 0:
+            return [], []
+        ai, bj = pa[once_a][xa], pb[once_b][xb]
+        if sa is not None:
+            ai, bj = sa[ai], sb[bj]
+        order = np.argsort(ai, kind="stable")
+        return (ai[order] + a_lo).tolist(), (bj[order] + b_lo).tolist()
 
     def blocks(self) -> list[tuple[int, int, int]]:
         """Monotone, non-overlapping ``(a_start, b_start, length)`` matches, sorted."""
@@ -366,36 +422,15 @@ class _Aligner:
 
     def _anchored(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
         k = self.k
-        ha, hb = self.ha[a_lo : a_hi - k + 1], self.hb[b_lo : b_hi - k + 1]
-        if min(ha.shape[0], hb.shape[0]) > _SAMPLE_FROM:
-            # long ranges (many edits far apart): anchors among the k-grams whose hash is 0 mod 16. A hash is
-            # sampled on both sides or on neither, so a sampled k-gram is unique exactly when it was; every
-            # long match holds sampled anchors, and the gaps between the kept matches are aligned again at
-            # full density (short matches are found there). Sorting 1/16 of the k-grams: the cost of a
-            # many-edit diff follows the edits, not the context.
-            sa = np.flatnonzero((ha & _SAMPLE_MASK) == 0)
-            sb = np.flatnonzero((hb & _SAMPLE_MASK) == 0)
-            ha, hb = ha[sa], hb[sb]
-        else:
-            sa = sb = None
-        ua, pa, ca = np.unique(ha, return_index=True, return_counts=True)
-        ub, pb, cb = np.unique(hb, return_index=True, return_counts=True)
-        once_a, once_b = ca == 1, cb == 1
-        _, xa, xb = np.intersect1d(ua[once_a], ub[once_b], assume_unique=True, return_indices=True)
-        if xa.size == 0:
+        ai, bj = self._anchors(a_lo, a_hi, b_lo, b_hi)
+        if not ai:
             return []
-        ai, bj = pa[once_a][xa], pb[once_b][xb]
-        if sa is not None:
-            ai, bj = sa[ai], sb[bj]
-        ai, bj = ai + a_lo, bj + b_lo
-        order = np.argsort(ai, kind="stable")
-        ai, bj = ai[order], bj[order]
-        diag = bj - ai
-        brk = np.ones(ai.shape[0], dtype=bool)
-        brk[1:] = (np.diff(ai) != 1) | (np.diff(diag) != 0)
+        # runs of anchors on one diagonal at consecutive positions: only the first of each run is extended
+        starts = [(i, j) for t, (i, j) in enumerate(zip(ai, bj))
+                  if t == 0 or i != ai[t - 1] + 1 or j - i != bj[t - 1] - ai[t - 1]]
         cands: list[tuple[int, int, int]] = []
         covered: dict[int, int] = {}  # diagonal -> old end of the last match extended on it
-        for i0, j0 in zip(ai[brk].tolist(), bj[brk].tolist()):
+        for i0, j0 in starts:
             d = j0 - i0
             if i0 < covered.get(d, -1):
                 continue
@@ -423,6 +458,9 @@ class _Aligner:
         return sel
 
     def _fallback(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
+        if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE and not (
+                self._kgrams_small(a_lo, a_hi, self.a).keys() & self._kgrams_small(b_lo, b_hi, self.b).keys()):
+            return []  # a match of >= min_match tokens holds a common k-gram: there is none
         sm = difflib.SequenceMatcher(None, self.a[a_lo:a_hi].tolist(), self.b[b_lo:b_hi].tolist(), autojunk=False)
         return [(a_lo + i, b_lo + j, n) for i, j, n in sm.get_matching_blocks() if n >= self.min_match]
 

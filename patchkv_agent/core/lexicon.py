@@ -114,6 +114,41 @@ class WordIndex:
         if n and int(n2o.max(initial=-1)) >= old.shape[0]:
             raise ValueError(f"new_to_old points past the {old.shape[0]} old word ids")
         out = np.where(n2o >= 0, old[np.maximum(n2o, 0)] if old.shape[0] else -1, -1).astype(np.int64, copy=False)
+        return self._remap(ids, out, changed)
+
+    def carry_runs(self, new_ids: Any, old_words: Any, runs: Any, changed: Any) -> np.ndarray:
+        """:meth:`carry` with the reused positions given as runs instead of a per-position map: one slice copy
+        per run, so the cost is the runs and the edited tokens plus one pass of copies (what the resume path
+        calls: an :class:`~patchkv_agent.core.diff.Edit` knows its aligned runs).
+
+        Args:
+            new_ids: 1-D token ids of the new version.
+            old_words: word ids of the old version (``self(old_ids)``).
+            runs: ``(new_start, old_start, length)`` triples, disjoint: ``new[new_start + i]`` reuses
+                ``old[old_start + i]``; every other position must lie in ``changed``.
+            changed: as in :meth:`carry`.
+        Returns:
+            int64 ``[len(new_ids)]`` word ids (equal to :meth:`carry` with the equivalent map).
+        Raises:
+            ValueError: a run outside ``new_ids`` or ``old_words``.
+        """
+        ids = np.asarray(new_ids, dtype=np.int64).ravel()
+        old = np.asarray(old_words, dtype=np.int64).ravel()
+        n = ids.shape[0]
+        out = np.full(n, -1, dtype=np.int64)
+        for ns, os_, ln in runs:
+            ns, os_, ln = int(ns), int(os_), int(ln)
+            if ln <= 0:
+                continue
+            if ns < 0 or os_ < 0 or ns + ln > n or os_ + ln > old.shape[0]:
+                raise ValueError(f"run (new {ns}, old {os_}, {ln} tokens) lies outside {n} new tokens / "
+                                 f"{old.shape[0]} old word ids")
+            out[ns:ns + ln] = old[os_:os_ + ln]
+        return self._remap(ids, out, changed)
+
+    def _remap(self, ids: np.ndarray, out: np.ndarray, changed: Any) -> np.ndarray:
+        """Map the word windows around each changed span afresh into ``out`` (see :meth:`carry`)."""
+        n = ids.shape[0]
         toks = ids.tolist() if n <= 64 else None  # python ints for the walks (only near the windows otherwise)
         tok = (lambda i: toks[i]) if toks is not None else (lambda i: int(ids[i]))
         for start, end in changed:

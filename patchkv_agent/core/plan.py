@@ -24,8 +24,10 @@ edited span k, ``P_k`` = its new start (tokens before it), ``E_k`` = ``|M_old_k|
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -101,38 +103,81 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SuffixBlocks:
-    """The suffix of one Edit cut into blocks, plus the per-token suffix arrays (all in new order).
+    """The suffix of one Edit cut into blocks (all in new order).
 
-    Block ``b`` covers new positions ``[starts[b], ends[b])``; ids are global and increase with position.
+    Block ``b`` covers new positions ``[starts[b], ends[b])`` and old positions ``[old_starts[b], old_starts[b] +
+    ends[b] - starts[b])``; ids are global and increase with position. The planner works on these per-block
+    arrays (its cost follows the blocks and the edits); the per-token arrays (``new_positions``,
+    ``old_positions``, ``distance``, ``token_block``) are derived on first use, for callers that want them.
     """
 
     block_size: int
     starts: np.ndarray  # [n_blocks] new position of the block's first token
     ends: np.ndarray  # [n_blocks] exclusive
     segment: np.ndarray  # [n_blocks] index of the aligned segment (in suffix order) holding the block
-    new_positions: np.ndarray  # [|S|] suffix tokens, new coordinates, increasing
-    old_positions: np.ndarray  # [|S|] the same tokens in old coordinates
-    distance: np.ndarray  # [|S|] d_i: distance from the end of the preceding edited span
-    token_block: np.ndarray  # [|S|] block id of each suffix token
+    old_starts: np.ndarray  # [n_blocks] old position of the block's first token
+    base: np.ndarray  # [n_blocks] new end of the edited span before the block's segment (d_i = position - base)
 
     @property
     def n_blocks(self) -> int:
         return int(self.starts.shape[0])
 
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """``[n_blocks]`` tokens per block."""
+        return _readonly(self.ends - self.starts)
+
+    @cached_property
+    def n_tokens(self) -> int:
+        """``|S|`` after the reused prefix: the tokens of all blocks."""
+        return int(self.lengths.sum())
+
+    @cached_property
+    def new_positions(self) -> np.ndarray:
+        """``[|S|]`` suffix tokens, new coordinates, increasing."""
+        return _readonly(_expand(self.starts, self.lengths))
+
+    @cached_property
+    def old_positions(self) -> np.ndarray:
+        """``[|S|]`` the same tokens in old coordinates."""
+        return _readonly(_expand(self.old_starts, self.lengths))
+
+    @cached_property
+    def distance(self) -> np.ndarray:
+        """``[|S|]`` ``d_i``: distance from the end of the preceding edited span."""
+        return _readonly(self.new_positions - np.repeat(self.base, self.lengths))
+
+    @cached_property
+    def token_block(self) -> np.ndarray:
+        """``[|S|]`` block id of each suffix token."""
+        return _readonly(np.repeat(np.arange(self.n_blocks, dtype=np.int64), self.lengths))
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` over runs (int64), in the given order."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if starts.size <= 8:  # few runs: one arange each
+        parts = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    total = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+
 
 def _suffix_segments(edit: Edit, keep_from: int) -> list[tuple[int, int, int, int]]:
     """Aligned segments after the prefix as ``(new_start, old_start, length, distance_base)``, clipped."""
-    span_ends = np.sort(np.asarray([s.new_end for s in edit.spans], dtype=np.int64))
+    span_ends = [s.new_end for s in edit.spans]  # increasing (the layout alternates spans and segments)
     out = []
-    for seg in sorted(edit.segments, key=lambda s: s.new_start):
+    for seg in edit.segments:
         lo = max(seg.new_start, keep_from)
         hi = seg.new_start + seg.length
         if hi <= lo:
             continue
-        k = int(np.searchsorted(span_ends, seg.new_start, side="right")) - 1
+        k = bisect.bisect_right(span_ends, seg.new_start) - 1
         if k < 0:  # not preceded by an edited span: part of the prefix, never a suffix segment
             continue
-        out.append((lo, seg.old_start + (lo - seg.new_start), hi - lo, int(span_ends[k])))
+        out.append((lo, seg.old_start + (lo - seg.new_start), hi - lo, span_ends[k]))
     return out
 
 
@@ -144,7 +189,7 @@ def suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE, keep_from
         block_size: tokens per block, ``>= 1``.
         keep_from: ignore suffix tokens at new positions below this (default: ``edit.prefix_len``).
     Returns:
-        The blocks and the per-token suffix arrays.
+        The blocks (per-token arrays derived on first use).
     Raises:
         ValueError: if ``block_size < 1``.
     """
@@ -152,29 +197,21 @@ def suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE, keep_from
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     segs = _suffix_segments(edit, edit.prefix_len if keep_from is None else keep_from)
     if not segs:
-        e = np.zeros(0, dtype=np.int64)
-        return SuffixBlocks(block_size=block_size, starts=e, ends=e, segment=e, new_positions=e,
-                            old_positions=e, distance=e, token_block=e)
+        e = _readonly(np.zeros(0, dtype=np.int64))
+        return SuffixBlocks(block_size=block_size, starts=e, ends=e, segment=e, old_starts=e, base=e)
     seg_new, seg_old, seg_len, seg_base = (np.asarray(c, dtype=np.int64) for c in zip(*segs))
     n_per_seg = -(-seg_len // block_size)
     seg_of_block = np.repeat(np.arange(len(segs), dtype=np.int64), n_per_seg)
     first_block = np.cumsum(n_per_seg) - n_per_seg
-    local = np.arange(seg_of_block.shape[0], dtype=np.int64) - first_block[seg_of_block]
-    starts = seg_new[seg_of_block] + local * block_size
-    ends = np.minimum(starts + block_size, (seg_new + seg_len)[seg_of_block])
-
-    seg_of_tok = np.repeat(np.arange(len(segs), dtype=np.int64), seg_len)
-    offset = np.arange(seg_of_tok.shape[0], dtype=np.int64) - (np.cumsum(seg_len) - seg_len)[seg_of_tok]
-    new_pos = seg_new[seg_of_tok] + offset
+    local = (np.arange(seg_of_block.shape[0], dtype=np.int64) - first_block[seg_of_block]) * block_size
+    starts = seg_new[seg_of_block] + local
     return SuffixBlocks(
         block_size=block_size,
-        starts=starts,
-        ends=ends,
-        segment=seg_of_block,
-        new_positions=new_pos,
-        old_positions=seg_old[seg_of_tok] + offset,
-        distance=new_pos - seg_base[seg_of_tok],
-        token_block=first_block[seg_of_tok] + offset // block_size,
+        starts=_readonly(starts),
+        ends=_readonly(np.minimum(starts + block_size, (seg_new + seg_len)[seg_of_block])),
+        segment=_readonly(seg_of_block),
+        old_starts=_readonly(seg_old[seg_of_block] + local),
+        base=_readonly(seg_base[seg_of_block]),
     )
 
 
@@ -257,11 +294,6 @@ class RepairPlan:
         return int(self.restore_new_positions.shape[0])
 
 
-def _x_positions(edit: Edit) -> np.ndarray:
-    parts = [np.arange(s.new_start, s.new_end, dtype=np.int64) for s in edit.spans if s.new_end > s.new_start]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: a 64 Ki-entry table of the
     set's low 16 bits screens ``x`` in one gather, and only the screened elements are searched."""
@@ -317,18 +349,25 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
            d_hat: np.ndarray, kappa: float = 0.0, n_dirty: int = 0, n_high: int = 0,
            n_readers: int = 0, n_recent: int = 0, head_rewrite: bool = False,
            small_restore: bool = False) -> RepairPlan:
-    """Assemble a plan: suffix tokens in repaired blocks, and the last context token, are recomputed."""
+    """Assemble a plan from the block mask: the tokens of repaired blocks, the new tokens and the last context token
+    are recomputed, the other blocks restored. Works on runs (spans and blocks); only the row lists the recovery
+    gathers by are expanded, once each."""
     new_len = edit.new_len
-    tok_rec = repair_mask[blocks.token_block]  # fancy indexing: a fresh array
-    # the last context token always produces the first logits
-    if blocks.new_positions.shape[0] and blocks.new_positions[-1] == new_len - 1:
-        tok_rec[-1] = True
-    x = _x_positions(edit)
-    extra = [x, blocks.new_positions[tok_rec]]
+    lens = blocks.lengths
+    rest = ~repair_mask
+    r_new, r_old, r_len = blocks.starts[rest], blocks.old_starts[rest], lens[rest]
+    runs = [(sp.new_start, sp.new_len) for sp in edit.spans if sp.new_len > 0]  # X
+    # the last context token always produces the first logits: cut it from a restored last block
+    if r_len.size and blocks.ends[-1] == new_len and rest[-1]:
+        r_len = r_len.copy()
+        r_len[-1] -= 1
+        runs.append((new_len - 1, 1))
     if prefix_len < edit.prefix_len:  # last token sits in the prefix (or versions identical)
-        extra.append(np.arange(prefix_len, edit.prefix_len, dtype=np.int64))
-    recompute = np.sort(np.concatenate(extra))
-    keep = ~tok_rec
+        runs.append((prefix_len, edit.prefix_len - prefix_len))
+    rec_st = np.concatenate([np.asarray([r[0] for r in runs], dtype=np.int64), blocks.starts[repair_mask]])
+    rec_len = np.concatenate([np.asarray([r[1] for r in runs], dtype=np.int64), lens[repair_mask]])
+    order = np.argsort(rec_st, kind="stable")  # disjoint runs: sorted starts give sorted positions
+    recompute = _expand(rec_st[order], rec_len[order])
     ids = np.arange(blocks.n_blocks, dtype=np.int64)
     return RepairPlan(
         strategy=strategy,
@@ -336,17 +375,17 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         old_len=edit.old_len,
         prefix_len=prefix_len,
         recompute_positions=_readonly(recompute),
-        restore_new_positions=_readonly(blocks.new_positions[keep]),
-        restore_old_positions=_readonly(blocks.old_positions[keep]),
+        restore_new_positions=_readonly(_expand(r_new, r_len)),
+        restore_old_positions=_readonly(_expand(r_old, r_len)),
         block_size=blocks.block_size,
         block_starts=_readonly(blocks.starts),
         block_ends=_readonly(blocks.ends),
         repair_blocks=_readonly(ids[repair_mask]),
-        restore_blocks=_readonly(ids[~repair_mask]),
+        restore_blocks=_readonly(ids[rest]),
         d_hat=_readonly(d_hat),
         kappa=float(kappa),
-        n_new_tokens=int(x.shape[0]),
-        n_suffix=int(blocks.new_positions.shape[0]),
+        n_new_tokens=int(edit.new_token_count),
+        n_suffix=blocks.n_tokens,
         n_dirty=int(n_dirty),
         n_high=int(n_high),
         n_readers=int(n_readers),
@@ -372,21 +411,36 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
     Returns:
         float64 ``[n_blocks]`` (``-inf`` for an empty block).
     """
-    sc = _clean_scores(scores)
+    return _block_max(blocks, _clean_scores(scores)[0])
+
+
+def _block_max(blocks: SuffixBlocks, sc: np.ndarray) -> np.ndarray:
     out = np.full(blocks.n_blocks, -np.inf)
     if blocks.n_blocks == 0:
         return out
-    # token_block is non-decreasing (suffix order): each block's tokens are one contiguous run
-    first = np.flatnonzero(np.diff(blocks.token_block, prepend=-1))
-    out[blocks.token_block[first]] = np.maximum.reduceat(sc[blocks.old_positions], first)
+    # a block's tokens are one run in old coordinates, and runs increase: one reduceat over (start, end) pairs,
+    # whose even entries are the blocks (odd ones: the gaps between them, dropped)
+    cut = np.empty(2 * blocks.n_blocks, dtype=np.int64)
+    cut[0::2] = blocks.old_starts
+    cut[1::2] = blocks.old_starts + blocks.lengths
+    if cut[-1] >= sc.shape[0]:
+        cut = cut[:-1]
+    out[:] = np.maximum.reduceat(sc, cut)[0::2]
     return out
 
 
-def _clean_scores(scores) -> np.ndarray:
-    """Stored attention as a flat float64 array, NaN read as 0 and infinities clipped (``np.nan_to_num``); an
-    already clean float64 array is returned as is, after one read-only pass."""
-    sc = np.asarray(scores, dtype=np.float64).ravel()
-    return sc if np.isfinite(sc).all() else np.nan_to_num(sc, nan=0.0)
+def _clean_scores(scores) -> tuple[np.ndarray, float]:
+    """Stored attention as a flat float array with NaN read as 0 and infinities clipped (``np.nan_to_num``), and
+    its float64 sum. A finite float32 / float64 array is returned as is: one summing pass (a finite sum means
+    every value is finite), no copy."""
+    sc = np.asarray(scores).ravel()
+    if sc.dtype != np.float32 and sc.dtype != np.float64:
+        sc = sc.astype(np.float64)
+    total = float(np.add.reduce(sc, dtype=np.float64))
+    if not math.isfinite(total):
+        sc = np.nan_to_num(sc.astype(np.float64), nan=0.0)
+        total = float(sc.sum())
+    return sc, total
 
 
 def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = READER_MAX_DF) -> np.ndarray:
@@ -435,25 +489,30 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
-    in_changed = _member(new, changed)  # changed is sorted (setxor1d)
-    in_changed[1:] &= new[1:] != new[:-1]  # one occurrence per word: the block of its first token
-    pos = np.flatnonzero(in_changed)
+    all_pos = np.flatnonzero(_member(new, changed))  # changed is sorted (setxor1d)
+    tok_all = np.searchsorted(changed, new[all_pos])  # rank of each position's changed token
+    # one occurrence per word for the document frequency: the block of its first token
+    first = np.ones(all_pos.shape[0], dtype=bool)
+    first[1:] = (all_pos[1:] != all_pos[:-1] + 1) | (tok_all[1:] != tok_all[:-1])
+    pos = all_pos[first]
     # document frequency of each changed token over the context's blocks: the distinct (token, block) pairs,
     # one int64 key each (token rank * n_ctx + block), counted per token
-    df = _distinct_counts(np.searchsorted(changed, new[pos]), pos // size, changed.size, n_ctx)
+    df = _distinct_counts(tok_all[first], pos // size, changed.size, n_ctx)
     rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)  # a changed token the edit removed has df 0: rare
     weight = np.where(rare, np.log((1.0 + n_ctx) / (1.0 + df)), 0.0)
     total = float(weight.sum())
     if not rare.any() or total <= 0:
         return out
-    rare_tok = changed[rare]  # sorted
-    sfx_tok = new[blocks.new_positions]
-    hit = np.flatnonzero(_member(sfx_tok, rare_tok))
-    if hit.size == 0:
+    # the suffix positions holding a rare changed token: among the context's changed-token positions, those inside
+    # a block (the edited spans and the prefix lie outside every block)
+    is_rare = rare[tok_all]
+    hit, hit_tok = all_pos[is_rare], tok_all[is_rare]
+    b = np.searchsorted(blocks.starts, hit, side="right") - 1
+    ok = (b >= 0) & (hit < blocks.ends[np.maximum(b, 0)])
+    if not ok.any():
         return out
     # each distinct (block, rare changed token) pair adds the token's weight to the block
-    blk, tok = _distinct_pairs(blocks.token_block[hit], np.searchsorted(changed, sfx_tok[hit]), blocks.n_blocks,
-                               changed.size)
+    blk, tok = _distinct_pairs(b[ok], hit_tok[ok], blocks.n_blocks, changed.size)
     out += np.bincount(blk, weights=weight[tok], minlength=blocks.n_blocks)
     return out / total
 
@@ -472,15 +531,19 @@ def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
     Returns:
         A share in ``[0, 1]``.
     """
+    return _rewrite_share(edit, None if scores is None else _clean_scores(scores))
+
+
+def _rewrite_share(edit: Edit, clean: tuple[np.ndarray, float] | None) -> float:
     if edit.old_len == 0 or not edit.spans:
         return 0.0
-    removed = np.concatenate([np.arange(sp.old_start, sp.old_end, dtype=np.int64) for sp in edit.spans])
-    share = removed.shape[0] / edit.old_len
-    if scores is not None and removed.shape[0]:
-        sc = _clean_scores(scores)
-        total = float(sc.sum())
+    n_removed = sum(sp.old_len for sp in edit.spans)
+    share = n_removed / edit.old_len
+    if clean is not None and n_removed:
+        sc, total = clean
         if sc.shape[0] == edit.old_len and total > 0:
-            share = min(share, REWRITE_ATTENTION * float(sc[removed].sum()) / total)
+            removed = sum(float(np.add.reduce(sc[sp.old_start:sp.old_end], dtype=np.float64)) for sp in edit.spans)
+            share = min(share, REWRITE_ATTENTION * removed / total)
     return float(min(1.0, share))
 
 
@@ -537,36 +600,41 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     if isinstance(recent_window, bool) or not isinstance(recent_window, (int, np.integer)) or recent_window < 0:
         raise ValueError(f"recent_window must be an int >= 0, got {recent_window!r}")
     prefix_len, blocks = _prep(edit, block_size)
-    sc = None
+    clean = None
     if scores is not None:
-        sc = _clean_scores(scores)
-        if sc.shape[0] != edit.old_len:
-            raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {sc.shape[0]}")
-    if rewrite_share < 1.0 and blocks.n_blocks and head_rewrite_share(edit, sc) >= rewrite_share:
-        p, e, s = span_features(edit)
-        return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="patchkv", prefix_len=prefix_len,
-                      d_hat=length_model.predict(p, e, s), kappa=kappa, head_rewrite=True)
+        clean = _clean_scores(scores)
+        if clean[0].shape[0] != edit.old_len:
+            raise ValueError(f"scores must have one value per old position ({edit.old_len}), got {clean[0].shape[0]}")
+    sc = None if clean is None else clean[0]
     p, e, s = span_features(edit)
     d_hat = length_model.predict(p, e, s)
-    # d_hat is per span in new order; each suffix token's window is that of the span preceding its segment
-    span_ends = np.sort(np.asarray([sp.new_end for sp in edit.spans], dtype=np.int64))
-    tok_span = np.searchsorted(span_ends, blocks.new_positions - blocks.distance, side="left")
-    dirty = blocks.distance < d_hat[tok_span] if d_hat.size else np.zeros(blocks.distance.shape, dtype=bool)
-
-    high = np.zeros_like(dirty)
-    if sc is not None and kappa > 0:
-        outside = np.flatnonzero(~dirty)
-        high[outside[_top_fraction(sc[blocks.old_positions[outside]], kappa)]] = True
-
-    repair = np.zeros(blocks.n_blocks, dtype=bool)
-    repair[blocks.token_block[dirty | high]] = True
+    if rewrite_share < 1.0 and blocks.n_blocks and _rewrite_share(edit, clean) >= rewrite_share:
+        return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="patchkv", prefix_len=prefix_len,
+                      d_hat=d_hat, kappa=kappa, head_rewrite=True)
+    # D, per block: d_hat is per span in new order; a block's tokens have distances dist0 .. dist0 + len - 1 from
+    # the span before its segment, and the first d_hat of them are dirty
+    lens = blocks.lengths
+    if d_hat.size and blocks.n_blocks:
+        span_ends = np.asarray([sp.new_end for sp in edit.spans], dtype=np.int64)  # increasing
+        block_d = d_hat[np.searchsorted(span_ends, blocks.base, side="left")]
+        n_dirty_b = np.clip(block_d - (blocks.starts - blocks.base), 0, lens)
+    else:
+        block_d = np.zeros(blocks.n_blocks, dtype=np.int64)
+        n_dirty_b = np.zeros(blocks.n_blocks, dtype=np.int64)
+    repair = n_dirty_b > 0
+    n_dirty, n_high = int(n_dirty_b.sum()), 0
+    if sc is not None and kappa > 0 and blocks.n_blocks:  # H: per token, among the suffix tokens outside D
+        outside = np.flatnonzero(blocks.distance >= np.repeat(block_d, lens))
+        high = outside[_top_fraction(sc[blocks.old_positions[outside]], kappa)]
+        repair[blocks.token_block[high]] = True
+        n_high = int(high.size)
     if blocks.n_blocks and blocks.ends[-1] == edit.new_len:
         repair[-1] = True  # the block holding the last context token
     n_readers = 0
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
         cand = np.flatnonzero((lex >= READER_MIN_SHARE) & ~repair)
-        base = _x_positions(edit).shape[0] + int((blocks.ends - blocks.starts)[repair].sum())
+        base = edit.new_token_count + int(lens[repair].sum())
         k = min(cand.size, max(READER_MIN_BLOCKS, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
@@ -575,26 +643,26 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         if n_readers and sc is not None and READER_ATTENTION_BLOCKS:
             # an edit with readers also refreshes the blocks the old question read most (the old answer's
             # evidence and reasoning): the top blocks by stored attention (block maximum), not yet repaired
-            bmax = block_attention(blocks, sc)
+            bmax = _block_max(blocks, sc)
             rest = np.flatnonzero(~repair)
             top = rest[np.lexsort((rest, -bmax[rest]))[:READER_ATTENTION_BLOCKS]]
             repair[top] = True
             n_readers += int(top.size)
     n_recent = 0
     if recent_window > 0 and blocks.n_blocks:  # W: the last restored tokens, nearest the generation point
-        restored = np.flatnonzero(~repair[blocks.token_block])
-        add = np.unique(blocks.token_block[restored[-int(recent_window):]])
+        rest = np.flatnonzero(~repair)[::-1]  # restored blocks, last first
+        after = np.cumsum(lens[rest]) - lens[rest]  # restored tokens after each
+        add = rest[after < int(recent_window)]
         repair[add] = True
         n_recent = int(add.size)
     small = False
     if min_restore_share > 0 and blocks.n_blocks:  # too little to restore: recompute the suffix (exact)
-        n_restore = int((blocks.ends - blocks.starts)[~repair].sum())
-        if n_restore < min_restore_share * blocks.new_positions.shape[0]:
+        n_restore = int(lens[~repair].sum())
+        if n_restore < min_restore_share * blocks.n_tokens:
             repair[:] = True
             small = True
     return _build(edit, blocks, repair, strategy="patchkv", prefix_len=prefix_len, d_hat=d_hat, kappa=kappa,
-                  n_dirty=int(dirty.sum()), n_high=int(high.sum()), n_readers=n_readers, n_recent=n_recent,
-                  small_restore=small)
+                  n_dirty=n_dirty, n_high=n_high, n_readers=n_readers, n_recent=n_recent, small_restore=small)
 
 
 def plan_suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> SuffixBlocks:
@@ -653,7 +721,7 @@ def plan_full(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan
     prefix_len, blocks = _prep(edit, block_size)
     _, _, s = span_features(edit)
     return _build(edit, blocks, np.ones(blocks.n_blocks, dtype=bool), strategy="prefix", prefix_len=prefix_len,
-                  d_hat=s, n_dirty=blocks.new_positions.shape[0])
+                  d_hat=s, n_dirty=blocks.n_tokens)
 
 
 def plan_direct(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE) -> RepairPlan:
