@@ -19,6 +19,7 @@ import numpy as np
 __all__ = ["LengthModel"]
 
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
+_FEW_SPANS = 16  # predict() evaluates up to this many spans in Python (numpy's per-call overhead is larger)
 
 
 
@@ -78,11 +79,25 @@ class LengthModel:
         s = np.asarray(suffix_len, dtype=np.int64)
         if not (np.shape(prefix_len) == np.shape(edit_len) == s.shape):
             raise ValueError("prefix_len, edit_len and suffix_len must have the same shape")
-        raw = np.exp(self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64))
+        if s.ndim == 1 and s.shape[0] <= _FEW_SPANS:  # the common edit: per-span arithmetic in Python, same formula
+            return np.asarray([self._predict_one(float(a), float(b), int(c))
+                               for a, b, c in zip(np.asarray(prefix_len).tolist(), np.asarray(edit_len).tolist(),
+                                                  s.tolist())], dtype=np.int64)
+        z = self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64)
         hi = np.minimum(s, self.d_max) if self.d_max is not None else s
         # 1e-6 slack: exp(log(32)) must give 32, not 33
-        d = np.ceil(np.maximum(raw, self.d_min) - 1e-6)
-        return np.minimum(d.astype(np.int64), hi)
+        d = np.minimum(np.ceil(np.maximum(np.exp(np.minimum(z, 700.0)), self.d_min) - 1e-6), hi)  # float: no overflow
+        big = ~(z < 700.0)  # exp would overflow (or z is NaN): the window is bounded by the segment
+        return np.where(big, hi, d).astype(np.int64)
+
+    def _predict_one(self, p: float, e: float, s: int) -> int:
+        a, b, c = math.log1p(p), math.log1p(e), math.log1p(s)
+        w = self.weights
+        z = w[0] + w[1] * a + w[2] * b + w[3] * c + w[4] * (a * b) + w[5] * (a * c) + w[6] * (b * c)
+        hi = min(s, self.d_max) if self.d_max is not None else s
+        if not z < 700.0:  # exp would overflow (or z is NaN): the window is bounded by the segment
+            return hi
+        return min(int(math.ceil(max(math.exp(z), self.d_min) - 1e-6)), hi)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form for calibration profiles."""

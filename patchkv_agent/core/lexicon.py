@@ -177,29 +177,27 @@ class WordIndex:
             without an alphanumeric character.
         """
         arr = np.asarray(ids, dtype=np.int64).ravel()
-        out = np.full(arr.shape[0], -1, dtype=np.int64)
+        out = [-1] * arr.shape[0]
+        cache, info = self._cache, self._info
         word: list[str] = []
-        members: list[int] = []
+        start = 0  # first position of the open word (``word`` non-empty)
         prev_trail = False
-
-        def close() -> None:
-            if members:
-                out[members] = xxhash.xxh64_intdigest("".join(word).encode()) >> 1  # non-negative int64
-                word.clear()
-                members.clear()
-
         for i, tid in enumerate(arr.tolist()):
-            lead, trail, core = self._info(tid)
+            got = cache.get(tid)
+            lead, trail, core = got if got is not None else info(tid)
+            if word and not (core and lead and prev_trail):  # the open word ends before position i
+                out[start:i] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (i - start)
+                word.clear()
             if not core:
-                close()
                 prev_trail = False
                 continue
-            if not (lead and prev_trail):
-                close()
+            if not word:
+                start = i
             word.append(core)
-            members.append(i)
             prev_trail = trail
-            if not trail:
-                close()
-        close()
-        return out
+            if not trail:  # ends in a non-word character: the word ends with this token
+                out[start:i + 1] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (i + 1 - start)
+                word.clear()
+        if word:
+            out[start:] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (len(out) - start)
+        return np.asarray(out, dtype=np.int64)

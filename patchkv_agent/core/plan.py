@@ -295,19 +295,25 @@ class RepairPlan:
 
 
 def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: a 64 Ki-entry table of the
-    set's low 16 bits screens ``x`` in one gather, and only the screened elements are searched."""
+    """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: see :func:`_member_positions`."""
     out = np.zeros(x.shape, dtype=bool)
+    out[_member_positions(x, sorted_set)] = True
+    return out
+
+
+def _member_positions(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """The positions ``i`` with ``x[i]`` in ``sorted_set`` (sorted int64 positions): a 64 Ki-entry table of the
+    set's low 16 bits screens ``x`` in one gather, and only the screened elements are searched."""
     if sorted_set.size == 0 or x.size == 0:
-        return out
+        return np.zeros(0, dtype=np.int64)
     table = np.zeros(1 << 16, dtype=bool)
     table[sorted_set & 0xFFFF] = True
     cand = np.flatnonzero(table[x & 0xFFFF])
-    if cand.size:
-        v = x[cand]
-        i = np.minimum(np.searchsorted(sorted_set, v), sorted_set.size - 1)
-        out[cand] = sorted_set[i] == v
-    return out
+    if cand.size == 0:
+        return cand
+    v = x[cand]
+    i = np.minimum(np.searchsorted(sorted_set, v), sorted_set.size - 1)
+    return cand[sorted_set[i] == v]
 
 
 _PAIR_TABLE_MAX = 1 << 22  # pairs deduplicated in a dense boolean table up to this many cells, else sorted
@@ -481,15 +487,18 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         old, new = edit.old_ids, edit.new_ids
     if old is None or new is None or not edit.spans or blocks.n_blocks == 0 or new.shape[0] == 0:
         return out
-    old_side = np.concatenate([old[s.old_start:s.old_end] for s in edit.spans] + [np.zeros(0, np.int64)])
-    new_side = np.concatenate([new[s.new_start:s.new_end] for s in edit.spans] + [np.zeros(0, np.int64)])
-    changed = np.setxor1d(np.unique(old_side), np.unique(new_side))
-    changed = changed[changed >= 0]  # -1: a position without a word
+    # the changed words: those on one side of the edited spans only (a set difference over the edit's words)
+    old_side: set[int] = set()
+    new_side: set[int] = set()
+    for sp in edit.spans:
+        old_side.update(old[sp.old_start:sp.old_end].tolist())
+        new_side.update(new[sp.new_start:sp.new_end].tolist())
+    changed = np.asarray(sorted(w for w in old_side ^ new_side if w >= 0), dtype=np.int64)  # -1: no word
     if changed.size == 0:
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
-    all_pos = np.flatnonzero(_member(new, changed))  # changed is sorted (setxor1d)
+    all_pos = _member_positions(new, changed)  # changed is sorted
     tok_all = np.searchsorted(changed, new[all_pos])  # rank of each position's changed token
     # one occurrence per word for the document frequency: the block of its first token
     first = np.ones(all_pos.shape[0], dtype=bool)
