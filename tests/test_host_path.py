@@ -334,3 +334,162 @@ def test_unquantizable_tokens_marks_nonfinite_and_out_of_range_values(seed):
         want |= (~np.isfinite(a) | (np.abs(a) > FP16_SAFE)).any(axis=(0, 2))
     assert want.any()
     assert unquantizable_tokens(keys, values).tolist() == want.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The block-level planner against a per-token reference (the rules as DESIGN states them, token by token)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _plan_reference(edit, scores, *, d, kappa, block_size, readers, recent_window, min_restore_share):
+    """plan_repair spelled out per suffix token with the Edit's own per-token arrays (no block-level shortcuts)."""
+    import math
+
+    from patchkv_agent.core.plan import (READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS, READER_MIN_SHARE,
+                                         lexical_reader_scores, suffix_blocks)
+
+    prefix_len = min(edit.prefix_len, edit.new_len - 1)
+    blocks = suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
+    keep = edit.suffix_new_positions >= prefix_len
+    new_pos, old_pos = edit.suffix_new_positions[keep], edit.suffix_old_positions[keep]
+    dist = edit.suffix_distance[keep]
+    seg_len = {s.new_start: s.length for s in edit.segments}
+    span_d = {s.new_end: min(d, seg_len.get(s.new_end, 0)) for s in edit.spans}
+    base = new_pos - dist
+    dirty = dist < np.array([span_d[int(b)] for b in base], dtype=np.int64)
+    tok_block = np.array([int(np.searchsorted(blocks.starts, p, side="right")) - 1 for p in new_pos], dtype=np.int64)
+    sc = None if scores is None else np.nan_to_num(np.asarray(scores, dtype=np.float64), nan=0.0)
+    high = np.zeros_like(dirty)
+    if sc is not None and kappa > 0:
+        outside = np.flatnonzero(~dirty)
+        vals = sc[old_pos[outside]]
+        k = min(len(vals), int(math.ceil(kappa * len(vals) - 1e-9)))
+        order = sorted(range(len(vals)), key=lambda i: (-vals[i], i))[:k]  # top k, ties to the earlier token
+        high[outside[order]] = True
+    repair = np.zeros(blocks.n_blocks, dtype=bool)
+    repair[tok_block[dirty | high]] = True
+    if blocks.n_blocks and new_pos[-1] == edit.new_len - 1:
+        repair[-1] = True
+    if readers == "lexical" and blocks.n_blocks:
+        lex = lexical_reader_scores(edit, blocks)
+        cand = [b for b in range(blocks.n_blocks) if lex[b] >= READER_MIN_SHARE and not repair[b]]
+        x = sum(s.new_len for s in edit.spans)
+        cost = x + sum(int(blocks.ends[b] - blocks.starts[b]) for b in range(blocks.n_blocks) if repair[b])
+        k = min(len(cand), max(READER_MIN_BLOCKS, int(math.ceil(0.25 * cost / block_size - 1e-9))))
+        picked = sorted(cand, key=lambda b: (-lex[b], b))[:k]
+        repair[picked] = True
+        if picked and sc is not None:
+            bmax = {b: max(sc[old_pos[tok_block == b]]) for b in range(blocks.n_blocks) if not repair[b]}
+            repair[sorted(bmax, key=lambda b: (-bmax[b], b))[:READER_ATTENTION_BLOCKS]] = True
+    if recent_window and blocks.n_blocks:
+        restored_tokens = [i for i in range(len(new_pos)) if not repair[tok_block[i]]]
+        repair[sorted({int(tok_block[i]) for i in restored_tokens[-recent_window:]})] = True
+    if min_restore_share and blocks.n_blocks:
+        if sum(1 for i in range(len(new_pos)) if not repair[tok_block[i]]) < min_restore_share * len(new_pos):
+            repair[:] = True
+    rec_tok = repair[tok_block].copy()
+    if len(new_pos) and new_pos[-1] == edit.new_len - 1:
+        rec_tok[-1] = True
+    recompute = np.sort(np.concatenate([edit.new_positions, new_pos[rec_tok],
+                                        np.arange(prefix_len, edit.prefix_len, dtype=np.int64)]))
+    return recompute, new_pos[~rec_tok], old_pos[~rec_tok], np.flatnonzero(repair)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_block_level_plan_equals_the_per_token_rules(seed):
+    from patchkv_agent.core.plan import LengthModel, plan_repair
+
+    rng = np.random.default_rng(seed)
+    wi = _index()
+    old = rng.integers(0, len(PIECES), int(rng.integers(2, 500))).astype(np.int64)
+    new = _edited(rng, old, int(rng.integers(1, 6)))
+    if len(new) == 0:
+        return
+    edit = diff_versions(old, new, words=wi, old_words=wi(old), min_match=int(rng.integers(1, 9)))
+    scores = None if seed % 5 == 0 else rng.random(len(old)).astype(np.float32)
+    if scores is not None and seed % 3 == 0:
+        scores[rng.integers(0, len(old), 3)] = np.nan  # NaN reads as 0
+    kw = dict(d=int(rng.choice([0, 3, 16, 64])), kappa=float(rng.choice([0.0, 0.0, 0.1, 0.5])),
+              block_size=int(rng.choice([1, 4, 16])), readers=str(rng.choice(["none", "lexical"])),
+              recent_window=int(rng.choice([0, 5, 40])), min_restore_share=float(rng.choice([0.0, 0.5])))
+    plan = plan_repair(edit, scores, length_model=LengthModel.fixed(kw["d"]), kappa=kw["kappa"],
+                       block_size=kw["block_size"], readers=kw["readers"], rewrite_share=1.0,
+                       recent_window=kw["recent_window"], min_restore_share=kw["min_restore_share"])
+    rec, rnew, rold, rep = _plan_reference(edit, scores, **kw)
+    assert np.array_equal(plan.recompute_positions, rec)
+    assert np.array_equal(plan.restore_new_positions, rnew) and np.array_equal(plan.restore_old_positions, rold)
+    assert np.array_equal(plan.repair_blocks, rep)
+    assert plan.prefix_len + plan.n_restore + plan.n_recompute == edit.new_len
+
+
+def test_length_model_python_and_numpy_paths_agree_and_stay_in_range(monkeypatch):
+    """Few spans are predicted in Python, many in numpy: the same windows, never negative, never past the
+    segment, even for weights whose exponent overflows (calibrated profiles are checked, but not bounded)."""
+    import patchkv_agent.core.length_model as lm
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        w = tuple(rng.normal(0, 3.0, 7))
+        d_min = int(rng.integers(0, 40))
+        m = lm.LengthModel(weights=w, d_min=d_min, d_max=None if rng.random() < 0.5 else d_min + int(rng.integers(0, 400)))
+        k = int(rng.integers(1, 6))
+        p, e, s = rng.integers(0, 100000, k), rng.integers(0, 5000, k), rng.integers(0, 30000, k)
+        few = m.predict(p, e, s)
+        monkeypatch.setattr(lm, "_FEW_SPANS", -1)
+        many = m.predict(p, e, s)
+        monkeypatch.setattr(lm, "_FEW_SPANS", 16)
+        assert few.dtype == many.dtype == np.int64
+        assert np.array_equal(few, many)
+        assert np.all(few >= 0) and np.all(few <= s)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_small_ranges_anchor_in_python_like_the_hashed_path(seed, monkeypatch):
+    """Middles up to _SMALL_RANGE tokens find their anchors (and skip the fallback) in Python: the same edit as the
+    hashed numpy path."""
+    import patchkv_agent.core.diff as diff
+
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.choice([2, 5, 50, 5000]))
+    old = rng.integers(0, vocab, int(rng.integers(1, 400))).astype(np.int64)
+    if seed % 4 == 0:
+        old = np.tile(old[:7], 100)[: len(old)]  # repeats: no unique anchors, the fallback decides
+    new = old
+    for _ in range(int(rng.integers(1, 5))):
+        s = int(rng.integers(0, len(new) + 1))
+        new = np.concatenate([new[:s], rng.integers(0, vocab, int(rng.integers(0, 30))), new[s + int(rng.integers(0, 30)):]])
+    mm = int(rng.integers(1, 12))
+    got = diff.diff_versions(old, new, min_match=mm)
+    monkeypatch.setattr(diff, "_SMALL_RANGE", -1)
+    want = diff.diff_versions(old, new, min_match=mm)
+    assert (got.prefix_len, got.spans, got.segments) == (want.prefix_len, want.spans, want.segments)
+
+
+def test_carry_runs_equals_carry_and_rejects_runs_outside():
+    rng = np.random.default_rng(3)
+    wi = _index()
+    old = rng.integers(0, len(PIECES), 3000).astype(np.int64)
+    new = _edited(rng, old, 5)
+    edit = diff_versions(old, new)
+    runs = [(0, 0, edit.prefix_len)] + [(s.new_start, s.old_start, s.length) for s in edit.segments]
+    changed = [(s.new_start, s.new_end) for s in edit.spans]
+    got = wi.carry_runs(new, wi(old), runs, changed)
+    assert np.array_equal(got, wi.carry(new, wi(old), edit.new_to_old, changed))
+    assert np.array_equal(got, wi(new))
+    with pytest.raises(ValueError, match="outside"):
+        wi.carry_runs(new, wi(old), [(len(new) - 2, 0, 5)], changed)
+    with pytest.raises(ValueError, match="outside"):
+        wi.carry_runs(new, wi(old)[:10], [(0, 0, 20)], changed)
+
+
+def test_strategy_resolve_is_memoized_per_settings_object():
+    from patchkv_agent.core.settings import RecoverySettings
+    from patchkv_agent.strategies.builtin import PatchKVStrategy
+
+    st = PatchKVStrategy(kappa=0.2)
+    a = RecoverySettings()
+    ra = st.resolve(a)
+    assert ra.kappa == 0.2 and st.resolve(a) is ra
+    b = a.replace(block_size=64)
+    rb = st.resolve(b)
+    assert rb.kappa == 0.2 and rb.block_size == 64 and st.resolve(a) == ra
