@@ -6,7 +6,8 @@ episodes (:func:`agent_traces`: LangChain's middlewares editing agent histories,
 the call before it through the engine's public methods only (``checkpoint``, ``resume`` with ``exact`` and
 :class:`~patchkv_agent.strategies.builtin.PatchKVStrategy` ``(recent_window=w)``, the rest of the settings
 the engine's), scores each resume's next action against the exact one
-(:func:`patchkv_agent.eval.metrics.next_action_agree`) and picks ``W`` by :func:`choose_window`. It returns
+(:func:`patchkv_agent.eval.metrics.next_action_agree`) and picks ``W`` by :func:`choose_window_every` (the target
+on every workload). It returns
 JSON-safe dicts; it writes no file and touches no other part of the profile (:func:`with_recent_window` puts
 the choice into a profile dict, :mod:`.outputs` writes it).
 
@@ -27,7 +28,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
-           "choose_window", "agent_traces", "select_recent_window", "with_recent_window"]
+           "choose_window", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
 
 DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
 DEFAULT_TARGET = 0.95
@@ -35,8 +36,8 @@ DEFAULT_SKIP = 20
 DEFAULT_N = 6
 DEFAULT_TARGET_TOKENS = 4000
 RULE = ("recency window W: the last recent_window tokens a plan would restore are recomputed; chosen: the smallest "
-        "window whose next-action agreement with exact is >= target, else (none reaches it) the window of the "
-        "highest agreement, ties to the smaller window")
+        "window whose next-action agreement with exact is >= target on every agent workload, else (none reaches it) "
+        "the window of the highest worst-workload agreement, ties to the smaller window")
 
 
 def _check_windows(windows: Sequence[int]) -> tuple[int, ...]:
@@ -205,17 +206,18 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
                          "recent_window=0 (each resume is exact at every window): nothing to choose the window "
                          "by; use more or longer episodes")
     grid = _grid(scored, ws)
-    chosen = choose_window(grid, target)
     workloads = sorted({str(tr.get("workload", "")) for tr in traces})
+    by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], ws) for wl in workloads
+                   if any(r["workload"] == wl for r in scored)}
+    chosen = choose_window_every(by_workload, target)
     return {
         "rule": RULE, "chosen": chosen, "target": target,
-        "target_met": grid[str(chosen)]["agree"] + 1e-9 >= target * grid[str(chosen)]["n"],
+        "target_met": all(g[str(chosen)]["agree"] + 1e-9 >= target * g[str(chosen)]["n"] for g in by_workload.values()),
         "by": (f"next-action agreement with exact (the first tool call, else the text, of {max_new_tokens} greedy "
                "tokens) on the agent versions whose patchkv plan at recent_window=0 restores rows, each resumed "
                "from the exact KV of the call before it"),
         "grid": grid,
-        "grid_by_workload": {wl: _grid([r for r in scored if r["workload"] == wl], ws) for wl in workloads
-                             if any(r["workload"] == wl for r in scored)},
+        "grid_by_workload": by_workload,
         "prefix_recompute_tokens_mean": statistics.fmean(r["prefix_recompute_tokens"] for r in scored),
         "n_versions": n_versions, "n_scored": len(scored), "workloads": workloads,
         "episodes": [str(tr.get("id")) for tr in traces], "settings": _settings_record(engine),
@@ -254,6 +256,35 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
             "edit": None if edit is None else str(edit), "old_tokens": len(ids[k - 1]), "new_tokens": len(new),
             "prefix_tokens": int(st["prefix_tokens"]), "suffix_tokens": int(st["suffix_tokens"]),
             "prefix_recompute_tokens": len(new) - int(st["prefix_tokens"]), "results": results}
+
+
+def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]], target: float) -> int:
+    """:func:`choose_window` over several workloads: the smallest window whose agreement reaches ``target`` on
+    *every* workload (the targets are per workload: a pooled share lets an easy workload hide a hard one);
+    when none does, the window with the highest worst-workload share (ties: the smaller window).
+
+    Args:
+        grids: workload -> its grid (as for :func:`choose_window`); every grid must hold the same windows.
+        target: the least agreement share, in ``[0, 1]``.
+    Returns:
+        The chosen window (tokens).
+    Raises:
+        ValueError: no grids, grids over different windows, or a bad grid or target (:func:`choose_window`).
+    """
+    target = _check_target(target)
+    if not grids:
+        raise ValueError("no workload grids: nothing to choose from")
+    per: dict[str, dict[int, tuple[int, int]]] = {}
+    for wl, grid in grids.items():
+        choose_window(grid, target)  # validates the grid
+        per[wl] = {int(k): (row["agree"], row["n"]) for k, row in grid.items()}
+    windows = set(next(iter(per.values())))
+    if any(set(g) != windows for g in per.values()):
+        raise ValueError(f"the workloads' grids hold different windows: {[sorted(g) for g in per.values()]}")
+    meets = [w for w in sorted(windows) if all(a + 1e-9 >= target * n for a, n in (g[w] for g in per.values()))]
+    if meets:
+        return meets[0]
+    return min(sorted(windows), key=lambda w: (-min(a / n for a, n in (g[w] for g in per.values())), w))
 
 
 def _grid(scored: Sequence[dict], ws: tuple[int, ...]) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ from patchkv_agent.calibration.agent_stage import (
     DEFAULT_WINDOWS,
     agent_traces,
     choose_window,
+    choose_window_every,
     select_recent_window,
     with_recent_window,
 )
@@ -49,6 +50,22 @@ def test_choose_window_without_a_window_reaching_the_target_takes_the_most_agree
     assert choose_window(g, 0.95) == 512  # tie with 1024 at 10/12: the smaller window
     assert choose_window(_grid((0, 3, 4), (128, 3, 4)), 1.0) == 0  # every window ties: the smallest
     assert choose_window(_grid((0, 2, 4), (128, 1, 4)), 0.9) == 0  # a larger window can agree less
+
+
+def test_choose_window_every_needs_the_target_on_each_workload():
+    # the held-out SmolLM2 shape: agent-clear needs 1024, agent-offload agrees everywhere; pooled, 512 would pass
+    clear = _grid((0, 9, 15), (512, 14, 15), (768, 14, 15), (1024, 15, 15))
+    offload = _grid((0, 9, 10), (512, 10, 10), (768, 10, 10), (1024, 10, 10))
+    assert choose_window(_grid((0, 18, 25), (512, 24, 25), (768, 24, 25), (1024, 25, 25)), 0.95) == 512
+    assert choose_window_every({"agent-clear": clear, "agent-offload": offload}, 0.95) == 1024
+    assert choose_window_every({"agent-offload": offload}, 0.95) == 512
+    # none reaches it on every workload: the best worst-workload share, ties to the smaller window
+    hard = _grid((0, 1, 4), (512, 3, 4), (768, 3, 4), (1024, 2, 4))
+    assert choose_window_every({"a": clear, "b": hard}, 0.95) == 512
+    with pytest.raises(ValueError, match="different windows"):
+        choose_window_every({"a": clear, "b": _grid((0, 1, 1))}, 0.95)
+    with pytest.raises(ValueError, match="no workload grids"):
+        choose_window_every({}, 0.95)
 
 
 @pytest.mark.parametrize("grid,target,match", [

@@ -1,0 +1,59 @@
+"""Held-out recency-window selection on a real model, with the shipped profile's other settings (the agent stage of
+``patchkv-agent calibrate`` run on its own: the main stages are not rerun).
+
+    .venv/bin/python scripts/agent_window_heldout.py --workloads agent-clear --n 10 --windows 0,512,768,1024 \\
+        --out runs/results/agent_stage_heldout.json
+
+Episodes are the agent stage's (the 21st on of each workload: disjoint from ``bench --n 20``); the rule is
+``choose_window_every`` (the target on every workload). Writes the selection with one row per scored version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workloads", default="agent-clear")
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--skip", type=int, default=20)
+    ap.add_argument("--windows", default="0,512,768,1024")
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--target-tokens", type=int, default=4000)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch
+
+    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.calibration.agent_stage import agent_traces, select_recent_window
+    from patchkv_agent.langgraph.tools import plain_messages
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    eng = PatchKVEngine.from_pretrained(args.model)
+    print(repr(eng), file=sys.stderr)
+
+    def count(msgs):
+        return len(eng.encode(plain_messages(msgs)))
+
+    traces = []
+    for wl in (w.strip() for w in args.workloads.split(",") if w.strip()):
+        traces += agent_traces(wl, n=args.n, skip=args.skip, target_tokens=args.target_tokens, count_tokens=count)
+    rows: list = []
+    sel = select_recent_window(eng, traces, windows=[int(w) for w in args.windows.split(",")], target=args.target,
+                               max_new_tokens=48, rows=rows)
+    sel.update(rows=rows, wall_s=time.time() - t0, command=" ".join(["scripts/agent_window_heldout.py", *sys.argv[1:]]))
+    with open(args.out, "w") as f:
+        json.dump(sel, f, indent=1)
+    print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
