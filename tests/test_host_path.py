@@ -244,8 +244,11 @@ def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
     keys = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]  # full-length rows per layer
     values = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]
     before = [k.clone() for k in keys]
-    adopted = to_dynamic_cache(model, keys, values)
+    to_dynamic_cache(model, [k.clone() for k in keys], [v.clone() for v in values])  # the first call records the layers
+    adopted = to_dynamic_cache(model, keys, values)  # built from the record
     ref = DynamicCache(config=model.config)
+    assert [(type(a), getattr(a, "sliding_window", None)) for a in adopted.layers] == \
+        [(type(b), getattr(b, "sliding_window", None)) for b in ref.layers]
     for i, (k, v) in enumerate(zip(keys, values)):
         ref.update(k, v, i)
     for a, b, k in zip(adopted.layers, ref.layers, keys):

@@ -438,10 +438,47 @@ def execute(
 def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
     """A standard transformers cache holding these K/V, as a prefill would leave it (sliding layers
     keep their window), so ``model(next_ids, cache=...)`` continues decoding."""
-    cache = DynamicCache(config=model.config)
+    cache = _new_dynamic_cache(model)
     for layer, (k, v) in enumerate(zip(keys, values)):
         if not _adopt(cache, layer, k, v):
             cache.update(k, v, layer)
+    return cache
+
+
+def _new_dynamic_cache(model) -> DynamicCache:
+    """``DynamicCache(config=model.config)``, without deriving the layer types from the config on every resume.
+
+    Reading a config's per-layer fields through transformers' attribute machinery costs tens of microseconds per
+    cache. The first call per model builds the cache the standard way and records each layer's type (and sliding
+    window); later calls build the same empty layers directly. A layer type other than ``DynamicLayer`` /
+    ``DynamicSlidingWindowLayer`` (chunked, dummy, linear-attention...) or a replaced config is built the standard
+    way every time.
+    """
+    config = model.config
+    memo = getattr(model, "_patchkv_cache_layers", None)
+    if memo is None or memo[0] is not config:
+        cache = DynamicCache(config=config)
+        specs: list[tuple[type, dict[str, Any]]] | None = []
+        for lay in cache.layers:
+            kind = type(lay)
+            if kind is DynamicLayer:
+                specs.append((kind, {}))
+            elif kind is DynamicSlidingWindowLayer:
+                specs.append((kind, {"sliding_window": lay.sliding_window}))
+            else:
+                specs = None
+                break
+        if not cache.layers or cache.offloading or type(cache) is not DynamicCache:
+            specs = None
+        try:
+            model._patchkv_cache_layers = (config, specs)  # one tuple: atomic for concurrent resumes
+        except (AttributeError, TypeError):
+            pass
+        return cache
+    if memo[1] is None:
+        return DynamicCache(config=config)
+    cache = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(cache, layers=[kind(**kw) for kind, kw in memo[1]], offloading=False, offload_only_non_sliding=False)
     return cache
 
 
