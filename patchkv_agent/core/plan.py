@@ -74,8 +74,8 @@ DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a cal
 # removal's 0.04
 DEFAULT_REWRITE_SHARE = 0.35
 # recency rule (plan_repair): the last restored tokens before the generation point are recomputed too; the
-# next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 512, chosen by
-# next-action agreement on agent-clear / agent-offload resumes, docs/RESULTS.md "Recency window")
+# next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 1024, chosen by
+# next-action agreement on held-out agent-clear resumes, docs/calibration.md "The agent stage: selecting recent_window")
 DEFAULT_RECENT_WINDOW = 0
 # small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
 # all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, docs/RESULTS.md "Small restores")
