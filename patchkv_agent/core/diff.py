@@ -340,8 +340,9 @@ def _kgram_hashes(x: np.ndarray, k: int) -> np.ndarray:
         v = (v ^ (v >> np.uint64(29))) * _MIX
         v ^= v >> np.uint64(32)
         h = v[:m].copy()
-        for t in range(1, k):
-            h = h * _BASE + v[t : t + m]
+        for t in range(1, k):  # in place: no temporaries per step
+            h *= _BASE
+            h += v[t : t + m]
     return h
 
 
@@ -363,8 +364,9 @@ class _Aligner:
             out[g] = -1 if g in out else i + lo
         return out
 
-    def _anchors(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[list[int], list[int]]:
-        """Starts ``(ai, bj)`` of the k-grams that occur exactly once in both ranges, sorted by ``ai``."""
+    def _anchors(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[Any, Any]:
+        """Starts ``(ai, bj)`` of the k-grams that occur exactly once in both ranges, sorted by ``ai`` (lists for a
+        small range, int64 arrays otherwise)."""
         k = self.k
         if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE:  # exact k-grams in Python: no per-call numpy overhead
             ga, gb = self._kgrams_small(a_lo, a_hi, self.a), self._kgrams_small(b_lo, b_hi, self.b)
@@ -394,7 +396,7 @@ class _Aligner:
         if sa is not None:
             ai, bj = sa[ai], sb[bj]
         order = np.argsort(ai, kind="stable")
-        return (ai[order] + a_lo).tolist(), (bj[order] + b_lo).tolist()
+        return ai[order] + a_lo, bj[order] + b_lo
 
     def blocks(self) -> list[tuple[int, int, int]]:
         """Monotone, non-overlapping ``(a_start, b_start, length)`` matches, sorted."""
@@ -423,28 +425,50 @@ class _Aligner:
     def _anchored(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
         k = self.k
         ai, bj = self._anchors(a_lo, a_hi, b_lo, b_hi)
-        if not ai:
+        if len(ai) == 0:
             return []
         # runs of anchors on one diagonal at consecutive positions: only the first of each run is extended
-        starts = [(i, j) for t, (i, j) in enumerate(zip(ai, bj))
-                  if t == 0 or i != ai[t - 1] + 1 or j - i != bj[t - 1] - ai[t - 1]]
-        cands: list[tuple[int, int, int]] = []
-        covered: dict[int, int] = {}  # diagonal -> old end of the last match extended on it
-        for i0, j0 in starts:
-            d = j0 - i0
-            if i0 < covered.get(d, -1):
-                continue
-            right = _run_length(self.a, self.b, i0, j0, min(a_hi - i0, b_hi - j0))
-            if right < k:  # hash collision
-                continue
-            left = _run_length(self.a_rev, self.b_rev, len(self.a) - i0, len(self.b) - j0,
-                               min(i0 - a_lo, j0 - b_lo))
-            start, size = i0 - left, left + right
-            covered[d] = start + size
-            if size >= self.min_match:
-                cands.append((size, start, start + d))
+        if isinstance(ai, list):
+            starts = [(i, j) for t, (i, j) in enumerate(zip(ai, bj))
+                      if t == 0 or i != ai[t - 1] + 1 or j - i != bj[t - 1] - ai[t - 1]]
+            si, sj = [p[0] for p in starts], [p[1] for p in starts]
+        else:
+            brk = np.ones(ai.shape[0], dtype=bool)
+            brk[1:] = (np.diff(ai) != 1) | (np.diff(bj - ai) != 0)
+            si, sj = ai[brk], bj[brk]
+        cands: list[tuple[int, int, int, int]] = []  # (size, start, start + diagonal, anchor)
+        if len(si) <= 64:  # few: one pass in order, a covered end per diagonal
+            covered: dict[int, int] = {}  # diagonal -> old end of the last match extended on it
+            for i0, j0 in zip(list(si), list(sj)):
+                i0, j0 = int(i0), int(j0)
+                if i0 < covered.get(j0 - i0, -1):
+                    continue
+                got = self._extend(i0, j0, a_lo, a_hi, b_lo, b_hi)
+                if got is not None:
+                    covered[j0 - i0] = got[1] + got[0]
+                    if got[0] >= self.min_match:
+                        cands.append(got)
+        else:  # many (long ranges: sampled anchors): per diagonal, jump past each extended match
+            si, sj = np.asarray(si, dtype=np.int64), np.asarray(sj, dtype=np.int64)
+            diag = sj - si
+            order = np.lexsort((si, diag))
+            d_sorted, i_sorted = diag[order], si[order]
+            cuts = np.flatnonzero(np.diff(d_sorted)) + 1
+            for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), d_sorted.shape[0]]):
+                d, pos = int(d_sorted[lo]), i_sorted[lo:hi]
+                t = 0
+                while t < pos.shape[0]:
+                    i0 = int(pos[t])
+                    got = self._extend(i0, i0 + d, a_lo, a_hi, b_lo, b_hi)
+                    if got is None:
+                        t += 1
+                        continue
+                    if got[0] >= self.min_match:
+                        cands.append(got)
+                    t = max(t + 1, int(np.searchsorted(pos, got[1] + got[0], side="left")))
+        # the in-order pass appended by anchor; the per-diagonal one sorts the same way (ties below)
+        cands = [c[:3] for c in sorted(cands, key=lambda c: (-c[0], c[1], c[3]))]
         # Longest first; keep a match only if it is consistent (monotone, non-overlapping) with the kept ones.
-        cands.sort(key=lambda c: (-c[0], c[1]))
         keys: list[int] = []
         sel: list[tuple[int, int, int]] = []
         for n, i, j in cands:
@@ -456,6 +480,16 @@ class _Aligner:
             keys.insert(p, i)
             sel.insert(p, (i, j, n))
         return sel
+
+    def _extend(self, i0: int, j0: int, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[int, int, int, int] | None:
+        """The maximal match through the anchor ``(i0, j0)`` within the range: ``(size, start, start + diagonal,
+        i0)``, or None on a hash collision (fewer than k equal tokens from the anchor)."""
+        right = _run_length(self.a, self.b, i0, j0, min(a_hi - i0, b_hi - j0))
+        if right < self.k:  # hash collision
+            return None
+        left = _run_length(self.a_rev, self.b_rev, len(self.a) - i0, len(self.b) - j0, min(i0 - a_lo, j0 - b_lo))
+        start = i0 - left
+        return left + right, start, start + (j0 - i0), i0
 
     def _fallback(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
         if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE and not (
