@@ -297,23 +297,24 @@ class RepairPlan:
 def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: see :func:`_member_positions`."""
     out = np.zeros(x.shape, dtype=bool)
-    out[_member_positions(x, sorted_set)] = True
+    out[_member_positions(x, sorted_set)[0]] = True
     return out
 
 
-def _member_positions(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """The positions ``i`` with ``x[i]`` in ``sorted_set`` (sorted int64 positions): a 64 Ki-entry table of the
-    set's low 16 bits screens ``x`` in one gather, and only the screened elements are searched."""
+def _member_positions(x: np.ndarray, sorted_set: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions ``i`` with ``x[i]`` in ``sorted_set`` (sorted int64) and the rank of ``x[i]`` in the set: a
+    64 Ki-entry table of the set's low 16 bits screens ``x`` in one gather, and only the screened elements are
+    searched."""
     if sorted_set.size == 0 or x.size == 0:
-        return np.zeros(0, dtype=np.int64)
+        e = np.zeros(0, dtype=np.int64)
+        return e, e
     table = np.zeros(1 << 16, dtype=bool)
     table[sorted_set & 0xFFFF] = True
     cand = np.flatnonzero(table[x & 0xFFFF])
-    if cand.size == 0:
-        return cand
     v = x[cand]
     i = np.minimum(np.searchsorted(sorted_set, v), sorted_set.size - 1)
-    return cand[sorted_set[i] == v]
+    hit = sorted_set[i] == v
+    return cand[hit], i[hit]
 
 
 _PAIR_TABLE_MAX = 1 << 22  # pairs deduplicated in a dense boolean table up to this many cells, else sorted
@@ -498,8 +499,7 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
-    all_pos = _member_positions(new, changed)  # changed is sorted
-    tok_all = np.searchsorted(changed, new[all_pos])  # rank of each position's changed token
+    all_pos, tok_all = _member_positions(new, changed)  # positions of changed tokens and their ranks in changed
     # one occurrence per word for the document frequency: the block of its first token
     first = np.ones(all_pos.shape[0], dtype=bool)
     first[1:] = (all_pos[1:] != all_pos[:-1] + 1) | (tok_all[1:] != tok_all[:-1])
