@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .runs import expand_runs
+
 __all__ = ["AlignedSegment", "Edit", "EditedSpan", "diff_versions"]
 
 _ANCHOR_MAX_K = 32  # anchor k-gram length cap (k = min(min_match, this))
@@ -114,18 +116,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _ranges(starts: list[int], lengths: list[int]) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each pair, as int64."""
-    if not starts:
-        return np.zeros(0, dtype=np.int64)
-    if len(starts) <= 8:  # few runs (the common edit): one arange each, no index arithmetic over every token
-        return np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lengths)])
-    st = np.asarray(starts, dtype=np.int64)
-    ln = np.asarray(lengths, dtype=np.int64)
-    first = np.cumsum(ln) - ln
-    return np.repeat(st - first, ln) + np.arange(int(ln.sum()), dtype=np.int64)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Edit:
     """The diff of two context versions: prefix ``P``, edited spans and aligned suffix segments.
@@ -180,22 +170,22 @@ class Edit:
     @cached_property
     def suffix_old_positions(self) -> np.ndarray:
         """``[|S|]`` old positions of the suffix tokens, in order."""
-        return _readonly(_ranges([s.old_start for s in self.segments], [s.length for s in self.segments]))
+        return _readonly(expand_runs([s.old_start for s in self.segments], [s.length for s in self.segments]))
 
     @cached_property
     def suffix_new_positions(self) -> np.ndarray:
         """``[|S|]`` new positions of the suffix tokens, in order."""
-        return _readonly(_ranges([s.new_start for s in self.segments], [s.length for s in self.segments]))
+        return _readonly(expand_runs([s.new_start for s in self.segments], [s.length for s in self.segments]))
 
     @cached_property
     def suffix_distance(self) -> np.ndarray:
         """``[|S|]`` ``d_i``: distance from the end of the preceding edited span (new coordinates)."""
-        return _readonly(_ranges([0] * len(self.segments), [s.length for s in self.segments]))
+        return _readonly(expand_runs([0] * len(self.segments), [s.length for s in self.segments]))
 
     @cached_property
     def new_positions(self) -> np.ndarray:
         """``[|X|]`` new positions of all tokens of the ``M_new`` spans, in order."""
-        return _readonly(_ranges([s.new_start for s in self.spans], [s.new_len for s in self.spans]))
+        return _readonly(expand_runs([s.new_start for s in self.spans], [s.new_len for s in self.spans]))
 
     def words(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Word id per position of both versions (read-only int64 arrays), from ``word_index``.

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .length_model import LengthModel
+from .runs import expand_runs
 
 if TYPE_CHECKING:  # the planner reads an Edit; it never builds one
     from .diff import Edit
@@ -135,12 +136,12 @@ class SuffixBlocks:
     @cached_property
     def new_positions(self) -> np.ndarray:
         """``[|S|]`` suffix tokens, new coordinates, increasing."""
-        return _readonly(_expand(self.starts, self.lengths))
+        return _readonly(expand_runs(self.starts, self.lengths))
 
     @cached_property
     def old_positions(self) -> np.ndarray:
         """``[|S|]`` the same tokens in old coordinates."""
-        return _readonly(_expand(self.old_starts, self.lengths))
+        return _readonly(expand_runs(self.old_starts, self.lengths))
 
     @cached_property
     def distance(self) -> np.ndarray:
@@ -151,18 +152,6 @@ class SuffixBlocks:
     def token_block(self) -> np.ndarray:
         """``[|S|]`` block id of each suffix token."""
         return _readonly(np.repeat(np.arange(self.n_blocks, dtype=np.int64), self.lengths))
-
-
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` over runs (int64), in the given order."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if starts.size <= 8:  # few runs: one arange each
-        parts = [np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts.tolist(), lengths.tolist()) if n > 0]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    total = int(lengths.sum())
-    first = np.cumsum(lengths) - lengths
-    return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
 
 
 def _suffix_segments(edit: Edit, keep_from: int) -> list[tuple[int, int, int, int]]:
@@ -374,7 +363,7 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
     rec_st = np.concatenate([np.asarray([r[0] for r in runs], dtype=np.int64), blocks.starts[repair_mask]])
     rec_len = np.concatenate([np.asarray([r[1] for r in runs], dtype=np.int64), lens[repair_mask]])
     order = np.argsort(rec_st, kind="stable")  # disjoint runs: sorted starts give sorted positions
-    recompute = _expand(rec_st[order], rec_len[order])
+    recompute = expand_runs(rec_st[order], rec_len[order])
     ids = np.arange(blocks.n_blocks, dtype=np.int64)
     return RepairPlan(
         strategy=strategy,
@@ -382,8 +371,8 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         old_len=edit.old_len,
         prefix_len=prefix_len,
         recompute_positions=_readonly(recompute),
-        restore_new_positions=_readonly(_expand(r_new, r_len)),
-        restore_old_positions=_readonly(_expand(r_old, r_len)),
+        restore_new_positions=_readonly(expand_runs(r_new, r_len)),
+        restore_old_positions=_readonly(expand_runs(r_old, r_len)),
         block_size=blocks.block_size,
         block_starts=_readonly(blocks.starts),
         block_ends=_readonly(blocks.ends),
