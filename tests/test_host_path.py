@@ -83,15 +83,17 @@ def test_sampled_anchors_give_the_full_density_diff(seed, monkeypatch):
     assert (got.prefix_len, got.spans, got.segments) == (want.prefix_len, want.spans, want.segments)
 
 
-def test_member_is_isin():
-    from patchkv_agent.core.plan import _member
+def test_member_positions_are_isin_with_ranks():
+    from patchkv_agent.core.plan import _member_positions
 
     rng = np.random.default_rng(0)
     x = rng.integers(-5, 2**62, 50000)
     x[::7] = x[::7] & 0xFFFF  # low-bit collisions with the set
     s = np.sort(np.unique(np.concatenate([rng.choice(x, 40), rng.integers(0, 2**62, 10), [3, 70000]])))
-    assert np.array_equal(_member(x, s), np.isin(x, s))
-    assert not _member(x, s[:0]).any()
+    pos, rank = _member_positions(x, s)
+    assert np.array_equal(pos, np.flatnonzero(np.isin(x, s)))
+    assert np.array_equal(s[rank], x[pos])
+    assert _member_positions(x, s[:0])[0].size == 0
 
 
 class _Tok:

@@ -283,13 +283,6 @@ class RepairPlan:
         return int(self.restore_new_positions.shape[0])
 
 
-def _member(x: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """``np.isin(x, sorted_set)`` for a small sorted set without sorting ``x``: see :func:`_member_positions`."""
-    out = np.zeros(x.shape, dtype=bool)
-    out[_member_positions(x, sorted_set)[0]] = True
-    return out
-
-
 def _member_positions(x: np.ndarray, sorted_set: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The positions ``i`` with ``x[i]`` in ``sorted_set`` (sorted int64) and the rank of ``x[i]`` in the set: a
     64 Ki-entry table of the set's low 16 bits screens ``x`` in one gather, and only the screened elements are
