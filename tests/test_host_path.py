@@ -31,15 +31,23 @@ def _edited(rng, old: np.ndarray, n_edits: int) -> np.ndarray:
     return np.concatenate(new).astype(np.int64)
 
 
+def _random_edit(rng, wi: WordIndex, min_len: int, max_len: int):
+    """A random old version, an edited new one (1-5 edits) and their diff with carried words; None if empty."""
+    old = rng.integers(0, len(PIECES), int(rng.integers(min_len, max_len))).astype(np.int64)
+    new = _edited(rng, old, int(rng.integers(1, 6)))
+    if len(new) == 0:
+        return None
+    return old, new, diff_versions(old, new, words=wi, old_words=wi(old), min_match=int(rng.integers(1, 9)))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_carried_words_equal_a_whole_mapping(seed):
     rng = np.random.default_rng(seed)
     wi = _index()
-    old = rng.integers(0, len(PIECES), int(rng.integers(3, 300))).astype(np.int64)
-    new = _edited(rng, old, int(rng.integers(1, 6)))
-    if len(new) == 0:
+    got = _random_edit(rng, wi, 3, 300)
+    if got is None:
         return
-    edit = diff_versions(old, new, words=wi, old_words=wi(old), min_match=int(rng.integers(1, 9)))
+    old, new, edit = got
     got = edit.new_words()
     assert got is not None and np.array_equal(got, wi(new))
     if edit.spans:
@@ -405,12 +413,10 @@ def test_block_level_plan_equals_the_per_token_rules(seed):
     from patchkv_agent.core.plan import LengthModel, plan_repair
 
     rng = np.random.default_rng(seed)
-    wi = _index()
-    old = rng.integers(0, len(PIECES), int(rng.integers(2, 500))).astype(np.int64)
-    new = _edited(rng, old, int(rng.integers(1, 6)))
-    if len(new) == 0:
+    got = _random_edit(rng, _index(), 2, 500)
+    if got is None:
         return
-    edit = diff_versions(old, new, words=wi, old_words=wi(old), min_match=int(rng.integers(1, 9)))
+    old, _, edit = got
     scores = None if seed % 5 == 0 else rng.random(len(old)).astype(np.float32)
     if scores is not None and seed % 3 == 0:
         scores[rng.integers(0, len(old), 3)] = np.nan  # NaN reads as 0
