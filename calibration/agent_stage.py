@@ -56,6 +56,11 @@ def _check_target(target: float) -> float:
     return float(target)
 
 
+def _meets(agree: int, n: int, target: float) -> bool:
+    """``agree / n >= target``, compared on counts so that 19 / 20 meets 0.95 whatever the float rounding."""
+    return agree + 1e-9 >= target * n
+
+
 def choose_window(grid: Mapping[Any, Mapping[str, Any]], target: float) -> int:
     """The selection rule: the smallest window whose agreement ``agree / n`` is at least ``target``; when
     none reaches it, the window with the highest agreement (ties: the smaller window).
@@ -85,8 +90,7 @@ def choose_window(grid: Mapping[Any, Mapping[str, Any]], target: float) -> int:
             raise ValueError(f"window {w}: need n >= 1 and 0 <= agree <= n, got agree={a!r}, n={n!r}")
         rows.append((w, a, n))
     rows.sort()
-    # a / n >= target, with the comparison made on counts so 19/20 meets 0.95 whatever the float rounding
-    meets = [w for w, a, n in rows if a + 1e-9 >= target * n]
+    meets = [w for w, a, n in rows if _meets(a, n, target)]
     if meets:
         return meets[0]
     return min(rows, key=lambda r: (-(r[1] / r[2]), r[0]))[0]
@@ -212,7 +216,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     chosen = choose_window_every(by_workload, target)
     return {
         "rule": RULE, "chosen": chosen, "target": target,
-        "target_met": all(g[str(chosen)]["agree"] + 1e-9 >= target * g[str(chosen)]["n"] for g in by_workload.values()),
+        "target_met": all(_meets(g[str(chosen)]["agree"], g[str(chosen)]["n"], target) for g in by_workload.values()),
         "by": (f"next-action agreement with exact (the first tool call, else the text, of {max_new_tokens} greedy "
                "tokens) on the agent versions whose patchkv plan at recent_window=0 restores rows, each resumed "
                "from the exact KV of the call before it"),
@@ -281,7 +285,7 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]], ta
     windows = set(next(iter(per.values())))
     if any(set(g) != windows for g in per.values()):
         raise ValueError(f"the workloads' grids hold different windows: {[sorted(g) for g in per.values()]}")
-    meets = [w for w in sorted(windows) if all(a + 1e-9 >= target * n for a, n in (g[w] for g in per.values()))]
+    meets = [w for w in sorted(windows) if all(_meets(a, n, target) for a, n in (g[w] for g in per.values()))]
     if meets:
         return meets[0]
     return min(sorted(windows), key=lambda w: (-min(a / n for a, n in (g[w] for g in per.values())), w))

@@ -344,6 +344,7 @@ class _Aligner:
         self.a_rev, self.b_rev = a[::-1], b[::-1]
         self.k = min(min_match, _ANCHOR_MAX_K)
         self._hashes: tuple[np.ndarray, np.ndarray] | None = None  # k-gram hashes, for the first large range
+        self._small: tuple[tuple[int, int, int, int], dict, dict] | None = None  # the last small range's k-grams
         self.budget = _FALLBACK_BUDGET
 
     def _kgrams_small(self, lo: int, hi: int, x: np.ndarray) -> dict[tuple[int, ...], int]:
@@ -354,12 +355,19 @@ class _Aligner:
             out[g] = -1 if g in out else i + lo
         return out
 
+    def _kgram_pair(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[dict, dict]:
+        """Both ranges' :meth:`_kgrams_small`, kept for the range's fallback (which asks for the same pair)."""
+        key = (a_lo, a_hi, b_lo, b_hi)
+        if self._small is None or self._small[0] != key:
+            self._small = (key, self._kgrams_small(a_lo, a_hi, self.a), self._kgrams_small(b_lo, b_hi, self.b))
+        return self._small[1], self._small[2]
+
     def _anchors(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> tuple[Any, Any]:
         """Starts ``(ai, bj)`` of the k-grams that occur exactly once in both ranges, sorted by ``ai`` (lists for a
         small range, int64 arrays otherwise)."""
         k = self.k
         if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE:  # exact k-grams in Python: no per-call numpy overhead
-            ga, gb = self._kgrams_small(a_lo, a_hi, self.a), self._kgrams_small(b_lo, b_hi, self.b)
+            ga, gb = self._kgram_pair(a_lo, a_hi, b_lo, b_hi)
             pairs = sorted((i, gb[g]) for g, i in ga.items() if i >= 0 and gb.get(g, -1) >= 0)
             return [p[0] for p in pairs], [p[1] for p in pairs]
         if self._hashes is None:
@@ -482,9 +490,10 @@ class _Aligner:
         return left + right, start, start + (j0 - i0), i0
 
     def _fallback(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
-        if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE and not (
-                self._kgrams_small(a_lo, a_hi, self.a).keys() & self._kgrams_small(b_lo, b_hi, self.b).keys()):
-            return []  # a match of >= min_match tokens holds a common k-gram: there is none
+        if (a_hi - a_lo) + (b_hi - b_lo) <= _SMALL_RANGE:
+            ga, gb = self._kgram_pair(a_lo, a_hi, b_lo, b_hi)
+            if not ga.keys() & gb.keys():
+                return []  # a match of >= min_match tokens holds a common k-gram: there is none
         sm = difflib.SequenceMatcher(None, self.a[a_lo:a_hi].tolist(), self.b[b_lo:b_hi].tolist(), autojunk=False)
         return [(a_lo + i, b_lo + j, n) for i, j, n in sm.get_matching_blocks() if n >= self.min_match]
 

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = ["LengthModel"]
 
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
+_MAX_EXPONENT = 700.0  # exp() of a larger log-window would overflow: the window is then the segment's bound
 _FEW_SPANS = 16  # predict() evaluates up to this many spans in Python (numpy's per-call overhead is larger)
 
 
@@ -86,8 +87,8 @@ class LengthModel:
         z = self.features(prefix_len, edit_len, s) @ np.asarray(self.weights, dtype=np.float64)
         hi = np.minimum(s, self.d_max) if self.d_max is not None else s
         # 1e-6 slack: exp(log(32)) must give 32, not 33
-        d = np.minimum(np.ceil(np.maximum(np.exp(np.minimum(z, 700.0)), self.d_min) - 1e-6), hi)  # float: no overflow
-        big = ~(z < 700.0)  # exp would overflow (or z is NaN): the window is bounded by the segment
+        d = np.minimum(np.ceil(np.maximum(np.exp(np.minimum(z, _MAX_EXPONENT)), self.d_min) - 1e-6), hi)  # float: no overflow
+        big = ~(z < _MAX_EXPONENT)  # exp would overflow (or z is NaN): the window is bounded by the segment
         return np.where(big, hi, d).astype(np.int64)
 
     def _predict_one(self, p: float, e: float, s: int) -> int:
@@ -95,7 +96,7 @@ class LengthModel:
         w = self.weights
         z = w[0] + w[1] * a + w[2] * b + w[3] * c + w[4] * (a * b) + w[5] * (a * c) + w[6] * (b * c)
         hi = min(s, self.d_max) if self.d_max is not None else s
-        if not z < 700.0:  # exp would overflow (or z is NaN): the window is bounded by the segment
+        if not z < _MAX_EXPONENT:  # exp would overflow (or z is NaN): the window is bounded by the segment
             return hi
         return min(int(math.ceil(max(math.exp(z), self.d_min) - 1e-6)), hi)
 

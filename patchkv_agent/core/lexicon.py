@@ -32,6 +32,11 @@ __all__ = ["WordIndex"]
 _SPACE_MARKERS = str.maketrans({"Ġ": " ", "▁": " ", "Ċ": "\n", "ĉ": "\t"})
 
 
+def _word_id(parts: list[str]) -> int:
+    """The id of the word spelled by ``parts`` (case-folded alphanumeric cores): 63-bit xxh64, non-negative."""
+    return xxhash.xxh64_intdigest("".join(parts).encode()) >> 1
+
+
 class WordIndex:
     """Maps token-id arrays to per-position word ids (``-1`` where a position holds no word character).
 
@@ -186,7 +191,7 @@ class WordIndex:
             got = cache.get(tid)
             lead, trail, core = got if got is not None else info(tid)
             if word and not (core and lead and prev_trail):  # the open word ends before position i
-                out[start:i] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (i - start)
+                out[start:i] = [_word_id(word)] * (i - start)
                 word.clear()
             if not core:
                 prev_trail = False
@@ -196,8 +201,8 @@ class WordIndex:
             word.append(core)
             prev_trail = trail
             if not trail:  # ends in a non-word character: the word ends with this token
-                out[start:i + 1] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (i + 1 - start)
+                out[start:i + 1] = [_word_id(word)] * (i + 1 - start)
                 word.clear()
         if word:
-            out[start:] = [xxhash.xxh64_intdigest("".join(word).encode()) >> 1] * (len(out) - start)
+            out[start:] = [_word_id(word)] * (len(out) - start)
         return np.asarray(out, dtype=np.int64)
