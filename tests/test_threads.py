@@ -97,6 +97,27 @@ def test_resident_thread_resumes_without_its_offload_and_a_released_one_reads_th
     reg.close()
 
 
+def test_a_finished_offload_of_the_same_version_is_not_written_again(engine, monkeypatch):
+    """Deterministic (the first offload is waited for): a repeat writes no second checkpoint; a repeat with
+    ``release`` drops the resident KV, and the next resume reads the one checkpoint."""
+    reg = ThreadRegistry(engine)
+    c0 = ctx(4)
+    reg.generate(A, c0, max_new_tokens=2)
+    calls = []
+    real = engine.checkpoint_from
+    monkeypatch.setattr(engine, "checkpoint_from", lambda res: calls.append(1) or real(res))
+    fut = reg.offload_async(A)
+    assert fut.result() > 0 and len(calls) == 1
+    assert reg.offload_async(A) is fut and reg.handle(A)["kv"] == "resident"
+    assert reg.offload_async(A, release=True) is fut and len(calls) == 1
+    assert reg.handle(A)["kv"] == "offloaded"
+    r = reg.generate(A, edited(c0), max_new_tokens=3)
+    assert r.stats["base"] == "background" and r.stats["fallback"] is None
+    # after the resume the thread holds a new version: its offload is written (a second checkpoint)
+    assert reg.offload(A) > 0 and len(calls) == 2
+    reg.close()
+
+
 def test_a_resume_does_not_wait_for_an_offload_in_flight(engine, monkeypatch):
     """Deterministic: the offload blocks inside checkpoint_from until released; the resume completes first."""
     reg = ThreadRegistry(engine)

@@ -218,8 +218,7 @@ class ThreadRegistry:
             return None
         if th.resident is not None:
             kv = "offloading" if th.pending is not None and not th.pending.done() else "resident"
-        elif ((th.checkpoint is not None and th.checkpoint_version == th.version)
-              or (th.store_key is not None and th.store_version == th.version)):
+        elif self._offloaded(th):
             kv = "offloaded"
         else:
             kv = "none"
@@ -515,7 +514,9 @@ class ThreadRegistry:
         The resident KV stays: a later resume of this thread starts from it at once and never waits for
         the offload, which serves eviction, restarts and other processes (a thread that has moved on by
         the time the checkpoint is ready gets nothing installed). Nothing happens for an unknown thread, a
-        thread without resident KV, or one whose offload is already pending (that future is returned).
+        thread without resident KV, or one whose offload is already pending (that future is returned) or
+        done for the current version (the finished future, if any, is returned; ``release`` still drops
+        the resident KV).
 
         Args:
             key: the thread key.
@@ -536,8 +537,18 @@ class ThreadRegistry:
                 return th.pending
             if th.resident is None:
                 return None
+            if self._offloaded(th):  # this version's KV is written already: nothing to write again
+                if release:
+                    th.resident = None
+                return th.pending
             th.pending = self._submit_offload(th, "background", release)
             return th.pending
+
+    @staticmethod
+    def _offloaded(th: ThreadState) -> bool:
+        """Whether the current version's KV already has a checkpoint or store entry (caller holds the lock)."""
+        return ((th.checkpoint is not None and th.checkpoint_version == th.version)
+                or (th.store_key is not None and th.store_version == th.version))
 
     def offload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
         """Synchronous :meth:`offload_async`: returns the offload seconds (None when nothing to do)."""
