@@ -12,6 +12,8 @@ Importable as ``patchkv_agent.calibration`` (setuptools package-dir map). Module
   meeting the target).
 - :mod:`.agent_stage`: the opt-in agent stage (``--agent-workloads``): the recency window ``recent_window`` chosen
   by next-action agreement with exact on agent-workload resumes from the exact KV of the call before.
+- :mod:`.reader_stage`: the opt-in reader stage (``--reader-workloads``): the reader rule's constants chosen by
+  whether resumes answer an edited episode's new gold where exact does (edit-following workloads, ``calib``).
 - :mod:`.profile`: the profiler driving an engine end to end (``run_calibration``) and the profile's report;
   re-exports the profiler's public names.
 - :mod:`.outputs`: the profile writer, the raw resume rows and the drift curves.

@@ -13,7 +13,10 @@ The agent stage (:mod:`.agent_stage`) is opt-in: ``--agent-workloads agent-clear
 recency window ``recent_window`` by next-action agreement on agent-workload episodes (the last
 ``--agent-n`` of the first ``--agent-skip + --agent-n``, disjoint from the benchmark's first ones), under the
 settings the main stages chose; off by default because its 48-token continuations of ~4k-token contexts
-take tens of minutes on a CPU.
+take tens of minutes on a CPU. The reader stage (:mod:`.reader_stage`) is opt-in too:
+``--reader-workloads all`` (or a list of edit-following workloads) chooses the reader rule's constants by
+whether resumes answer an edited episode's new gold where exact does (``--reader-n`` episodes per workload from
+the ``calib`` split), under the main stages' settings; it runs before the agent stage, which then plans with it.
 
 Writes three files: the profile (``--out``), the drift curves (``.drift.npz``, for figures) and the raw
 resume rows (``.rows.jsonl``, to redo the selection offline).
@@ -117,6 +120,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "(none does: the most agreeing one)")
     p.add_argument("--agent-target-tokens", type=int, default=4000,
                    help="agent stage: largest version of an agent episode in tokens (at least 2000 are used)")
+    p.add_argument("--reader-workloads", default="",
+                   help="reader stage (opt-in): edit-following workloads (comma-separated, or 'all': the four "
+                        "templates and the four held-out shapes) on which to choose the reader rule's constants; "
+                        "'' or 'none' (default) skips it")
+    p.add_argument("--reader-n", type=int, default=8, help="reader stage: episodes per workload (calib split)")
+    p.add_argument("--reader-target", type=float, default=0.95,
+                   help="reader stage: least follow rate on every workload; the cheapest rule reaching it wins")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")
     p.add_argument("--no-progress", action="store_true")
@@ -296,6 +306,13 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     _target(args.target)
     _policy_grid(args.policy_grid)
     _check_agent_args(args)
+    import math
+
+    _reader_workloads(args.reader_workloads)
+    if args.reader_n < 1:
+        raise UsageError(f"--reader-n must be >= 1 (episodes per workload), got {args.reader_n}")
+    if not (math.isfinite(args.reader_target) and 0.0 <= args.reader_target <= 1.0):
+        raise UsageError(f"--reader-target must be in [0, 1] (a follow rate), got {args.reader_target!r}")
     for flag, path in (("--out", args.out), ("--drift-out", args.drift_out)):
         if path and Path(path).is_dir():
             raise UsageError(f"{flag} {path} is a directory; pass a file path")
@@ -399,6 +416,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     if not traces:
         raise SystemExit("no calibration episodes could be built; check --workload/--edit/--n")
     agent = _build_agent_traces(args, count)  # before the long stages: a bad --agent-skip fails now
+    reader_names = _reader_workloads(args.reader_workloads)
     readers = tuple(r.strip() for r in args.readers.split(",") if r.strip())
     from patchkv_agent.core.plan import READERS
 
@@ -423,6 +441,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
                                          progress=not args.no_progress)
     except ValueError as e:
         raise SystemExit(f"calibration failed: {e}") from None
+    if reader_names:
+        from .reader_stage import follow_traces
+
+        reader = follow_traces(reader_names, n=args.reader_n, seed=args.seed, count_tokens=count)
+        profile = _reader_stage(eng, profile, reader, args, command)
     if agent:
         profile = _agent_stage(eng, profile, agent, args, command)
     profile["timing"]["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -441,6 +464,14 @@ def calibrate_main(args: argparse.Namespace) -> int:
           + ("" if fr is None else f", follow rate {fr:.3f}") + ")")
     print(f"  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
                                             for x in profile["d_hat_examples"]))
+    rsel = profile.get("reader_rule_selection")
+    if rsel is not None and rsel.get("chosen") is not None:
+        g = rsel["grid"][rsel["chosen"]]
+        print(f"  reader rule {rsel['chosen']} (follows {g['follows']}/{g['n']} where exact does, "
+              f"{g['recompute_tokens_mean']:.0f} recomputed tokens; target {rsel['target']:g} on every workload "
+              f"{'met' if rsel['target_met'] else 'not met'})")
+    elif rsel is not None:
+        print(f"  reader rule not selected: {rsel.get('skipped')}")
     sel = profile.get("recent_window_selection")
     if sel is not None and sel.get("chosen") is not None:
         g = sel["grid"][str(sel["chosen"])]
@@ -452,6 +483,56 @@ def calibrate_main(args: argparse.Namespace) -> int:
         print(f"  recent_window not selected: {sel.get('skipped')}")
     print(f"  wall time {profile['timing']['wall_s']:.0f}s")
     return 0
+
+
+def _reader_workloads(spec: str) -> list[str]:
+    """``--reader-workloads``: the edit-following workloads named (``'all'``: every one; ``''`` / ``'none'``:
+    none, the stage is skipped).
+
+    Raises:
+        UsageError: a name that is not an edit-following workload.
+    """
+    from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, HELDOUT_WORKLOADS
+    from patchkv_agent.usage import UsageError
+
+    known = list(FOLLOW_WORKLOADS) + list(HELDOUT_WORKLOADS)
+    names = [w.strip() for w in (spec or "").split(",") if w.strip()]
+    if names == ["none"]:
+        return []
+    if names == ["all"]:
+        return known
+    unknown = [w for w in names if w not in known]
+    if unknown:
+        raise UsageError(f"--reader-workloads: unknown workload(s) {unknown}; choose from {known}, 'all', or 'none' "
+                         "to skip the reader stage")
+    return list(dict.fromkeys(names))
+
+
+def _reader_stage(eng, profile: dict, traces: list[dict], args: argparse.Namespace, command: str) -> dict:
+    """Run the reader stage under the settings just calibrated; the profile with ``readers``, ``reader_rule``
+    and ``reader_rule_selection`` (only the selection's record when nothing could be chosen)."""
+    from patchkv_agent.profiles import Profile
+
+    from .reader_stage import RULE, select_reader_rule, with_reader_rule
+
+    t0 = time.perf_counter()
+    eng.settings = Profile.from_dict(profile).settings(eng.settings)
+    rows: list[dict] = []
+    try:
+        sel = select_reader_rule(eng, traces, target=args.reader_target, progress=not args.no_progress, rows=rows)
+    except ValueError as e:
+        print(f"reader stage: {e}; the profile keeps its reader setting", file=sys.stderr)
+        sel = {"rule": RULE, "chosen": None, "skipped": str(e),
+               "workloads": sorted({str(t.get("workload", "")) for t in traces}),
+               "episodes": [str(t.get("id")) for t in traces]}
+    sel.update({"episodes_from": f"{args.reader_n} episodes per workload of the calib split (seed {args.seed}); "
+                                 "the benchmark reads the eval split",
+                "n_per_workload": args.reader_n, "seed": args.seed, "command": command,
+                "seconds": round(time.perf_counter() - t0, 1)})
+    out = with_reader_rule(profile, sel)
+    out.setdefault("_rows", {})["reader"] = rows
+    out["timing"]["reader_stage_s"] = sel["seconds"]
+    return out
 
 
 def _build_agent_traces(args: argparse.Namespace, count) -> list[dict]:

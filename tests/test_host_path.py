@@ -354,12 +354,12 @@ def test_unquantizable_tokens_marks_nonfinite_and_out_of_range_values(seed):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _plan_reference(edit, scores, *, d, kappa, block_size, readers, recent_window, min_restore_share):
+def _plan_reference(edit, scores, *, d, kappa, block_size, readers, recent_window, min_restore_share,
+                    reader_min_share=0.1, reader_min_blocks=3, reader_attention_blocks=2, reader_budget=0.25):
     """plan_repair spelled out per suffix token with the Edit's own per-token arrays (no block-level shortcuts)."""
     import math
 
-    from patchkv_agent.core.plan import (READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS, READER_MIN_SHARE,
-                                         lexical_reader_scores, suffix_blocks)
+    from patchkv_agent.core.plan import lexical_reader_scores, suffix_blocks
 
     prefix_len = min(edit.prefix_len, edit.new_len - 1)
     blocks = suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
@@ -383,17 +383,17 @@ def _plan_reference(edit, scores, *, d, kappa, block_size, readers, recent_windo
     repair[tok_block[dirty | high]] = True
     if blocks.n_blocks and new_pos[-1] == edit.new_len - 1:
         repair[-1] = True
-    if readers == "lexical" and blocks.n_blocks:
+    if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:
         lex = lexical_reader_scores(edit, blocks)
-        cand = [b for b in range(blocks.n_blocks) if lex[b] >= READER_MIN_SHARE and not repair[b]]
+        cand = [b for b in range(blocks.n_blocks) if lex[b] >= reader_min_share and lex[b] > 0 and not repair[b]]
         x = sum(s.new_len for s in edit.spans)
         cost = x + sum(int(blocks.ends[b] - blocks.starts[b]) for b in range(blocks.n_blocks) if repair[b])
-        k = min(len(cand), max(READER_MIN_BLOCKS, int(math.ceil(0.25 * cost / block_size - 1e-9))))
+        k = min(len(cand), max(reader_min_blocks, int(math.ceil(reader_budget * cost / block_size - 1e-9))))
         picked = sorted(cand, key=lambda b: (-lex[b], b))[:k]
         repair[picked] = True
-        if picked and sc is not None:
+        if picked and sc is not None and reader_attention_blocks:
             bmax = {b: max(sc[old_pos[tok_block == b]]) for b in range(blocks.n_blocks) if not repair[b]}
-            repair[sorted(bmax, key=lambda b: (-bmax[b], b))[:READER_ATTENTION_BLOCKS]] = True
+            repair[sorted(bmax, key=lambda b: (-bmax[b], b))[:reader_attention_blocks]] = True
     if recent_window and blocks.n_blocks:
         restored_tokens = [i for i in range(len(new_pos)) if not repair[tok_block[i]]]
         repair[sorted({int(tok_block[i]) for i in restored_tokens[-recent_window:]})] = True
@@ -423,9 +423,14 @@ def test_block_level_plan_equals_the_per_token_rules(seed):
     kw = dict(d=int(rng.choice([0, 3, 16, 64])), kappa=float(rng.choice([0.0, 0.0, 0.1, 0.5])),
               block_size=int(rng.choice([1, 4, 16])), readers=str(rng.choice(["none", "lexical"])),
               recent_window=int(rng.choice([0, 5, 40])), min_restore_share=float(rng.choice([0.0, 0.5])))
+    if seed % 2:  # the reader constants a profile may set (the even seeds keep the built-in ones)
+        kw.update(reader_min_share=float(rng.choice([0.0, 0.05, 0.3])), reader_min_blocks=int(rng.choice([0, 1, 6])),
+                  reader_attention_blocks=int(rng.choice([0, 1, 4])), reader_budget=float(rng.choice([0.0, 0.1, 1.0])))
+    rules = {k: kw[k] for k in ("reader_min_share", "reader_min_blocks", "reader_attention_blocks", "reader_budget")
+             if k in kw}
     plan = plan_repair(edit, scores, length_model=LengthModel.fixed(kw["d"]), kappa=kw["kappa"],
                        block_size=kw["block_size"], readers=kw["readers"], rewrite_share=1.0,
-                       recent_window=kw["recent_window"], min_restore_share=kw["min_restore_share"])
+                       recent_window=kw["recent_window"], min_restore_share=kw["min_restore_share"], **rules)
     rec, rnew, rold, rep = _plan_reference(edit, scores, **kw)
     assert np.array_equal(plan.recompute_positions, rec)
     assert np.array_equal(plan.restore_new_positions, rnew) and np.array_equal(plan.restore_old_positions, rold)

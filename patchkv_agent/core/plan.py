@@ -540,7 +540,8 @@ def _rewrite_share(edit: Edit, clean: tuple[np.ndarray, float] | None) -> float:
 
 def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: LengthModel, kappa: float = 0.0,
                 block_size: int = DEFAULT_BLOCK_SIZE, readers: str = "none",
-                reader_budget: float = DEFAULT_READER_BUDGET,
+                reader_budget: float = DEFAULT_READER_BUDGET, reader_min_share: float = READER_MIN_SHARE,
+                reader_min_blocks: int = READER_MIN_BLOCKS, reader_attention_blocks: int = READER_ATTENTION_BLOCKS,
                 rewrite_share: float = DEFAULT_REWRITE_SHARE, recent_window: int = 0,
                 min_restore_share: float = 0.0) -> RepairPlan:
     """The PatchKV plan: recompute ``X``, ``R = BlockRound(D | H) | L | W`` and the last token; restore ``F``.
@@ -553,9 +554,16 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         block_size: suffix tokens per block.
         readers: ``"lexical"`` adds the reader blocks ``L`` (:func:`lexical_reader_scores`), ``"none"`` not.
         reader_budget: reader blocks add at most this share of the plan's other recompute tokens, counted in
-            blocks and rounded up, or :data:`READER_MIN_BLOCKS` blocks if that is more, the highest scores
+            blocks and rounded up, or ``reader_min_blocks`` blocks if that is more, the highest scores
             first (ties: the earlier block), in ``[0, 1]`` (0 adds none). A cost bound: the TTFT of a resume
             grows about linearly in recomputed tokens.
+        reader_min_share: a block is a reader when its lexical score (the share of the edit's rare changed
+            words it mentions) is at least this, in ``[0, 1]`` (default :data:`READER_MIN_SHARE`).
+        reader_min_blocks: the reader budget is at least this many blocks, ``>= 0`` (default
+            :data:`READER_MIN_BLOCKS`).
+        reader_attention_blocks: an edit with reader blocks also recomputes this many restored blocks of
+            highest stored attention, ``>= 0`` (default :data:`READER_ATTENTION_BLOCKS`). The three reader
+            constants are calibrated per model (``calibration/reader_stage.py``).
         rewrite_share: the head-rewrite rule: when :func:`head_rewrite_share` of the edit is at least this,
             every suffix token is recomputed (``head_rewrite`` in the plan): after a summary replaced the
             history, every restored row was computed with the removed history in view, its drift grows
@@ -571,11 +579,12 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             approximation), in ``[0, 1]`` (0: off).
     Returns:
         The plan (``n_readers``: the reader blocks added beyond ``D | H``; when there are any and ``scores``
-        is given, also the :data:`READER_ATTENTION_BLOCKS` restored blocks of highest stored attention;
+        is given, also the ``reader_attention_blocks`` restored blocks of highest stored attention;
         ``n_recent``: the blocks the recency rule added).
     Raises:
-        ValueError: on an empty new context, ``kappa``, ``reader_budget``, ``rewrite_share`` or
-            ``min_restore_share`` outside ``[0, 1]``, an unknown
+        ValueError: on an empty new context, ``kappa``, ``reader_budget``, ``reader_min_share``,
+            ``rewrite_share`` or ``min_restore_share`` outside ``[0, 1]``, a negative
+            ``reader_min_blocks`` or ``reader_attention_blocks``, an unknown
             ``readers``, a bad ``block_size`` or a ``scores`` array whose length is not ``edit.old_len``.
     """
     if not 0.0 <= kappa <= 1.0:
@@ -584,6 +593,11 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
         raise ValueError(f"readers must be one of {READERS}, got {readers!r}")
     if not 0.0 <= reader_budget <= 1.0:
         raise ValueError(f"reader_budget must be in [0, 1], got {reader_budget}")
+    if not 0.0 <= reader_min_share <= 1.0:
+        raise ValueError(f"reader_min_share must be in [0, 1], got {reader_min_share}")
+    for name, v in (("reader_min_blocks", reader_min_blocks), ("reader_attention_blocks", reader_attention_blocks)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     if not 0.0 <= rewrite_share <= 1.0:
         raise ValueError(f"rewrite_share must be in [0, 1], got {rewrite_share}")
     if not 0.0 <= min_restore_share <= 1.0:
@@ -624,19 +638,19 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     n_readers = 0
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
-        cand = np.flatnonzero((lex >= READER_MIN_SHARE) & ~repair)
+        cand = np.flatnonzero((lex >= reader_min_share) & (lex > 0) & ~repair)
         base = edit.new_token_count + int(lens[repair].sum())
-        k = min(cand.size, max(READER_MIN_BLOCKS, int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
+        k = min(cand.size, max(int(reader_min_blocks), int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
             order = np.lexsort((cand, -lex[cand]))  # highest score first, then the earlier block
             repair[cand[order[:k]]] = True
             n_readers = k
-        if n_readers and sc is not None and READER_ATTENTION_BLOCKS:
+        if n_readers and sc is not None and reader_attention_blocks:
             # an edit with readers also refreshes the blocks the old question read most (the old answer's
             # evidence and reasoning): the top blocks by stored attention (block maximum), not yet repaired
             bmax = _block_max(blocks, sc)
             rest = np.flatnonzero(~repair)
-            top = rest[np.lexsort((rest, -bmax[rest]))[:READER_ATTENTION_BLOCKS]]
+            top = rest[np.lexsort((rest, -bmax[rest]))[:int(reader_attention_blocks)]]
             repair[top] = True
             n_readers += int(top.size)
     n_recent = 0

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 
 from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_READER_BUDGET,
-                   DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE, READERS, LengthModel)
+                   DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE, READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS,
+                   READER_MIN_SHARE, READERS, LengthModel)
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
@@ -50,6 +51,11 @@ class RecoverySettings:
             ``"none"``).
         reader_budget: reader blocks add at most this share of the plan's other recompute (in blocks,
             rounded up), in ``[0, 1]``.
+        reader_min_share: the least lexical score of a reader block, in ``[0, 1]``.
+        reader_min_blocks: the reader budget's floor in blocks, ``>= 0``.
+        reader_attention_blocks: restored blocks of highest stored attention an edit with readers also
+            recomputes, ``>= 0``. (The reader constants: a profile sets them per model; see
+            :func:`~patchkv_agent.core.plan.plan_repair`.)
         rewrite_share: an edit that removes at least this share of the old context, tokens the stored
             attention read (a head rewrite: a summary replacing the history), recomputes every suffix
             token (see :func:`~patchkv_agent.core.plan.plan_repair`), in ``[0, 1]``; 1.0 turns the rule
@@ -73,6 +79,9 @@ class RecoverySettings:
     mixed_precision: bool = True
     readers: str = "lexical"
     reader_budget: float = DEFAULT_READER_BUDGET
+    reader_min_share: float = READER_MIN_SHARE
+    reader_min_blocks: int = READER_MIN_BLOCKS
+    reader_attention_blocks: int = READER_ATTENTION_BLOCKS
     rewrite_share: float = DEFAULT_REWRITE_SHARE
     recent_window: int = DEFAULT_RECENT_WINDOW
     min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
@@ -82,9 +91,13 @@ class RecoverySettings:
             raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
         if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
             raise ValueError(f"recent_window must be an int >= 0, got {self.recent_window!r}")
+        for name in ("reader_min_blocks", "reader_attention_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
             raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
-        for name in ("kappa", "reader_budget", "rewrite_share", "min_restore_share"):  # shares in [0, 1], stored as floats
+        for name in ("kappa", "reader_budget", "reader_min_share", "rewrite_share", "min_restore_share"):  # shares in [0, 1], stored as floats
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
     from ..core.settings import RecoverySettings
 
-__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "Profile", "profile_dirs", "iter_profiles", "load_profile",
+__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "Profile", "profile_dirs", "iter_profiles", "load_profile",
            "is_profile", "read_profile", "resolve_profile_arg"]
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class Profile:
         recent_window: the recency rule's window (None: an older profile; the base settings' own is kept).
         min_restore_share: the small-restore rule's share (None: an older profile; the base settings' own
             is kept).
+        reader_rule: the reader rule's constants as settings fields (``reader_min_share``,
+            ``reader_min_blocks``, ``reader_attention_blocks``, ``reader_budget``), read from the profile's
+            ``reader_rule`` object (keys ``min_share``, ``min_blocks``, ``attention_blocks``, ``budget``;
+            each optional); empty: an older profile, the base settings' own are kept.
         precision_policy: the calibrated per-block precision policy (None: not calibrated; defaults kept).
         path: the file it was read from (None: built from a dict).
         match: how it was found: ``"fingerprint"``, ``"name"``, ``"explicit"`` (a path) or ``"given"``.
@@ -78,6 +82,7 @@ class Profile:
     readers: str | None = None
     recent_window: int | None = None
     min_restore_share: float | None = None
+    reader_rule: Mapping[str, Any] = field(default_factory=dict)
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
     match: str = "given"
@@ -116,6 +121,7 @@ class Profile:
             if small is not None and (isinstance(small, bool) or not isinstance(small, (int, float)) or not (
                     math.isfinite(small) and 0.0 <= small <= 1.0)):
                 raise ValueError(f"min_restore_share={small!r} (need a number in [0, 1])")
+            rule = _reader_rule(data.get("reader_rule"))
             policy = _policy(data.get("precision_policy"))
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
@@ -125,7 +131,7 @@ class Profile:
         return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
                    kappa=float(kappa), block_size=int(block), readers=readers, recent_window=recent,
                    min_restore_share=None if small is None else float(small),
-                   precision_policy=policy,
+                   reader_rule=MappingProxyType(rule), precision_policy=policy,
                    path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
 
     def fields(self) -> dict[str, Any]:
@@ -137,6 +143,7 @@ class Profile:
             out["recent_window"] = self.recent_window
         if self.min_restore_share is not None:
             out["min_restore_share"] = self.min_restore_share
+        out.update(self.reader_rule)
         if self.precision_policy is not None:
             out["precision_policy"] = self.precision_policy
         return out
@@ -146,6 +153,36 @@ class Profile:
         from ..core.settings import RecoverySettings
 
         return (base if base is not None else RecoverySettings()).replace(**self.fields())
+
+
+READER_RULE_KEYS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
+                    "attention_blocks": "reader_attention_blocks", "budget": "reader_budget"}
+"""A profile's ``reader_rule`` keys and the :class:`~patchkv_agent.core.settings.RecoverySettings` fields they set."""
+
+
+def _reader_rule(rule: Any) -> dict[str, Any]:
+    """A profile's ``reader_rule`` object as settings fields (absent: none), every value type- and range-checked."""
+    if rule is None:
+        return {}
+    if not isinstance(rule, dict):
+        raise ValueError("'reader_rule' is not an object")
+    unknown = sorted(set(rule) - set(READER_RULE_KEYS))
+    if unknown:
+        raise ValueError(f"reader_rule has unknown keys {unknown} (known: {sorted(READER_RULE_KEYS)})")
+    out: dict[str, Any] = {}
+    for key, name in READER_RULE_KEYS.items():
+        v = rule.get(key)
+        if v is None:
+            continue
+        if key in ("min_blocks", "attention_blocks"):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
+                raise ValueError(f"reader_rule.{key}={v!r} (need an int >= 0)")
+            out[name] = int(v)
+        else:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
+                raise ValueError(f"reader_rule.{key}={v!r} (need a number in [0, 1])")
+            out[name] = float(v)
+    return out
 
 
 def _policy(pol: Any) -> "PrecisionPolicy | None":

@@ -65,6 +65,8 @@ class PatchKVStrategy(Strategy):
             without mixed runs is restored as stored) or ``"fp16"``.
         readers: ``"lexical"`` or ``"none"``: the reader-block signal (default: the settings').
         reader_budget: the most suffix blocks (a share) added as reader blocks.
+        reader_min_share, reader_min_blocks, reader_attention_blocks: the reader rule's constants (default:
+            the settings'; see :func:`~patchkv_agent.core.plan.plan_repair`).
         rewrite_share: the head-rewrite rule's threshold (1.0: off; default: the settings').
         recent_window: the recency rule's window in tokens (0: off; default: the settings').
         min_restore_share: the small-restore rule's threshold, a share of the suffix (0: off; default: the
@@ -78,11 +80,15 @@ class PatchKVStrategy(Strategy):
 
     def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
                  block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
-                 reader_budget: float | None = None, rewrite_share: float | None = None,
-                 recent_window: int | None = None, min_restore_share: float | None = None):
+                 reader_budget: float | None = None, reader_min_share: float | None = None,
+                 reader_min_blocks: int | None = None, reader_attention_blocks: int | None = None,
+                 rewrite_share: float | None = None, recent_window: int | None = None,
+                 min_restore_share: float | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
-                           reader_budget=reader_budget, rewrite_share=rewrite_share, recent_window=recent_window,
+                           reader_budget=reader_budget, reader_min_share=reader_min_share,
+                           reader_min_blocks=reader_min_blocks, reader_attention_blocks=reader_attention_blocks,
+                           rewrite_share=rewrite_share, recent_window=recent_window,
                            min_restore_share=min_restore_share)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
@@ -95,5 +101,7 @@ class PatchKVStrategy(Strategy):
         s = self.resolve(settings)
         scores = ckpt.scores if ckpt is not None else None
         return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
-                           readers=s.readers, reader_budget=s.reader_budget, rewrite_share=s.rewrite_share,
-                           recent_window=s.recent_window, min_restore_share=s.min_restore_share)
+                           readers=s.readers, reader_budget=s.reader_budget, reader_min_share=s.reader_min_share,
+                           reader_min_blocks=s.reader_min_blocks, reader_attention_blocks=s.reader_attention_blocks,
+                           rewrite_share=s.rewrite_share, recent_window=s.recent_window,
+                           min_restore_share=s.min_restore_share)

@@ -1,0 +1,57 @@
+"""The reader stage of ``patchkv-agent calibrate`` run on its own over a model's shipped profile (the main stages
+are not rerun): the reader rule's constants chosen by edit-following on the ``calib`` split.
+
+    .venv/bin/python scripts/reader_rule_heldout.py --workloads all --n 8 --out runs/results/reader_stage.json
+
+Episodes: ``--n`` per edit-following workload from the ``calib`` split (``bench --workloads follow-...`` reads
+``eval``); the rule is :func:`patchkv_agent.calibration.reader_stage.choose_rule`. Writes the selection with one
+row per scored version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--workloads", default="all")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch
+
+    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.calibration.cli import _reader_workloads
+    from patchkv_agent.calibration.reader_stage import follow_traces, select_reader_rule
+    from patchkv_agent.langgraph.tools import plain_messages
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    eng = PatchKVEngine.from_pretrained(args.model)
+    print(repr(eng), file=sys.stderr)
+
+    def count(msgs):
+        return len(eng.encode(plain_messages(msgs)))
+
+    traces = follow_traces(_reader_workloads(args.workloads), n=args.n, seed=args.seed, count_tokens=count)
+    rows: list = []
+    sel = select_reader_rule(eng, traces, target=args.target, rows=rows)
+    sel.update(rows=rows, wall_s=time.time() - t0, command=" ".join(["scripts/reader_rule_heldout.py", *sys.argv[1:]]))
+    with open(args.out, "w") as f:
+        json.dump(sel, f, indent=1)
+    print(json.dumps({k: v for k, v in sel["grid"].items()}, indent=0))
+    print("chosen", sel["chosen"], "target met", sel["target_met"], "exact follows", sel["n_exact_follows"],
+          "of", sel["n_scored"], "resumes", sel["resumes"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
