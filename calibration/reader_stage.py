@@ -24,7 +24,7 @@ import statistics
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["DEFAULT_TARGET", "DEFAULT_N", "DEFAULT_TOKENS", "RULE", "OFF", "rule_grid", "rule_name", "choose_rule",
+__all__ = ["DEFAULT_TARGET", "DEFAULT_N", "DEFAULT_TOKENS", "RULE", "OFF", "BUILTIN", "rule_grid", "rule_name", "choose_rule",
            "follow_traces", "select_reader_rule", "with_reader_rule"]
 
 DEFAULT_TARGET = 0.95
@@ -33,8 +33,12 @@ DEFAULT_TOKENS = 12
 OFF = "off"
 RULE = ("reader rule: the cheapest candidate (mean recomputed tokens over every scored version) whose follow rate "
         "(answers the version's gold among the versions where exact does) is >= target on every workload with such "
-        "versions; when none reaches it, the candidate of the highest worst-workload follow rate, ties to the "
-        "cheaper one. 'off' is the plan without reader blocks")
+        "versions and whose greedy continuation equals exact's on at least as many versions as the built-in rule's "
+        "(no worse than running without a profile); when none qualifies, the candidate of the highest worst-workload "
+        "follow rate, then the most agreeing, then the cheaper one. 'off' is the plan without reader blocks")
+BUILTIN = "s0.1-b3-a2-g0.25"
+"""The built-in rule's name (:data:`patchkv_agent.core.plan.READER_MIN_SHARE` and the other defaults): the
+agreement floor of :func:`choose_rule`. Checked against the defaults in the tests."""
 _KEYS = ("min_share", "min_blocks", "attention_blocks", "budget")  # a rule's constants (the profile's reader_rule)
 _SETTINGS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
              "attention_blocks": "reader_attention_blocks", "budget": "reader_budget"}
@@ -88,12 +92,12 @@ def rule_name(rule: Mapping[str, Any]) -> str:
     return f"s{rule['min_share']:g}-b{rule['min_blocks']}-a{rule['attention_blocks']}-g{rule['budget']:g}"
 
 
-def _strategy(rule: Mapping[str, Any]):
+def _strategy(rule: Mapping[str, Any], recent_window: int | None = None):
     from patchkv_agent.strategies.builtin import PatchKVStrategy
 
     if rule.get("name") == OFF:
-        return PatchKVStrategy(readers="none")
-    return PatchKVStrategy(readers="lexical", **{_SETTINGS[k]: rule[k] for k in _KEYS})
+        return PatchKVStrategy(readers="none", recent_window=recent_window)
+    return PatchKVStrategy(readers="lexical", recent_window=recent_window, **{_SETTINGS[k]: rule[k] for k in _KEYS})
 
 
 def _check_target(target: float) -> float:
@@ -148,7 +152,8 @@ def _judge(engine) -> Callable[[Sequence[int], Any], bool | None]:
 
 def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[str, Any]] | None = None,
                        target: float = DEFAULT_TARGET, max_new_tokens: int = DEFAULT_TOKENS,
-                       judge: Callable[[Sequence[int], Any], bool | None] | None = None, progress: bool = True,
+                       judge: Callable[[Sequence[int], Any], bool | None] | None = None,
+                       recent_window: int | None = 0, progress: bool = True,
                        rows: list | None = None) -> dict[str, Any]:
     """Measure each candidate reader rule's follow rate and cost on edit-following traces and choose one.
 
@@ -168,6 +173,10 @@ def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[s
         max_new_tokens: greedy tokens per resume (enough to read the answer).
         judge: ``(output ids, answers) -> bool`` (default: decoded text through ``answer_match``; None
             results are not scored).
+        recent_window: the recency window the rules plan with (default 0: off, so that the readers are
+            measured on their own: a window at least as long as these short episodes would recompute them
+            whole and every rule would tie; in a long context the readers are what reaches the mentions
+            beyond the window); None: the engine's.
         progress: a tqdm bar on stderr.
         rows: if given, one dict per scored version is appended (id, version, per-rule results).
     Returns:
@@ -191,11 +200,14 @@ def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[s
     target = _check_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if recent_window is not None and (isinstance(recent_window, bool) or not isinstance(recent_window, int)
+                                      or recent_window < 0):
+        raise ValueError(f"recent_window must be an int >= 0 or None, got {recent_window!r}")
     traces = list(traces)
     if not traces:
         raise ValueError("no edit-following traces to calibrate the reader rule on")
     judge = _judge(engine) if judge is None else judge
-    strategies = {r["name"]: _strategy(r) for r in cands}
+    strategies = {r["name"]: _strategy(r, recent_window) for r in cands}
     scored: list[dict] = []
     n_versions = sum(max(0, len(tr["versions"]) - 1) for tr in traces)
     resumes = 0
@@ -238,11 +250,12 @@ def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[s
     grid = _grid(scored, names)
     workloads = sorted({r["workload"] for r in scored})
     by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], names) for wl in workloads}
-    chosen = choose_rule(by_workload, grid, target)
+    floor = grid[BUILTIN]["agree"] if BUILTIN in grid else None
+    chosen = choose_rule(by_workload, grid, target, agree_floor=floor)
     rule_of = {r["name"]: r for r in cands}
     return {
         "rule": RULE, "chosen": chosen, "chosen_rule": rule_of[chosen], "target": target,
-        "target_met": _all_meet(by_workload, chosen, target),
+        "target_met": _all_meet(by_workload, chosen, target), "agree_floor": floor,
         "by": (f"answers the version's gold in the first words of {max_new_tokens} greedy tokens (answer_match), "
                "among the versions where exact does; each version resumed from the exact KV of the version before"),
         "grid": grid, "grid_by_workload": by_workload, "rules": cands,
@@ -250,7 +263,9 @@ def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[s
         "n_versions": n_versions, "n_scored": len(scored),
         "n_exact_follows": sum(1 for r in scored if r["exact_follows"]), "resumes": resumes,
         "workloads": workloads, "episodes": [str(tr.get("id")) for tr in traces],
-        "settings": _settings_record(engine), "max_new_tokens": max_new_tokens,
+        "settings": {**_settings_record(engine),
+                     "recent_window": int(engine.settings.recent_window if recent_window is None else recent_window)},
+        "max_new_tokens": max_new_tokens,
     }
 
 
@@ -283,15 +298,20 @@ def _all_meet(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], name: 
 
 
 def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid: Mapping[str, Mapping[str, Any]],
-                target: float) -> str:
+                target: float, agree_floor: int | None = None) -> str:
     """The selection rule (:data:`RULE`): the cheapest rule meeting ``target`` on every workload with scored
-    versions; else the highest worst-workload follow rate, ties to the cheaper rule (then the earlier one).
+    versions and agreeing with exact on at least ``agree_floor`` versions; else the highest worst-workload
+    follow rate, then the most agreeing, then the cheaper rule (then the earlier one).
 
     Args:
         by_workload: workload -> rule name -> ``{"follows", "n", ...}`` (workloads with ``n == 0`` for every
             rule are ignored).
-        grid: rule name -> ``{"recompute_tokens_mean", ...}`` over all workloads (the cost).
+        grid: rule name -> ``{"recompute_tokens_mean", "agree", ...}`` over all workloads (the cost, and the
+            versions whose greedy continuation equals exact's).
         target: the least follow rate, in ``[0, 1]``.
+        agree_floor: the least ``agree`` count (the stage passes the built-in rule's: a follow rate that
+            cannot tell rules apart on few episodes does not switch off what exact's continuation needs), or
+            None (no condition).
     Returns:
         The chosen rule's name.
     Raises:
@@ -310,7 +330,8 @@ def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid
                 raise ValueError(f"{wl} / {name}: need 0 <= follows <= n, got {row['follows']!r} of {row['n']!r}")
     order = {n: i for i, n in enumerate(names)}
     cost = {n: float(grid[n]["recompute_tokens_mean"]) for n in names}
-    meets = [n for n in names if _all_meet(by_workload, n, target)]
+    agree = {n: int(grid[n].get("agree", 0)) for n in names}
+    meets = [n for n in names if _all_meet(by_workload, n, target) and (agree_floor is None or agree[n] >= agree_floor)]
     if meets:
         return min(meets, key=lambda n: (cost[n], order[n]))
 
@@ -318,7 +339,7 @@ def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid
         rates = [g[n]["follows"] / g[n]["n"] for g in by_workload.values() if g[n]["n"]]
         return min(rates) if rates else 1.0
 
-    return min(names, key=lambda n: (-worst(n), cost[n], order[n]))
+    return min(names, key=lambda n: (-worst(n), -agree[n], cost[n], order[n]))
 
 
 def with_reader_rule(profile: Mapping[str, Any], selection: Mapping[str, Any]) -> dict[str, Any]:

@@ -2,16 +2,18 @@
 are not rerun): the reader rule's constants chosen by edit-following on the ``calib`` split.
 
     .venv/bin/python scripts/reader_rule_heldout.py --workloads all --n 8 --out runs/results/reader_stage.json
+    .venv/bin/python scripts/reader_rule_heldout.py --split eval --rules off,s0.1-b3-a2-g0.25,CHOSEN --out ...
 
 Episodes: ``--n`` per edit-following workload from the ``calib`` split (``bench --workloads follow-...`` reads
-``eval``); the rule is :func:`patchkv_agent.calibration.reader_stage.choose_rule`. Writes the selection with one
-row per scored version.
+``eval``; ``--split eval`` scores given rules on those held-out episodes); the rule is
+:func:`patchkv_agent.calibration.reader_stage.choose_rule`. Writes the selection with one row per scored version.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -24,13 +26,17 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", default="calib", choices=("calib", "eval"))
+    ap.add_argument("--rules", default="", help="rule names (off, s<min_share>-b<blocks>-a<attention>-g<budget>); "
+                                                 "default: the stage's grid")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     import torch
 
     from patchkv_agent import PatchKVEngine
     from patchkv_agent.calibration.cli import _reader_workloads
-    from patchkv_agent.calibration.reader_stage import follow_traces, select_reader_rule
+    from patchkv_agent.calibration.reader_stage import OFF, rule_grid, select_reader_rule
+    from patchkv_agent.eval.follow import build_follow_traces
     from patchkv_agent.langgraph.tools import plain_messages
 
     torch.set_num_threads(args.threads)
@@ -41,9 +47,24 @@ def main(argv=None) -> int:
     def count(msgs):
         return len(eng.encode(plain_messages(msgs)))
 
-    traces = follow_traces(_reader_workloads(args.workloads), n=args.n, seed=args.seed, count_tokens=count)
+    traces = []
+    for w in _reader_workloads(args.workloads):
+        traces += build_follow_traces(w, n=args.n, split=args.split, seed=args.seed, count_tokens=count)
+    rules = None
+    if args.rules:
+        rules = []
+        for name in args.rules.split(","):
+            if name == OFF:
+                rules.append({"name": OFF})
+                continue
+            m = re.fullmatch(r"s([0-9.]+)-b(\d+)-a(\d+)-g([0-9.]+)", name)
+            if m is None:
+                raise SystemExit(f"--rules: {name!r} is not 'off' or s<min_share>-b<blocks>-a<attention>-g<budget>")
+            rules += rule_grid(min_shares=(float(m[1]),), min_blocks=(int(m[2]),), attention_blocks=(int(m[3]),),
+                               budgets=(float(m[4]),), off=False)
     rows: list = []
-    sel = select_reader_rule(eng, traces, target=args.target, rows=rows)
+    sel = select_reader_rule(eng, traces, rules=rules, target=args.target, rows=rows)
+    sel["split"] = args.split
     sel.update(rows=rows, wall_s=time.time() - t0, command=" ".join(["scripts/reader_rule_heldout.py", *sys.argv[1:]]))
     with open(args.out, "w") as f:
         json.dump(sel, f, indent=1)

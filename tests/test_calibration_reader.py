@@ -28,6 +28,16 @@ TOKENS = 4
 # --- the grid and the selection rule ----------------------------------------------------------------------------------
 
 
+def test_builtin_names_the_default_constants_and_is_in_the_default_grid():
+    from patchkv_agent.calibration.reader_stage import BUILTIN
+    from patchkv_agent.core.settings import RecoverySettings
+
+    s = RecoverySettings()
+    assert BUILTIN == rule_name({"min_share": s.reader_min_share, "min_blocks": s.reader_min_blocks,
+                                 "attention_blocks": s.reader_attention_blocks, "budget": s.reader_budget})
+    assert BUILTIN in [r["name"] for r in rule_grid()]
+
+
 def test_rule_grid_is_the_product_with_off_first_and_checks_values():
     g = rule_grid(min_shares=(0.1, 0.2), min_blocks=(3,), attention_blocks=(0, 2), budgets=(0.25,))
     assert [r["name"] for r in g] == [OFF, "s0.1-b3-a0-g0.25", "s0.1-b3-a2-g0.25", "s0.2-b3-a0-g0.25",
@@ -60,6 +70,12 @@ def test_choose_rule_takes_the_cheapest_rule_meeting_the_target_on_every_workloa
     # none reaches it: the highest worst-workload rate, ties to the cheaper rule
     c = {"off": _cell(1, 4), "cheap": _cell(2, 4), "wide": _cell(3, 4), "huge": _cell(3, 4)}
     assert choose_rule({"a": a, "c": c}, grid, 0.95) == "wide"
+    # the agreement floor (the built-in rule's count of continuations equal to exact's): a rule that follows as
+    # well but agrees less is not chosen, however cheap
+    agreeing = {k: {**v, "agree": x} for (k, v), x in zip(grid.items(), (50, 55, 56, 59))}
+    assert choose_rule({"a": a}, agreeing, 0.95, agree_floor=56) == "wide"
+    assert choose_rule({"a": a}, agreeing, 0.95, agree_floor=55) == "cheap"
+    assert choose_rule({"a": a, "c": c}, agreeing, 0.95, agree_floor=56) == "huge"  # tie on rate: more agreeing
     with pytest.raises(ValueError, match="other rules"):
         choose_rule({"a": {"off": _cell(1, 1)}}, grid, 0.95)
     with pytest.raises(ValueError, match="follows <= n"):
@@ -133,8 +149,14 @@ def test_stage_scores_every_rule_as_a_direct_resume_does(engine):
     cost = {k: v["recompute_tokens_mean"] for k, v in out["grid"].items()}
     assert max(cost.values()) > cost[OFF]
     assert cost["s0.05-b6-a2-g0.25"] >= cost["s0.05-b0-a0-g0.25"]
+    assert out["agree_floor"] is None  # the built-in rule is not in this grid
     assert out["chosen"] == choose_rule(out["grid_by_workload"], out["grid"], 0.95)
     assert out["chosen_rule"]["name"] == out["chosen"] and out["workloads"] == ["follow-syn", "follow-syn2"]
+    assert out["settings"]["recent_window"] == 0
+    whole = select_reader_rule(engine, traces, rules=rules, max_new_tokens=TOKENS, judge=_judge, recent_window=4096,
+                               progress=False)
+    assert whole["resumes"] == 3 and len({v["recompute_tokens_mean"] for v in whole["grid"].values()}) == 1
+    assert whole["chosen"] == OFF  # every rule ties (the whole suffix recomputed): the first, cheapest one
 
 
 def test_stage_needs_a_version_where_exact_follows_and_checks_its_options(engine):
@@ -152,6 +174,8 @@ def test_stage_needs_a_version_where_exact_follows_and_checks_its_options(engine
         select_reader_rule(engine, [tr], target=-0.1, judge=_judge, progress=False)
     with pytest.raises(ValueError, match="max_new_tokens"):
         select_reader_rule(engine, [tr], max_new_tokens=0, judge=_judge, progress=False)
+    with pytest.raises(ValueError, match="recent_window"):
+        select_reader_rule(engine, [tr], recent_window=-1, judge=_judge, progress=False)
 
 
 # --- the profile's reader_rule --------------------------------------------------------------------------------------------
