@@ -29,6 +29,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 __all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces", "check_calibrate_args"]
 
@@ -366,8 +367,6 @@ def calibrate_main(args: argparse.Namespace) -> int:
     Raises:
         SystemExit: no episodes could be built, or too few tasks to split.
     """
-    from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.eval.traces import plain_messages
     from .config import CalibConfig
     from .outputs import save_drift, save_rows, write_profile
     from .profile import run_calibration
@@ -387,11 +386,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out
     drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
     rows_out = out.with_suffix(".rows.jsonl")
-    eng = PatchKVEngine.from_pretrained(args.model, profile=None)  # measure from the built-in defaults
-    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-
-    def count(msgs):
-        return len(eng.encode(plain_messages(msgs)))
+    eng, count = stage_engine(args.model, profile=None)  # measure from the built-in defaults
 
     targets = _parse_workloads(args.workload, args.target_tokens)
     workloads = list(targets)
@@ -483,6 +478,42 @@ def calibrate_main(args: argparse.Namespace) -> int:
         print(f"  recent_window not selected: {sel.get('skipped')}")
     print(f"  wall time {profile['timing']['wall_s']:.0f}s")
     return 0
+
+
+def stage_engine(model: str, *, threads: int | None = None, profile: Any = "auto"):
+    """Load the engine a calibration (or one stage of it, ``scripts/*_heldout.py``) runs on.
+
+    Args:
+        model: a model name or path (:meth:`PatchKVEngine.from_pretrained`).
+        threads: torch CPU threads (None: leave torch's setting).
+        profile: the engine's profile (``"auto"``: the model's shipped one; None: the built-in settings).
+    Returns:
+        ``(engine, count)``, ``count(messages) -> tokens`` under the model's chat template.
+    """
+    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.eval.traces import plain_messages
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    eng = PatchKVEngine.from_pretrained(model, profile=profile)
+    print(f"loaded {model} in {time.perf_counter() - t0:.1f}s: {eng!r}", file=sys.stderr)
+
+    def count(msgs):
+        return len(eng.encode(plain_messages(msgs)))
+
+    return eng, count
+
+
+def write_stage(selection: dict, rows: list, out: str | Path, started: float, script: str, argv: Sequence[str]) -> None:
+    """Write a stage run on its own (``scripts/*_heldout.py``): the selection, its rows, the wall time and command."""
+    import json
+
+    selection.update(rows=rows, wall_s=time.time() - started, command=" ".join([script, *argv]))
+    with open(out, "w") as f:
+        json.dump(selection, f, indent=1)
 
 
 def _reader_workloads(spec: str) -> list[str]:

@@ -28,29 +28,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    import torch
-
-    from patchkv_agent import PatchKVEngine
     from patchkv_agent.calibration.agent_stage import agent_traces, select_recent_window
-    from patchkv_agent.langgraph.tools import plain_messages
+    from patchkv_agent.calibration.cli import stage_engine, write_stage
 
-    torch.set_num_threads(args.threads)
     t0 = time.time()
-    eng = PatchKVEngine.from_pretrained(args.model)
-    print(repr(eng), file=sys.stderr)
-
-    def count(msgs):
-        return len(eng.encode(plain_messages(msgs)))
-
+    eng, count = stage_engine(args.model, threads=args.threads)
     traces = []
     for wl in (w.strip() for w in args.workloads.split(",") if w.strip()):
         traces += agent_traces(wl, n=args.n, skip=args.skip, target_tokens=args.target_tokens, count_tokens=count)
     rows: list = []
     sel = select_recent_window(eng, traces, windows=[int(w) for w in args.windows.split(",")], target=args.target,
                                max_new_tokens=48, rows=rows)
-    sel.update(rows=rows, wall_s=time.time() - t0, command=" ".join(["scripts/agent_window_heldout.py", *sys.argv[1:]]))
-    with open(args.out, "w") as f:
-        json.dump(sel, f, indent=1)
+    write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
     print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"])
     return 0
 

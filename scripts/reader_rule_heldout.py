@@ -31,22 +31,12 @@ def main(argv=None) -> int:
                                                  "default: the stage's grid")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    import torch
-
-    from patchkv_agent import PatchKVEngine
-    from patchkv_agent.calibration.cli import _reader_workloads
+    from patchkv_agent.calibration.cli import _reader_workloads, stage_engine, write_stage
     from patchkv_agent.calibration.reader_stage import OFF, rule_grid, select_reader_rule
     from patchkv_agent.eval.follow import build_follow_traces
-    from patchkv_agent.langgraph.tools import plain_messages
 
-    torch.set_num_threads(args.threads)
     t0 = time.time()
-    eng = PatchKVEngine.from_pretrained(args.model)
-    print(repr(eng), file=sys.stderr)
-
-    def count(msgs):
-        return len(eng.encode(plain_messages(msgs)))
-
+    eng, count = stage_engine(args.model, threads=args.threads)
     traces = []
     for w in _reader_workloads(args.workloads):
         traces += build_follow_traces(w, n=args.n, split=args.split, seed=args.seed, count_tokens=count)
@@ -65,9 +55,7 @@ def main(argv=None) -> int:
     rows: list = []
     sel = select_reader_rule(eng, traces, rules=rules, target=args.target, rows=rows)
     sel["split"] = args.split
-    sel.update(rows=rows, wall_s=time.time() - t0, command=" ".join(["scripts/reader_rule_heldout.py", *sys.argv[1:]]))
-    with open(args.out, "w") as f:
-        json.dump(sel, f, indent=1)
+    write_stage(sel, rows, args.out, t0, "scripts/reader_rule_heldout.py", sys.argv[1:] if argv is None else argv)
     print(json.dumps({k: v for k, v in sel["grid"].items()}, indent=0))
     print("chosen", sel["chosen"], "target met", sel["target_met"], "exact follows", sel["n_exact_follows"],
           "of", sel["n_scored"], "resumes", sel["resumes"])

@@ -20,6 +20,7 @@ from patchkv_agent.calibration.agent_stage import (
 )
 from patchkv_agent.eval.tiny import CHATML, tiny_engine
 from patchkv_agent.strategies.builtin import PatchKVStrategy
+from tiny_models import tiny_profile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (conftest.py)
 
@@ -211,22 +212,11 @@ def test_agent_traces_are_the_ones_after_the_benchmarks_first():
 
 def test_calibrate_wiring_writes_a_recent_window_the_profile_loader_reads(engine, tmp_path):
     from patchkv_agent.calibration.cli import _agent_stage, build_calibrate_parser
-    from patchkv_agent.calibration.config import CalibConfig, Episode
     from patchkv_agent.calibration.outputs import save_rows, write_profile
-    from patchkv_agent.calibration.profile import run_calibration
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.profiles import read_profile
 
-    rng = np.random.default_rng(0)
-    eps = []
-    for t in range(4):
-        old = rng.integers(3, 211, 120)
-        new = np.concatenate([old[:40], rng.integers(3, 211, 8), old[50:]])
-        eps.append(Episode(id=f"syn/{t}", task=f"syn/{t}", workload="syn", versions=(tuple(old.tolist()),
-                                                                                       tuple(new.tolist()))))
-    cfg = CalibConfig(kappas=(0.0,), blocks=(8,), readers=("none",), ref_tokens=2, val_share=0.5, policy_grid=(),
-                      precision_target=None)
-    profile, _ = run_calibration(engine, eps, cfg, model_name="tiny-agent", command="pytest")
+    profile = tiny_profile(engine, readers=("none",), model_name="tiny-agent")
     before = engine.settings
     args = build_calibrate_parser().parse_args(["--agent-workloads", "agent-clear", "--agent-windows", "0,4096",
                                                 "--no-progress"])

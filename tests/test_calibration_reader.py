@@ -19,6 +19,7 @@ from patchkv_agent.calibration.reader_stage import (
 )
 from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.strategies.builtin import PatchKVStrategy
+from tiny_models import tiny_profile
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread (conftest.py)
 
@@ -262,21 +263,10 @@ def test_reader_workloads_all_names_the_templates_and_the_held_out_shapes():
 def test_calibrate_wiring_writes_the_chosen_rule_and_its_rows(engine, tmp_path, monkeypatch):
     import patchkv_agent.calibration.reader_stage as stage
     from patchkv_agent.calibration.cli import _reader_stage, build_calibrate_parser
-    from patchkv_agent.calibration.config import CalibConfig, Episode
     from patchkv_agent.calibration.outputs import save_rows, write_profile
-    from patchkv_agent.calibration.profile import run_calibration
     from patchkv_agent.profiles import read_profile
 
-    rng = np.random.default_rng(0)
-    eps = []
-    for t in range(4):
-        old = rng.integers(3, 211, 120)
-        new = np.concatenate([old[:40], rng.integers(3, 211, 8), old[50:]])
-        eps.append(Episode(id=f"syn/{t}", task=f"syn/{t}", workload="syn", versions=(tuple(old.tolist()),
-                                                                                       tuple(new.tolist()))))
-    cfg = CalibConfig(kappas=(0.0,), blocks=(8,), readers=("lexical",), ref_tokens=2, val_share=0.5, policy_grid=(),
-                      precision_target=None)
-    profile, _ = run_calibration(engine, eps, cfg, model_name="tiny-reader", command="pytest")
+    profile = tiny_profile(engine, readers=("lexical",), model_name="tiny-reader")
     args = build_calibrate_parser().parse_args(["--reader-workloads", "all", "--no-progress"])
     traces = _with_gold(engine, [_follow_like_trace(i, np.random.default_rng(9)) for i in range(2)])
     before = engine.settings

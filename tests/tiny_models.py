@@ -25,3 +25,23 @@ def chat_engine(template: str = CHATML, **kwargs):
     opts = dict(block_size=16, dirty_window=16, profile="auto")
     opts.update(kwargs)
     return tiny_engine(model=chat_model(), chat_template=template, **opts)
+
+
+def tiny_profile(engine, *, readers: tuple[str, ...] = ("none",), model_name: str = "tiny") -> dict:
+    """A profile dict from a minimal calibration of ``engine`` (four synthetic one-edit episodes, one grid cell,
+    no precision stage): the base the opt-in stages' wiring tests add to."""
+    import numpy as np
+
+    from patchkv_agent.calibration.config import CalibConfig, Episode
+    from patchkv_agent.calibration.profile import run_calibration
+
+    rng = np.random.default_rng(0)
+    eps = []
+    for t in range(4):
+        old = rng.integers(3, 211, 120)
+        new = np.concatenate([old[:40], rng.integers(3, 211, 8), old[50:]])
+        eps.append(Episode(id=f"syn/{t}", task=f"syn/{t}", workload="syn",
+                           versions=(tuple(old.tolist()), tuple(new.tolist()))))
+    cfg = CalibConfig(kappas=(0.0,), blocks=(8,), readers=readers, ref_tokens=2, val_share=0.5, policy_grid=(),
+                      precision_target=None)
+    return run_calibration(engine, eps, cfg, model_name=model_name, command="pytest")[0]
