@@ -33,8 +33,8 @@ DEFAULT_TOKENS = 12
 OFF = "off"
 RULE = ("reader rule: the cheapest candidate (mean recomputed tokens over every scored version) whose follow rate "
         "(answers the version's gold among the versions where exact does) is >= target on every workload with such "
-        "versions and whose greedy continuation equals exact's on at least as many versions as the built-in rule's "
-        "(no worse than running without a profile); when none qualifies, the candidate of the highest worst-workload "
+        "versions and whose greedy continuation equals exact's, on every workload, on at least as many versions as "
+        "the built-in rule's (no worse than running without a profile); when none qualifies, the candidate of the highest worst-workload "
         "follow rate, then the most agreeing, then the cheaper one. 'off' is the plan without reader blocks")
 BUILTIN = "s0.1-b3-a2-g0.25"
 """The built-in rule's name (:data:`patchkv_agent.core.plan.READER_MIN_SHARE` and the other defaults): the
@@ -250,7 +250,7 @@ def select_reader_rule(engine, traces: Sequence[dict], rules: Sequence[Mapping[s
     grid = _grid(scored, names)
     workloads = sorted({r["workload"] for r in scored})
     by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], names) for wl in workloads}
-    floor = grid[BUILTIN]["agree"] if BUILTIN in grid else None
+    floor = {wl: g[BUILTIN]["agree"] for wl, g in by_workload.items()} if BUILTIN in grid else None
     chosen = choose_rule(by_workload, grid, target, agree_floor=floor)
     rule_of = {r["name"]: r for r in cands}
     return {
@@ -298,10 +298,10 @@ def _all_meet(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], name: 
 
 
 def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid: Mapping[str, Mapping[str, Any]],
-                target: float, agree_floor: int | None = None) -> str:
+                target: float, agree_floor: Mapping[str, int] | None = None) -> str:
     """The selection rule (:data:`RULE`): the cheapest rule meeting ``target`` on every workload with scored
-    versions and agreeing with exact on at least ``agree_floor`` versions; else the highest worst-workload
-    follow rate, then the most agreeing, then the cheaper rule (then the earlier one).
+    versions and agreeing with exact on at least ``agree_floor[workload]`` versions of every workload; else the
+    highest worst-workload follow rate, then the most agreeing, then the cheaper rule (then the earlier one).
 
     Args:
         by_workload: workload -> rule name -> ``{"follows", "n", ...}`` (workloads with ``n == 0`` for every
@@ -309,9 +309,9 @@ def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid
         grid: rule name -> ``{"recompute_tokens_mean", "agree", ...}`` over all workloads (the cost, and the
             versions whose greedy continuation equals exact's).
         target: the least follow rate, in ``[0, 1]``.
-        agree_floor: the least ``agree`` count (the stage passes the built-in rule's: a follow rate that
-            cannot tell rules apart on few episodes does not switch off what exact's continuation needs), or
-            None (no condition).
+        agree_floor: workload -> the least ``agree`` count there (the stage passes the built-in rule's: a
+            follow rate that cannot tell rules apart on few episodes must not switch off what exact's
+            continuation needs on some shape), or None (no condition).
     Returns:
         The chosen rule's name.
     Raises:
@@ -331,7 +331,11 @@ def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid
     order = {n: i for i, n in enumerate(names)}
     cost = {n: float(grid[n]["recompute_tokens_mean"]) for n in names}
     agree = {n: int(grid[n].get("agree", 0)) for n in names}
-    meets = [n for n in names if _all_meet(by_workload, n, target) and (agree_floor is None or agree[n] >= agree_floor)]
+
+    def agrees(n: str) -> bool:
+        return agree_floor is None or all(by_workload[wl][n].get("agree", 0) >= f for wl, f in agree_floor.items())
+
+    meets = [n for n in names if _all_meet(by_workload, n, target) and agrees(n)]
     if meets:
         return min(meets, key=lambda n: (cost[n], order[n]))
 

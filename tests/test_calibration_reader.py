@@ -73,10 +73,17 @@ def test_choose_rule_takes_the_cheapest_rule_meeting_the_target_on_every_workloa
     assert choose_rule({"a": a, "c": c}, grid, 0.95) == "wide"
     # the agreement floor (the built-in rule's count of continuations equal to exact's): a rule that follows as
     # well but agrees less is not chosen, however cheap
+    # per workload: pooled, cheap agrees as often as wide; on workload b it agrees less
     agreeing = {k: {**v, "agree": x} for (k, v), x in zip(grid.items(), (50, 55, 56, 59))}
-    assert choose_rule({"a": a}, agreeing, 0.95, agree_floor=56) == "wide"
-    assert choose_rule({"a": a}, agreeing, 0.95, agree_floor=55) == "cheap"
-    assert choose_rule({"a": a, "c": c}, agreeing, 0.95, agree_floor=56) == "huge"  # tie on rate: more agreeing
+    a2 = {k: {**v, "agree": x} for (k, v), x in zip(a.items(), (40, 44, 40, 45))}
+    b2 = {k: {**v, "agree": x} for (k, v), x in zip(b.items(), (10, 11, 16, 14))}
+    floor = {"a": 40, "b": 16}  # the built-in rule's ("wide")
+    assert choose_rule({"a": a2, "b": {**b2, "cheap": {**b2["cheap"], "follows": 4}}}, agreeing, 0.95,
+                       agree_floor=floor) == "wide"
+    assert choose_rule({"a": a2, "b": {**b2, "cheap": {**b2["cheap"], "follows": 4}}}, agreeing, 0.95,
+                       agree_floor={"a": 40, "b": 11}) == "cheap"
+    assert choose_rule({"a": a2, "c": {k: {**v, "agree": 1} for k, v in c.items()}}, agreeing, 0.95,
+                       agree_floor={"a": 40}) == "huge"  # none qualifies; wide and huge tie on rate: more agreeing
     with pytest.raises(ValueError, match="other rules"):
         choose_rule({"a": {"off": _cell(1, 1)}}, grid, 0.95)
     with pytest.raises(ValueError, match="follows <= n"):
