@@ -34,8 +34,9 @@ OFF = "off"
 RULE = ("reader rule: the cheapest candidate (mean recomputed tokens over every scored version) whose follow rate "
         "(answers the version's gold among the versions where exact does) is >= target on every workload with such "
         "versions and whose greedy continuation equals exact's, on every workload, on at least as many versions as "
-        "the built-in rule's (no worse than running without a profile); when none qualifies, the candidate of the highest worst-workload "
-        "follow rate, then the most agreeing, then the cheaper one. 'off' is the plan without reader blocks")
+        "the built-in rule's (no worse than running without a profile). When no candidate reaches the target on every "
+        "workload, the target is the best worst-workload follow rate any candidate reaches; when none of those meets "
+        "the agreement floor, the most agreeing of them, then the cheaper. 'off' is the plan without reader blocks")
 BUILTIN = "s0.1-b3-a2-g0.25"
 """The built-in rule's name (:data:`patchkv_agent.core.plan.READER_MIN_SHARE` and the other defaults): the
 agreement floor of :func:`choose_rule`. Checked against the defaults in the tests."""
@@ -300,8 +301,10 @@ def _all_meet(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], name: 
 def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid: Mapping[str, Mapping[str, Any]],
                 target: float, agree_floor: Mapping[str, int] | None = None) -> str:
     """The selection rule (:data:`RULE`): the cheapest rule meeting ``target`` on every workload with scored
-    versions and agreeing with exact on at least ``agree_floor[workload]`` versions of every workload; else the
-    highest worst-workload follow rate, then the most agreeing, then the cheaper rule (then the earlier one).
+    versions and agreeing with exact on at least ``agree_floor[workload]`` versions of every workload (ties: the
+    earlier rule). When no rule reaches ``target`` on every workload (a version no candidate follows fails
+    them all alike), the target is the best worst-workload follow rate any rule reaches; when no rule that
+    reaches it meets the floor, the most agreeing of them (then the cheaper) is chosen.
 
     Args:
         by_workload: workload -> rule name -> ``{"follows", "n", ...}`` (workloads with ``n == 0`` for every
@@ -335,15 +338,17 @@ def choose_rule(by_workload: Mapping[str, Mapping[str, Mapping[str, Any]]], grid
     def agrees(n: str) -> bool:
         return agree_floor is None or all(by_workload[wl][n].get("agree", 0) >= f for wl, f in agree_floor.items())
 
-    meets = [n for n in names if _all_meet(by_workload, n, target) and agrees(n)]
-    if meets:
-        return min(meets, key=lambda n: (cost[n], order[n]))
-
     def worst(n: str) -> float:
         rates = [g[n]["follows"] / g[n]["n"] for g in by_workload.values() if g[n]["n"]]
         return min(rates) if rates else 1.0
 
-    return min(names, key=lambda n: (-worst(n), -agree[n], cost[n], order[n]))
+    # a version that no candidate follows fails every rule alike: the target is at most what some rule reaches
+    reach = min(target, max(worst(n) for n in names))
+    follow = [n for n in names if _all_meet(by_workload, n, reach)]
+    meets = [n for n in follow if agrees(n)]
+    if meets:
+        return min(meets, key=lambda n: (cost[n], order[n]))
+    return min(follow, key=lambda n: (-agree[n], cost[n], order[n]))
 
 
 def with_reader_rule(profile: Mapping[str, Any], selection: Mapping[str, Any]) -> dict[str, Any]:

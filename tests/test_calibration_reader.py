@@ -82,8 +82,13 @@ def test_choose_rule_takes_the_cheapest_rule_meeting_the_target_on_every_workloa
                        agree_floor=floor) == "wide"
     assert choose_rule({"a": a2, "b": {**b2, "cheap": {**b2["cheap"], "follows": 4}}}, agreeing, 0.95,
                        agree_floor={"a": 40, "b": 11}) == "cheap"
-    assert choose_rule({"a": a2, "c": {k: {**v, "agree": 1} for k, v in c.items()}}, agreeing, 0.95,
-                       agree_floor={"a": 40}) == "huge"  # none qualifies; wide and huge tie on rate: more agreeing
+    # no rule reaches 0.95 on c (3 / 4 at best): the target becomes 0.75, reached by wide and huge; then the
+    # floor and the cost choose, as before (a version no rule follows must not make the choice cost-blind)
+    c2 = {k: {**v, "agree": 1} for k, v in c.items()}
+    assert choose_rule({"a": a2, "c": c2}, agreeing, 0.95, agree_floor={"a": 40}) == "wide"
+    assert choose_rule({"a": a2, "c": c2}, agreeing, 0.95, agree_floor={"a": 45}) == "huge"
+    # ... and when neither meets the floor, the more agreeing one
+    assert choose_rule({"a": a2, "c": c2}, agreeing, 0.95, agree_floor={"a": 46}) == "huge"
     with pytest.raises(ValueError, match="other rules"):
         choose_rule({"a": {"off": _cell(1, 1)}}, grid, 0.95)
     with pytest.raises(ValueError, match="follows <= n"):
