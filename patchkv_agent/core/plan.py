@@ -188,6 +188,8 @@ def suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE, keep_from
     if not segs:
         e = _readonly(np.zeros(0, dtype=np.int64))
         return SuffixBlocks(block_size=block_size, starts=e, ends=e, segment=e, old_starts=e, base=e)
+    if len(segs) <= _FEW_SEGMENTS:  # the common edit: a few aranges, not index arithmetic over every block
+        return _few_segment_blocks(segs, block_size)
     seg_new, seg_old, seg_len, seg_base = (np.asarray(c, dtype=np.int64) for c in zip(*segs))
     n_per_seg = -(-seg_len // block_size)
     seg_of_block = np.repeat(np.arange(len(segs), dtype=np.int64), n_per_seg)
@@ -202,6 +204,26 @@ def suffix_blocks(edit: Edit, *, block_size: int = DEFAULT_BLOCK_SIZE, keep_from
         old_starts=_readonly(seg_old[seg_of_block] + local),
         base=_readonly(seg_base[seg_of_block]),
     )
+
+
+_FEW_SEGMENTS = 4  # suffix segments cut into blocks segment by segment (fewer numpy calls: a resume's fixed cost)
+
+
+def _few_segment_blocks(segs: list[tuple[int, int, int, int]], block_size: int) -> SuffixBlocks:
+    """:func:`suffix_blocks` for a few segments: per segment one ``arange`` of block starts (the same blocks)."""
+    parts = []
+    for k, (lo, old, n, base) in enumerate(segs):
+        st = np.arange(lo, lo + n, block_size, dtype=np.int64)
+        en = st + block_size
+        en[-1] = lo + n  # only the segment's last block can be short
+        parts.append((st, en, np.full(st.shape[0], k, dtype=np.int64), st + (old - lo),
+                      np.full(st.shape[0], base, dtype=np.int64)))
+    cols = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts)]
+    for c in cols:
+        c.setflags(write=False)
+    starts, ends, segment, old_starts, base_ = cols
+    return SuffixBlocks(block_size=block_size, starts=starts, ends=ends, segment=segment, old_starts=old_starts,
+                        base=base_)
 
 
 def block_round(positions: np.ndarray, blocks: SuffixBlocks) -> np.ndarray:
@@ -344,12 +366,11 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
     new_len = edit.new_len
     lens = blocks.lengths
     rest = ~repair_mask
-    r_new, r_old, r_len = blocks.starts[rest], blocks.old_starts[rest], lens[rest]
+    r_new, r_len = blocks.starts[rest], lens[rest]
     runs = [(sp.new_start, sp.new_len) for sp in edit.spans if sp.new_len > 0]  # X
     # the last context token always produces the first logits: cut it from a restored last block
     if r_len.size and blocks.ends[-1] == new_len and rest[-1]:
-        r_len = r_len.copy()
-        r_len[-1] -= 1
+        r_len[-1] -= 1  # (a fancy-indexed copy)
         runs.append((new_len - 1, 1))
     if prefix_len < edit.prefix_len:  # last token sits in the prefix (or versions identical)
         runs.append((prefix_len, edit.prefix_len - prefix_len))
@@ -357,6 +378,8 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
     rec_len = np.concatenate([np.asarray([r[1] for r in runs], dtype=np.int64), lens[repair_mask]])
     order = np.argsort(rec_st, kind="stable")  # disjoint runs: sorted starts give sorted positions
     recompute = expand_runs(rec_st[order], rec_len[order])
+    restore_new = expand_runs(r_new, r_len)
+    restore_old = restore_new + np.repeat(blocks.old_starts[rest] - r_new, r_len)  # one offset per block
     ids = np.arange(blocks.n_blocks, dtype=np.int64)
     return RepairPlan(
         strategy=strategy,
@@ -364,8 +387,8 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         old_len=edit.old_len,
         prefix_len=prefix_len,
         recompute_positions=_readonly(recompute),
-        restore_new_positions=_readonly(expand_runs(r_new, r_len)),
-        restore_old_positions=_readonly(expand_runs(r_old, r_len)),
+        restore_new_positions=_readonly(restore_new),
+        restore_old_positions=_readonly(restore_old),
         block_size=blocks.block_size,
         block_starts=_readonly(blocks.starts),
         block_ends=_readonly(blocks.ends),
