@@ -509,3 +509,23 @@ def test_strategy_resolve_is_memoized_per_settings_object():
     b = a.replace(block_size=64)
     rb = st.resolve(b)
     assert rb.kappa == 0.2 and rb.block_size == 64 and st.resolve(a) == ra
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_few_segment_blocks_equal_the_vectorized_cut(seed, monkeypatch):
+    """A few suffix segments are cut segment by segment (fewer numpy calls); the blocks equal the vectorized cut's."""
+    import patchkv_agent.core.plan as P
+
+    rng = np.random.default_rng(seed)
+    got = _random_edit(rng, _index(), 2, 400)
+    if got is None:
+        return
+    edit = got[2]
+    bs = int(rng.choice([1, 3, 8, 32]))
+    keep_from = int(rng.integers(0, max(1, edit.prefix_len + 1)))
+    fast = P.suffix_blocks(edit, block_size=bs, keep_from=keep_from)
+    monkeypatch.setattr(P, "_FEW_SEGMENTS", 0)
+    slow = P.suffix_blocks(edit, block_size=bs, keep_from=keep_from)
+    for f in ("starts", "ends", "segment", "old_starts", "base"):
+        a, b = getattr(fast, f), getattr(slow, f)
+        assert np.array_equal(a, b) and a.dtype == np.int64 and not a.flags.writeable, f
