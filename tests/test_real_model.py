@@ -58,3 +58,34 @@ def test_drift_is_concentrated_after_the_edit(eng):
     ex = eng.resume(None, new, strategy="exact", max_new_tokens=0)
     pre = eng.resume(eng.checkpoint(old), new, strategy="prefix", max_new_tokens=0)
     assert (ex.logits - pre.logits).abs().max().item() <= 1e-3
+
+
+def test_reader_stage_scores_a_two_hop_episode_as_direct_resumes_do(eng):
+    """The reader stage on SmolLM2 (decoded answers, answer_match): each rule's follows / stale equal those of a
+    resume run here with the same rule; a rule without readers plans fewer recomputed rows."""
+    from patchkv_agent.calibration.reader_stage import OFF, rule_grid, select_reader_rule
+    from patchkv_agent.eval.follow import build_follow_traces
+    from patchkv_agent.eval.metrics import answer_match
+    from patchkv_agent.eval.traces import version_ids
+    from patchkv_agent.strategies.builtin import PatchKVStrategy
+
+    traces = build_follow_traces("follow-twohop", n=3, split="eval")[2:]  # the first one exact answers (greedy, fp32)
+    rules = [{"name": OFF}] + rule_grid(min_shares=(0.1,), min_blocks=(3,), attention_blocks=(2,), budgets=(0.25,),
+                                        off=False)
+    rows: list[dict] = []
+    out = select_reader_rule(eng, traces, rules=rules, progress=False, rows=rows)
+    assert out["n_exact_follows"] == 1
+    said = lambda ids, gold: answer_match(eng.tokenizer.decode(list(ids), skip_special_tokens=True), gold)  # noqa: E731
+    for tr, row in zip(traces, rows):
+        ids = [version_ids(eng, v) for v in tr["versions"]]
+        ckpt = eng.checkpoint(ids[0])
+        for rule in rules:
+            kw = ({"readers": "none"} if rule["name"] == OFF else
+                  {"readers": "lexical", "reader_min_share": 0.1, "reader_min_blocks": 3, "reader_attention_blocks": 2})
+            got = eng.resume(ckpt, ids[1], strategy=PatchKVStrategy(recent_window=0, **kw), max_new_tokens=12)
+            cell = row["results"][rule["name"]]
+            assert cell["follows"] == said(got.output_ids, tr["versions"][1]["answers"])
+            assert cell["stale"] == said(got.output_ids, tr["versions"][0]["answers"])
+            assert cell["recompute_tokens"] == got.stats["recompute_tokens"]
+        assert row["results"][OFF]["recompute_tokens"] < row["results"][rules[1]["name"]]["recompute_tokens"]
+    assert out["n_scored"] == 1 and out["chosen"] in out["grid"]
