@@ -277,6 +277,23 @@ def _check_agent_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--agent-target-tokens must be >= 1, got {args.agent_target_tokens}")
 
 
+def _check_reader_args(args: argparse.Namespace) -> None:
+    """The reader stage's options (checked whether or not the stage runs).
+
+    Raises:
+        UsageError: the first bad one, naming the fix.
+    """
+    import math
+
+    from patchkv_agent.usage import UsageError
+
+    _reader_workloads(args.reader_workloads)
+    if args.reader_n < 1:
+        raise UsageError(f"--reader-n must be >= 1 (episodes per workload), got {args.reader_n}")
+    if not (math.isfinite(args.reader_target) and 0.0 <= args.reader_target <= 1.0):
+        raise UsageError(f"--reader-target must be in [0, 1] (a follow rate), got {args.reader_target!r}")
+
+
 def check_calibrate_args(args: argparse.Namespace) -> None:
     """Every check of ``calibrate``'s arguments that needs no model (run before the model loads).
 
@@ -307,13 +324,7 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     _target(args.target)
     _policy_grid(args.policy_grid)
     _check_agent_args(args)
-    import math
-
-    _reader_workloads(args.reader_workloads)
-    if args.reader_n < 1:
-        raise UsageError(f"--reader-n must be >= 1 (episodes per workload), got {args.reader_n}")
-    if not (math.isfinite(args.reader_target) and 0.0 <= args.reader_target <= 1.0):
-        raise UsageError(f"--reader-target must be in [0, 1] (a follow rate), got {args.reader_target!r}")
+    _check_reader_args(args)
     for flag, path in (("--out", args.out), ("--drift-out", args.drift_out)):
         if path and Path(path).is_dir():
             raise UsageError(f"{flag} {path} is a directory; pass a file path")
