@@ -24,6 +24,8 @@ import statistics
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
+from patchkv_agent.profiles import READER_RULE_KEYS
+
 __all__ = ["DEFAULT_TARGET", "DEFAULT_N", "DEFAULT_TOKENS", "RULE", "OFF", "BUILTIN", "rule_grid", "rule_name", "choose_rule",
            "follow_traces", "select_reader_rule", "with_reader_rule"]
 
@@ -40,9 +42,8 @@ RULE = ("reader rule: the cheapest candidate (mean recomputed tokens over every 
 BUILTIN = "s0.1-b3-a2-g0.25"
 """The built-in rule's name (:data:`patchkv_agent.core.plan.READER_MIN_SHARE` and the other defaults): the
 agreement floor of :func:`choose_rule`. Checked against the defaults in the tests."""
-_KEYS = ("min_share", "min_blocks", "attention_blocks", "budget")  # a rule's constants (the profile's reader_rule)
-_SETTINGS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
-             "attention_blocks": "reader_attention_blocks", "budget": "reader_budget"}
+_SETTINGS = READER_RULE_KEYS  # a rule's constants (the profile's reader_rule keys) -> the settings they set
+_KEYS = tuple(_SETTINGS)
 
 
 def rule_grid(min_shares: Sequence[float] = (0.05, 0.1, 0.2), min_blocks: Sequence[int] = (1, 3),

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
     from ..core.settings import RecoverySettings
 
-__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "Profile", "profile_dirs", "iter_profiles", "load_profile",
-           "is_profile", "read_profile", "resolve_profile_arg"]
+__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "Profile", "profile_dirs", "iter_profiles",
+           "load_profile", "is_profile", "read_profile", "resolve_profile_arg"]
 
 log = logging.getLogger(__name__)
 
