@@ -1,4 +1,4 @@
-/* Native CPU transport kernels: the twins of quant.reference_quantize_gather and
+/* Native CPU transport kernels (and the planner's one O(context) scan, pkv_reader_scan, at the end): the twins of quant.reference_quantize_gather and
  * quant.reference_dequantize_scatter (the oracle; quant.torch_dequantize_scatter is the torch path),
  * and of the Triton kernels.
  *
@@ -61,7 +61,8 @@ enum {
     PKV_E_SRC = -6,    /* a source row outside the payload (or the gathered rows outside the source) */
     PKV_E_DST = -7,    /* a destination row outside the destination */
     PKV_E_ANGLE = -8,  /* an angle index outside the cos/sin tables */
-    PKV_E_NULL = -9    /* a buffer the job needs is missing */
+    PKV_E_NULL = -9,   /* a buffer the job needs is missing */
+    PKV_E_ORDER = -10  /* pkv_reader_scan: changed words not increasing, or suffix blocks not increasing runs */
 };
 
 #define PKV_MAX_D 1024
@@ -564,4 +565,96 @@ int pkv_value_residual(const pkv_rjob *job, int n_threads, int64_t *starts) {
     if (starts[1] == 0) return 0;
     pkv_work w = {(const char *)job, sizeof(pkv_rjob), starts, starts[1], residual_item, 0};
     return run_pool(&w, n_threads);
+}
+
+/* The occurrence scan of the lexical reader signal (patchkv_agent.core.plan.lexical_reader_scores; its
+ * numpy twin is plan._reader_occurrences_numpy, and the two give equal arrays). Over the new context's
+ * word ids words[0..n), for the m changed words (changed[], strictly increasing):
+ *   df[t]   = the number of distinct ctx_block-token blocks (cut from position 0) holding the first token
+ *             of an occurrence of changed[t] (a position p is a word's first token unless words[p-1] ==
+ *             words[p]);
+ *   pairs   = the distinct (suffix block, t) with changed[t] at some position of the block, ordered by
+ *             block, then t; suffix block b covers positions [starts[b], ends[b]) (non-empty, increasing,
+ *             disjoint, within [0, n)).
+ * One pass over the context: a 64 Ki-bit map of the changed words' low 16 bits screens each position, and
+ * only screened positions are binary-searched. scratch: 2 * m int64; pair_blk / pair_tok hold cap entries
+ * (n suffices). Returns 0 with *n_pairs set, or a PKV_E_* code for bad arguments (outputs undefined then). */
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void sort_i64(int64_t *a, int64_t k) {
+    if (k > 32) {
+        qsort(a, (size_t)k, sizeof(int64_t), cmp_i64);
+        return;
+    }
+    for (int64_t i = 1; i < k; i++) { /* insertion sort: a block holds a few distinct changed words */
+        int64_t v = a[i], j = i - 1;
+        while (j >= 0 && a[j] > v) {
+            a[j + 1] = a[j];
+            j--;
+        }
+        a[j + 1] = v;
+    }
+}
+
+int pkv_reader_scan(const int64_t *words, int64_t n, const int64_t *changed, int64_t m, int64_t ctx_block,
+                    const int64_t *starts, const int64_t *ends, int64_t nb, int64_t *df, int64_t *pair_blk,
+                    int64_t *pair_tok, int64_t cap, int64_t *scratch, int64_t *n_pairs) {
+    if (n < 0 || m < 0 || nb < 0 || cap < 0) return PKV_E_DIMS;
+    if (ctx_block < 1) return PKV_E_GROUP;
+    if (!n_pairs || (n && !words) || (m && (!changed || !df || !scratch)) || (nb && (!starts || !ends)) ||
+        (cap && (!pair_blk || !pair_tok)))
+        return PKV_E_NULL;
+    for (int64_t t = 1; t < m; t++)
+        if (changed[t] <= changed[t - 1]) return PKV_E_ORDER;
+    for (int64_t b = 0; b < nb; b++)
+        if (starts[b] < 0 || ends[b] <= starts[b] || ends[b] > n || (b && starts[b] < ends[b - 1]))
+            return PKV_E_ORDER;
+    uint64_t bits[1024];
+    memset(bits, 0, sizeof bits);
+    int64_t *last_ctx = scratch, *last_blk = scratch + m;
+    for (int64_t t = 0; t < m; t++) {
+        uint64_t lo = (uint64_t)changed[t] & 0xFFFFu;
+        bits[lo >> 6] |= (uint64_t)1 << (lo & 63);
+        df[t] = 0;
+        last_ctx[t] = -1;
+        last_blk[t] = -1;
+    }
+    int64_t out = 0, seg = 0, cur = -1, bi = 0;
+    for (int64_t p = 0; p < n && m; p++) {
+        int64_t w = words[p];
+        uint64_t lo = (uint64_t)w & 0xFFFFu;
+        if (!((bits[lo >> 6] >> (lo & 63)) & 1)) continue;
+        int64_t a = 0, z = m; /* first t with changed[t] >= w */
+        while (a < z) {
+            int64_t mid = a + (z - a) / 2;
+            if (changed[mid] < w) a = mid + 1; else z = mid;
+        }
+        if (a == m || changed[a] != w) continue;
+        if (p == 0 || words[p - 1] != w) { /* the word's first token: its context block counts once */
+            int64_t cb = p / ctx_block;
+            if (last_ctx[a] != cb) {
+                last_ctx[a] = cb;
+                df[a]++;
+            }
+        }
+        while (bi < nb && ends[bi] <= p) bi++;
+        if (bi < nb && starts[bi] <= p && last_blk[a] != bi) {
+            if (bi != cur) { /* a new block: the previous block's words in increasing order */
+                sort_i64(pair_tok + seg, out - seg);
+                seg = out;
+                cur = bi;
+            }
+            if (out >= cap) return PKV_E_SIZE;
+            last_blk[a] = bi;
+            pair_blk[out] = bi;
+            pair_tok[out] = a;
+            out++;
+        }
+    }
+    sort_i64(pair_tok + seg, out - seg);
+    *n_pairs = out;
+    return 0;
 }

@@ -19,7 +19,11 @@ directory with the wrong owner or permissions is refused (:class:`UntrustedLibra
 then uses the torch reference and :func:`status` says why. Without a compiler, or with
 ``PATCHKV_NATIVE=0``, :func:`available` is False likewise.
 
-Knows tensors and payloads, nothing about models or checkpoints. CPU only: CUDA runs Triton.
+``pkv_reader_scan`` (:func:`reader_scan_native`) is the planner's one pass over the context: the lexical
+reader signal's occurrence scan, equal to its numpy twin in ``core/plan.py``, which runs where the library is
+unavailable.
+
+Knows tensors, payloads and int64 arrays, nothing about models or checkpoints. CPU only: CUDA runs Triton.
 """
 
 from __future__ import annotations
@@ -106,11 +110,12 @@ ERRORS = {
     -7: "a destination row outside the destination",
     -8: "an angle index outside the cos/sin tables",
     -9: "a buffer the job needs is missing",
+    -10: "changed words not strictly increasing, or suffix blocks not increasing non-empty runs in the context",
 }
 
 
 def error_text(rc: int) -> str | None:
-    """What a negative return code of ``pkv_restore`` / ``pkv_quantize`` means (None: not an argument error)."""
+    """What a negative return code of a ``native.c`` entry point means (None: not an argument error)."""
     return ERRORS.get(int(rc))
 
 
@@ -167,6 +172,57 @@ def value_residual_sq_native(values: Sequence[torch.Tensor], group: int, n_threa
     if rc < -1:
         raise ValueError(f"native value residual refused its arguments: {error_text(rc) or rc}")
     return err, ref
+
+
+def _int64_vector(a: np.ndarray, name: str) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    if a.dtype != np.int64 or a.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D int64 array, got {a.dtype} with shape {a.shape}")
+    return a
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def reader_scan_native(words: np.ndarray, changed: np.ndarray, ctx_block: int, starts: np.ndarray,
+                       ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The lexical reader signal's occurrence scan in one native pass (``pkv_reader_scan``).
+
+    The twin of ``patchkv_agent.core.plan._reader_scan_numpy``, which it equals (``tests/test_native.py``).
+
+    Args:
+        words: int64 ``[n]`` word id per position of the new context.
+        changed: int64 ``[m]`` the changed words, strictly increasing.
+        ctx_block: the block size the document frequency counts in (blocks cut from position 0), ``>= 1``.
+        starts, ends: int64 ``[nb]`` the suffix blocks ``[starts[b], ends[b])``: non-empty, increasing,
+            disjoint, within ``[0, n)``.
+
+    Returns:
+        ``(df, pair_blk, pair_tok)``: int64 ``[m]`` blocks holding each changed word's first tokens, and the
+        distinct (suffix block, changed-word rank) pairs ordered by block, then rank.
+
+    Raises:
+        RuntimeError: the library is unavailable (check :func:`available` first).
+        ValueError: arrays of another dtype or rank, or arguments the library refuses (the message says which).
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"native reader scan {status()}")
+    words, changed = _int64_vector(words, "words"), _int64_vector(changed, "changed")
+    starts, ends = _int64_vector(starts, "starts"), _int64_vector(ends, "ends")
+    if starts.shape != ends.shape:
+        raise ValueError(f"starts and ends differ in length ({starts.shape[0]} != {ends.shape[0]})")
+    n, m, nb = words.shape[0], changed.shape[0], starts.shape[0]
+    out = np.empty(2 * n + 3 * m, dtype=np.int64)  # [pair_blk n | pair_tok n | df m | scratch 2m]: one pointer
+    base = _ptr(out)
+    count = ctypes.c_int64(0)
+    rc = lib.pkv_reader_scan(_ptr(words), n, _ptr(changed), m, int(ctx_block), _ptr(starts), _ptr(ends), nb,
+                             base + 16 * n, base, base + 8 * n, n, base + 16 * n + 8 * m, ctypes.byref(count))
+    if rc != 0:
+        raise ValueError(f"native reader scan refused its arguments: {error_text(rc) or rc}")
+    k = count.value
+    return out[2 * n:2 * n + m], out[:k], out[n:n + k]
 
 
 _lock = threading.Lock()
@@ -294,7 +350,7 @@ def build(out_dir: Path | None = None, extra_flags: Sequence[str] = (), *, nativ
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """Open a library built by :func:`build`, after checking it, and declare its two entry points.
+    """Open a library built by :func:`build`, after checking it, and declare its entry points.
 
     The file must sit in a private directory (:func:`private_dir`), be a regular file (not a link) owned by
     this user and writable by nobody else, and hash to the SHA-256 its build record holds; the open file
@@ -333,6 +389,9 @@ def load(path: Path) -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.pkv_value_residual.argtypes = [ctypes.POINTER(_RJob), ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.pkv_value_residual.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.pkv_reader_scan.argtypes = [p, i64, p, i64, i64, p, p, i64, p, p, p, i64, p, p]
+    lib.pkv_reader_scan.restype = ctypes.c_int
     return lib
 
 

@@ -304,9 +304,16 @@ def _lexical_reference(edit, blocks, max_df=0.1, min_df=3):
     return out
 
 
+@pytest.mark.parametrize("scan", ["native", "numpy"])
 @pytest.mark.parametrize("seed", range(30))
-def test_vectorized_reader_scores_and_block_attention_match_their_oracles(seed):
+def test_vectorized_reader_scores_and_block_attention_match_their_oracles(seed, scan, monkeypatch):
     from patchkv_agent.core.plan import block_attention, lexical_reader_scores, suffix_blocks
+    from patchkv_agent.kernels import native
+
+    if scan == "native" and not native.available():
+        pytest.skip(f"native reader scan {native.status()}")
+    if scan == "numpy":
+        monkeypatch.setattr(native, "available", lambda: False)
 
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(4, 300))

@@ -1,8 +1,10 @@
 """The native CPU kernels (kernels/native.c: restore and quantize) against the torch references,
-bit for bit, and the dispatcher's choice and fallbacks around them."""
+bit for bit, and the dispatcher's choice and fallbacks around them; the planner's native reader scan
+against its numpy twin."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,3 +243,59 @@ def test_transport_bench_on_a_tiny_model():
     assert 0 < f["INT8"]["key_rel_err"] < 0.006 and 0 < f["INT4"]["key_rel_err"] < 0.006
     assert f["INT4"]["payload_mib"] < f["INT8"]["payload_mib"] < f["FP16"]["payload_mib"]
     assert all(v["restore_ms"] > 0 and v["restore_ms_torch"] > 0 and v["store_ms_torch"] > 0 for v in f.values())
+
+
+def _scan_case(rng):
+    """Word ids with runs (multi-token words), -1 (no word), ids that share their low 16 bits, and changed words
+    that are absent from the context; suffix blocks as disjoint increasing runs."""
+    n = int(rng.integers(0, 3000))
+    pool = np.concatenate([rng.integers(0, 40, 30), rng.integers(0, 40, 10) + (1 << 16) * rng.integers(1, 5, 10),
+                           [-1, -1, (1 << 62) + 7]]).astype(np.int64)
+    words = np.repeat(rng.choice(pool, n), rng.integers(1, 4, n))[:n].astype(np.int64)
+    changed = np.unique(np.concatenate([rng.choice(pool, int(rng.integers(0, 12))), rng.integers(100, 200, 2)]))
+    changed = changed[changed >= 0].astype(np.int64)
+    cuts = np.unique(rng.integers(0, max(n, 1), int(rng.integers(0, 200)))) if n else np.zeros(0, np.int64)
+    starts, ends = [], []
+    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+        if rng.random() < 0.7:  # some gaps between blocks (the edited spans)
+            starts.append(a)
+            ends.append(b)
+    return words, changed, np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reader_scan_native_equals_the_numpy_twin(seed):
+    from patchkv_agent.core.plan import SuffixBlocks, _reader_scan_numpy
+
+    rng = np.random.default_rng(seed)
+    words, changed, starts, ends = _scan_case(rng)
+    size = int(rng.choice([1, 3, 32, 64]))
+    z = np.zeros_like(starts)
+    blocks = SuffixBlocks(block_size=size, starts=starts, ends=ends, segment=z, old_starts=starts, base=z)
+    want = _reader_scan_numpy(words, changed, size, blocks)
+    got = native.reader_scan_native(words, changed, size, starts, ends)
+    for name, a, b in zip(("df", "pair_blk", "pair_tok"), got, want):
+        assert a.dtype == np.int64 and np.array_equal(a, b), name
+
+
+def test_reader_scan_native_refuses_bad_arguments():
+    w = np.arange(10, dtype=np.int64)
+    st, en = np.array([2, 5], np.int64), np.array([4, 8], np.int64)
+    ch = np.array([1, 3], np.int64)
+    assert native.reader_scan_native(w, ch, 4, st, en)[0].tolist() == [1, 1]
+    cases = [
+        (dict(changed=np.array([3, 1], np.int64)), "strictly increasing"),
+        (dict(changed=np.array([3, 3], np.int64)), "strictly increasing"),
+        (dict(starts=np.array([2, 3], np.int64)), "increasing non-empty runs"),  # overlapping blocks
+        (dict(ends=np.array([4, 11], np.int64)), "increasing non-empty runs"),  # past the context
+        (dict(ends=np.array([2, 8], np.int64)), "increasing non-empty runs"),  # an empty block
+        (dict(starts=np.array([-1, 5], np.int64)), "increasing non-empty runs"),
+        (dict(ctx_block=0), "block size"),
+        (dict(words=w.astype(np.int32)), "1-D int64"),
+        (dict(ends=np.array([4], np.int64)), "differ in length"),
+    ]
+    for change, match in cases:
+        args = dict(words=w, changed=ch, ctx_block=4, starts=st, ends=en)
+        args.update(change)
+        with pytest.raises(ValueError, match=match):
+            native.reader_scan_native(**args)

@@ -1,7 +1,8 @@
 """Repair planner: an :class:`~patchkv_agent.core.diff.Edit` (plus stored attention) -> a :class:`RepairPlan`.
 
 Boundary: numpy in, frozen dataclasses out. This module knows nothing about torch, models, KV tensors,
-checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix,
+checkpoints or precision tags; its one pass over the context (the reader signal's word scan) runs in
+``kernels/native.c`` where that library is built, and in numpy otherwise, with equal results. It decides *which rows* of the new context are reused from the prefix,
 restored from the checkpoint (``F``) or recomputed (``X`` and ``R``); the recovery executes that.
 
 Vocabulary (docs/DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
@@ -504,31 +505,47 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
         return out
     size = blocks.block_size
     n_ctx = -(-new.shape[0] // size)
-    all_pos, tok_all = _member_positions(new, changed)  # positions of changed tokens and their ranks in changed
-    # one occurrence per word for the document frequency: the block of its first token
-    first = np.ones(all_pos.shape[0], dtype=bool)
-    first[1:] = (all_pos[1:] != all_pos[:-1] + 1) | (tok_all[1:] != tok_all[:-1])
-    pos = all_pos[first]
-    # document frequency of each changed token over the context's blocks: the distinct (token, block) pairs,
-    # one int64 key each (token rank * n_ctx + block), counted per token
-    df = _distinct_counts(tok_all[first], pos // size, changed.size, n_ctx)
+    # document frequency of each changed word over the context's blocks, and the distinct (suffix block, changed
+    # word) pairs: one pass over the context
+    df, pair_blk, pair_tok = _reader_scan(new, changed, size, blocks)
     rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)  # a changed token the edit removed has df 0: rare
     weight = np.where(rare, np.log((1.0 + n_ctx) / (1.0 + df)), 0.0)
     total = float(weight.sum())
     if not rare.any() or total <= 0:
         return out
-    # the suffix positions holding a rare changed token: among the context's changed-token positions, those inside
-    # a block (the edited spans and the prefix lie outside every block)
-    is_rare = rare[tok_all]
-    hit, hit_tok = all_pos[is_rare], tok_all[is_rare]
-    b = np.searchsorted(blocks.starts, hit, side="right") - 1
-    ok = (b >= 0) & (hit < blocks.ends[np.maximum(b, 0)])
-    if not ok.any():
-        return out
     # each distinct (block, rare changed token) pair adds the token's weight to the block
-    blk, tok = _distinct_pairs(b[ok], hit_tok[ok], blocks.n_blocks, changed.size)
-    out += np.bincount(blk, weights=weight[tok], minlength=blocks.n_blocks)
+    keep = rare[pair_tok]
+    tok = pair_tok[keep]
+    out += np.bincount(pair_blk[keep], weights=weight[tok], minlength=blocks.n_blocks)
     return out / total
+
+
+def _reader_scan_numpy(new: np.ndarray, changed: np.ndarray, size: int, blocks: SuffixBlocks
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reader signal's occurrence scan (``kernels/native.c`` ``pkv_reader_scan`` is its one-pass twin):
+    ``df[t]``, the number of ``size``-token context blocks (cut from 0) holding the first token of an occurrence
+    of ``changed[t]`` (a word spanning two blocks counts in the block of its first token), and the distinct
+    ``(suffix block, t)`` pairs with ``changed[t]`` in the block, ordered by block, then ``t``."""
+    all_pos, tok_all = _member_positions(new, changed)  # positions of changed words and their ranks in changed
+    first = np.ones(all_pos.shape[0], dtype=bool)  # one occurrence per word: its first token
+    first[1:] = (all_pos[1:] != all_pos[:-1] + 1) | (tok_all[1:] != tok_all[:-1])
+    n_ctx = -(-new.shape[0] // size)
+    df = _distinct_counts(tok_all[first], all_pos[first] // size, changed.size, n_ctx)
+    # the changed-word positions inside a suffix block (the edited spans and the prefix lie outside every block)
+    b = np.searchsorted(blocks.starts, all_pos, side="right") - 1
+    ok = (b >= 0) & (all_pos < blocks.ends[np.maximum(b, 0)]) if blocks.n_blocks else np.zeros(b.shape, dtype=bool)
+    blk, tok = _distinct_pairs(b[ok], tok_all[ok], blocks.n_blocks, changed.size)
+    return df, blk, tok
+
+
+def _reader_scan(new: np.ndarray, changed: np.ndarray, size: int, blocks: SuffixBlocks
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_reader_scan_numpy`, in one native pass where ``kernels/native.c`` is available (equal arrays)."""
+    from ..kernels import native  # imported on first use: the rest of the planner needs no torch
+
+    if native.available():
+        return native.reader_scan_native(new, changed, size, blocks.starts, blocks.ends)
+    return _reader_scan_numpy(new, changed, size, blocks)
 
 
 def head_rewrite_share(edit: Edit, scores: np.ndarray | None) -> float:
@@ -661,7 +678,7 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     n_readers = 0
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
-        cand = np.flatnonzero((lex >= reader_min_share) & (lex > 0) & ~repair)
+        cand = np.flatnonzero((lex >= reader_min_share if reader_min_share > 0 else lex > 0) & ~repair)
         base = edit.new_token_count + int(lens[repair].sum())
         k = min(cand.size, max(int(reader_min_blocks), int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
