@@ -217,8 +217,10 @@ def _few_segment_blocks(segs: list[tuple[int, int, int, int]], block_size: int) 
         st = np.arange(lo, lo + n, block_size, dtype=np.int64)
         en = st + block_size
         en[-1] = lo + n  # only the segment's last block can be short
-        parts.append((st, en, np.full(st.shape[0], k, dtype=np.int64), st + (old - lo),
-                      np.full(st.shape[0], base, dtype=np.int64)))
+        seg_col, base_col = np.empty(st.shape[0], dtype=np.int64), np.empty(st.shape[0], dtype=np.int64)
+        seg_col.fill(k)  # (np.full: slower)
+        base_col.fill(base)
+        parts.append((st, en, seg_col, st + (old - lo), base_col))
     cols = parts[0] if len(parts) == 1 else [np.concatenate(c) for c in zip(*parts)]
     for c in cols:
         c.setflags(write=False)
@@ -377,11 +379,10 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         runs.append((prefix_len, edit.prefix_len - prefix_len))
     rec_st = np.concatenate([np.asarray([r[0] for r in runs], dtype=np.int64), blocks.starts[repair_mask]])
     rec_len = np.concatenate([np.asarray([r[1] for r in runs], dtype=np.int64), lens[repair_mask]])
-    order = np.argsort(rec_st, kind="stable")  # disjoint runs: sorted starts give sorted positions
+    order = rec_st.argsort(kind="stable")  # disjoint runs: sorted starts give sorted positions
     recompute = expand_runs(rec_st[order], rec_len[order])
     restore_new = expand_runs(r_new, r_len)
-    restore_old = restore_new + np.repeat(blocks.old_starts[rest] - r_new, r_len)  # one offset per block
-    ids = np.arange(blocks.n_blocks, dtype=np.int64)
+    restore_old = restore_new + (blocks.old_starts[rest] - r_new).repeat(r_len)  # one offset per block
     return RepairPlan(
         strategy=strategy,
         new_len=new_len,
@@ -393,8 +394,8 @@ def _build(edit: Edit, blocks: SuffixBlocks, repair_mask: np.ndarray, *, strateg
         block_size=blocks.block_size,
         block_starts=_readonly(blocks.starts),
         block_ends=_readonly(blocks.ends),
-        repair_blocks=_readonly(ids[repair_mask]),
-        restore_blocks=_readonly(ids[rest]),
+        repair_blocks=_readonly(repair_mask.nonzero()[0]),
+        restore_blocks=_readonly(rest.nonzero()[0]),
         d_hat=_readonly(d_hat),
         kappa=float(kappa),
         n_new_tokens=int(edit.new_token_count),
@@ -428,7 +429,8 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
 
 
 def _block_max(blocks: SuffixBlocks, sc: np.ndarray) -> np.ndarray:
-    out = np.full(blocks.n_blocks, -np.inf)
+    out = np.empty(blocks.n_blocks)
+    out.fill(-np.inf)
     if blocks.n_blocks == 0:
         return out
     # a block's tokens are one run in old coordinates, and runs increase: one reduceat over (start, end) pairs,
@@ -661,8 +663,8 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     lens = blocks.lengths
     if d_hat.size and blocks.n_blocks:
         span_ends = np.asarray([sp.new_end for sp in edit.spans], dtype=np.int64)  # increasing
-        block_d = d_hat[np.searchsorted(span_ends, blocks.base, side="left")]
-        n_dirty_b = np.clip(block_d - (blocks.starts - blocks.base), 0, lens)
+        block_d = d_hat[span_ends.searchsorted(blocks.base, side="left")]
+        n_dirty_b = np.minimum(np.maximum(block_d - (blocks.starts - blocks.base), 0), lens)  # (np.clip: slower)
     else:
         block_d = np.zeros(blocks.n_blocks, dtype=np.int64)
         n_dirty_b = np.zeros(blocks.n_blocks, dtype=np.int64)
@@ -678,7 +680,7 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
     n_readers = 0
     if readers == "lexical" and reader_budget > 0 and blocks.n_blocks:  # reader blocks L
         lex = lexical_reader_scores(edit, blocks)
-        cand = np.flatnonzero((lex >= reader_min_share if reader_min_share > 0 else lex > 0) & ~repair)
+        cand = ((lex >= reader_min_share if reader_min_share > 0 else lex > 0) & ~repair).nonzero()[0]
         base = edit.new_token_count + int(lens[repair].sum())
         k = min(cand.size, max(int(reader_min_blocks), int(math.ceil(reader_budget * base / blocks.block_size - 1e-9))))
         if k:
@@ -689,14 +691,14 @@ def plan_repair(edit: Edit, scores: np.ndarray | None = None, *, length_model: L
             # an edit with readers also refreshes the blocks the old question read most (the old answer's
             # evidence and reasoning): the top blocks by stored attention (block maximum), not yet repaired
             bmax = _block_max(blocks, sc)
-            rest = np.flatnonzero(~repair)
+            rest = (~repair).nonzero()[0]
             top = rest[np.lexsort((rest, -bmax[rest]))[:int(reader_attention_blocks)]]
             repair[top] = True
             n_readers += int(top.size)
     n_recent = 0
     if recent_window > 0 and blocks.n_blocks:  # W: the last restored tokens, nearest the generation point
-        rest = np.flatnonzero(~repair)[::-1]  # restored blocks, last first
-        after = np.cumsum(lens[rest]) - lens[rest]  # restored tokens after each
+        rest = (~repair).nonzero()[0][::-1]  # restored blocks, last first
+        after = lens[rest].cumsum() - lens[rest]  # restored tokens after each
         add = rest[after < int(recent_window)]
         repair[add] = True
         n_recent = int(add.size)
