@@ -429,10 +429,8 @@ def block_attention(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
 
 
 def _block_max(blocks: SuffixBlocks, sc: np.ndarray) -> np.ndarray:
-    out = np.empty(blocks.n_blocks)
-    out.fill(-np.inf)
     if blocks.n_blocks == 0:
-        return out
+        return np.zeros(0, dtype=np.float64)
     # a block's tokens are one run in old coordinates, and runs increase: one reduceat over (start, end) pairs,
     # whose even entries are the blocks (odd ones: the gaps between them, dropped)
     cut = np.empty(2 * blocks.n_blocks, dtype=np.int64)
@@ -440,8 +438,7 @@ def _block_max(blocks: SuffixBlocks, sc: np.ndarray) -> np.ndarray:
     cut[1::2] = blocks.old_starts + blocks.lengths
     if cut[-1] >= sc.shape[0]:
         cut = cut[:-1]
-    out[:] = np.maximum.reduceat(sc, cut)[0::2]
-    return out
+    return np.maximum.reduceat(sc, cut)[0::2].astype(np.float64)  # every block is non-empty
 
 
 def _clean_scores(scores) -> tuple[np.ndarray, float]:
@@ -513,13 +510,12 @@ def lexical_reader_scores(edit: Edit, blocks: SuffixBlocks, *, max_df: float = R
     rare = df <= max(float(READER_MIN_DF), max_df * n_ctx)  # a changed token the edit removed has df 0: rare
     weight = np.where(rare, np.log((1.0 + n_ctx) / (1.0 + df)), 0.0)
     total = float(weight.sum())
-    if not rare.any() or total <= 0:
+    if total <= 0:  # (no rare changed word: every weight is 0)
         return out
     # each distinct (block, rare changed token) pair adds the token's weight to the block
     keep = rare[pair_tok]
     tok = pair_tok[keep]
-    out += np.bincount(pair_blk[keep], weights=weight[tok], minlength=blocks.n_blocks)
-    return out / total
+    return np.bincount(pair_blk[keep], weights=weight[tok], minlength=blocks.n_blocks) / total
 
 
 def _reader_scan_numpy(new: np.ndarray, changed: np.ndarray, size: int, blocks: SuffixBlocks
@@ -540,13 +536,17 @@ def _reader_scan_numpy(new: np.ndarray, changed: np.ndarray, size: int, blocks: 
     return df, blk, tok
 
 
+_native = None  # kernels.native, once imported: the rest of the planner needs no torch
+
+
 def _reader_scan(new: np.ndarray, changed: np.ndarray, size: int, blocks: SuffixBlocks
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_reader_scan_numpy`, in one native pass where ``kernels/native.c`` is available (equal arrays)."""
-    from ..kernels import native  # imported on first use: the rest of the planner needs no torch
-
-    if native.available():
-        return native.reader_scan_native(new, changed, size, blocks.starts, blocks.ends)
+    global _native
+    if _native is None:  # imported on first use (an import statement per call costs ~15 us cold)
+        from ..kernels import native as _native
+    if _native.available():
+        return _native.reader_scan_native(new, changed, size, blocks.starts, blocks.ends)
     return _reader_scan_numpy(new, changed, size, blocks)
 
 
