@@ -15,6 +15,7 @@ diffing, planning policy or LangGraph.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -318,7 +319,7 @@ class RecoveryBuffers:
         if self.prefix_len + len(self.restore_new) + len(self.recompute) != n_new:
             raise ValueError(f"plan covers {self.prefix_len}+{len(self.restore_new)}+{len(self.recompute)} rows, "
                              f"context has {n_new}")
-        param = next(model.parameters())
+        param = _first_parameter(model)
         self.device, self.dtype = param.device, param.dtype
         shape = (1, spec.num_kv_heads, n_new, spec.head_dim)
         self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -435,6 +436,23 @@ def execute(
     )
 
 
+_FIRST_PARAMETER: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _first_parameter(model) -> torch.Tensor:
+    """``next(model.parameters())``, remembered per model (a weak reference: ~40 us a resume saved; its device and
+    dtype are read live, so a model moved in place with ``.to`` is followed)."""
+    ref = _FIRST_PARAMETER.get(model)
+    param = ref() if ref is not None else None
+    if param is None:
+        param = next(model.parameters())
+        try:
+            _FIRST_PARAMETER[model] = weakref.ref(param)
+        except TypeError:  # a model that cannot be weakly referenced: look it up each time
+            pass
+    return param
+
+
 def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
     """A standard transformers cache holding these K/V, as a prefill would leave it (sliding layers
     keep their window), so ``model(next_ids, cache=...)`` continues decoding."""
@@ -521,7 +539,7 @@ def decode_step(model, cache: Cache, token: int, pos: int) -> torch.Tensor:
     Returns:
         The next token's logits ``[vocab]`` (the model's dtype).
     """
-    device = next(model.parameters()).device
+    device = _first_parameter(model).device
     res = model(input_ids=torch.tensor([[int(token)]], device=device),
                 position_ids=torch.tensor([[int(pos)]], device=device), cache=cache, use_cache=True)
     return res.logits[0, -1]
