@@ -536,3 +536,36 @@ def test_few_segment_blocks_equal_the_vectorized_cut(seed, monkeypatch):
     for f in ("starts", "ends", "segment", "old_starts", "base"):
         a, b = getattr(fast, f), getattr(slow, f)
         assert np.array_equal(a, b) and a.dtype == np.int64 and not a.flags.writeable, f
+
+
+def test_recovery_buffers_follow_a_model_moved_in_place_and_a_replaced_first_parameter():
+    """The model's first parameter is remembered per model (a resume skips ``next(model.parameters())``); its
+    dtype is read live, and a first parameter that is replaced (and dropped) is looked up again."""
+    import gc
+
+    from patchkv_agent.core.plan import plan_full
+    from patchkv_agent.core.recovery import RecoveryBuffers, _first_parameter
+    from patchkv_agent.eval.tiny import tiny_engine
+
+    eng = tiny_engine(seed=0, layers=1, heads=2, kv_heads=2, head_dim=16, profile=None)
+    model, spec = eng.model, eng.spec
+    ids = np.arange(10, dtype=np.int64) % 50
+    plan = plan_full(diff_versions(ids, ids))
+    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
+    first = _first_parameter(model)
+    model.to(torch.float64)  # in place: the same Parameter objects, new data
+    assert _first_parameter(model) is first
+    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float64
+    emb = model.get_input_embeddings()
+    assert emb.weight is first
+    emb.weight = torch.nn.Parameter(first.detach().to(torch.float32))  # replaced: the old one is dropped
+    del first
+    gc.collect()
+    assert _first_parameter(model) is emb.weight
+    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
+    lin = torch.nn.Linear(3, 3)  # a model holding its first parameter itself: remembered without keeping it alive
+    assert _first_parameter(lin) is lin.weight
+    gone = __import__("weakref").ref(lin)
+    del lin
+    gc.collect()
+    assert gone() is None

@@ -436,21 +436,28 @@ def execute(
     )
 
 
-_FIRST_PARAMETER: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_FIRST_PARAMETER: "weakref.WeakKeyDictionary[Any, tuple[weakref.ref, str]]" = weakref.WeakKeyDictionary()
 
 
 def _first_parameter(model) -> torch.Tensor:
-    """``next(model.parameters())``, remembered per model (a weak reference: ~40 us a resume saved; its device and
-    dtype are read live, so a model moved in place with ``.to`` is followed)."""
-    ref = _FIRST_PARAMETER.get(model)
-    param = ref() if ref is not None else None
-    if param is None:
-        param = next(model.parameters())
-        try:
-            _FIRST_PARAMETER[model] = weakref.ref(param)
-        except TypeError:  # a model that cannot be weakly referenced: look it up each time
-            pass
-    return param
+    """``next(model.parameters())``, found once per model (~40 us a resume saved): the module that holds it and
+    its name are remembered (weakly), and each call checks that module still holds that parameter, so a model
+    moved in place (``.to``: device and dtype are read live) or a first parameter that was replaced is followed."""
+    got = _FIRST_PARAMETER.get(model)
+    mod = got[0]() if got is not None else None
+    if mod is not None:
+        param = mod._parameters.get(got[1])
+        if param is not None:
+            return param
+    for mod in model.modules():  # the order model.parameters() walks
+        for name, param in mod._parameters.items():
+            if param is not None:
+                try:
+                    _FIRST_PARAMETER[model] = (weakref.ref(mod), name)  # (mod may be the model: no strong ref)
+                except TypeError:  # a model that cannot be weakly referenced: looked up each time
+                    pass
+                return param
+    return next(model.parameters())  # none: raises StopIteration as before
 
 
 def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
