@@ -1,6 +1,7 @@
-/* Native CPU transport kernels (and the planner's one O(context) scan, pkv_reader_scan, at the end): the twins of quant.reference_quantize_gather and
+/* Native CPU transport kernels: the twins of quant.reference_quantize_gather and
  * quant.reference_dequantize_scatter (the oracle; quant.torch_dequantize_scatter is the torch path),
- * and of the Triton kernels.
+ * and of the Triton kernels. At the end, pkv_reader_scan: the planner's one pass over the context (the
+ * twin of core/plan.py's numpy reader scan).
  *
  * pkv_restore: decode a run's payload, RoPE-correct its keys, write fp32 destination rows, in one
  * pass per row and head (read codes, decode, rotate, store) instead of the torch reference's

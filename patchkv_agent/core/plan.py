@@ -2,8 +2,9 @@
 
 Boundary: numpy in, frozen dataclasses out. This module knows nothing about torch, models, KV tensors,
 checkpoints or precision tags; its one pass over the context (the reader signal's word scan) runs in
-``kernels/native.c`` where that library is built, and in numpy otherwise, with equal results. It decides *which rows* of the new context are reused from the prefix,
-restored from the checkpoint (``F``) or recomputed (``X`` and ``R``); the recovery executes that.
+``kernels/native.c`` where that library is built, and in numpy otherwise, with equal results. It decides
+*which rows* of the new context are reused from the prefix, restored from the checkpoint (``F``) or recomputed
+(``X`` and ``R``); the recovery executes that.
 
 Vocabulary (docs/DESIGN.md section 2): suffix blocks are ``block_size`` consecutive suffix tokens, cut per
 aligned segment from that segment's start in new coordinates, so a block never straddles an edited
