@@ -399,9 +399,12 @@ static void scale_zero(float mn, float mx, float qmax, uint16_t *s, uint16_t *z,
 }
 
 static inline int32_t code(float x, float sf, float zf, float qmax) {
-    float d = x - zf, e = d / sf, q = floorf(e + 0.5f);
-    q = q < 0.0f ? 0.0f : (q > qmax ? qmax : q);
-    return (int32_t)q; /* integral in [0, qmax]; narrowed to bytes in a loop of its own (vectorizes) */
+    /* clamp(floor(e + 0.5), 0, qmax) of the reference: clamping t = e + 0.5 to [0, qmax] first and truncating
+     * gives the same integer (truncation is floor on [0, qmax], and qmax is integral), and, unlike floorf under
+     * -fno-fast-math, vectorizes */
+    float d = x - zf, e = d / sf, t = e + 0.5f;
+    t = t < 0.0f ? 0.0f : (t > qmax ? qmax : t);
+    return (int32_t)t; /* integral in [0, qmax]; narrowed to bytes in a loop of its own (vectorizes) */
 }
 
 static void quantize_item(const void *job, int64_t local) {
@@ -519,6 +522,8 @@ static void residual_item(const void *job, int64_t local) {
     double e[RESID_ROWS], r[RESID_ROWS];
     for (int64_t i = 0; i < n1 - n0; i++) e[i] = r[i] = 0.0;
     int D = j->D, g = j->v_group;
+    float sqb[PKV_MAX_D], xxb[PKV_MAX_D]; /* one row's squared errors and squares (D <= PKV_MAX_D, checked) */
+    int32_t iqb[PKV_MAX_D];
     for (int l = 0; l < j->L; l++) {
         for (int h = 0; h < j->H; h++) {
             const float *base = j->layers[l] + ((int64_t)h * j->N) * D;
@@ -535,11 +540,15 @@ static void residual_item(const void *job, int64_t local) {
                     uint16_t s16, z16;
                     float sf, zf;
                     scale_zero(mn, mx, 15.0f, &s16, &z16, &sf, &zf);
+                    for (int c = c0; c < c1; c++) iqb[c] = code(x[c], sf, zf, 15.0f); /* fp32 work: vectorizes */
                     for (int c = c0; c < c1; c++) {
-                        float q = (float)code(x[c], sf, zf, 15.0f);
-                        float d = x[c] - (q * sf + zf), sq = d * d, xx = x[c] * x[c];
-                        ed += (double)sq;
-                        rd += (double)xx;
+                        float d = x[c] - ((float)iqb[c] * sf + zf);
+                        sqb[c] = d * d;
+                        xxb[c] = x[c] * x[c];
+                    }
+                    for (int c = c0; c < c1; c++) { /* the double sums, in channel order as before */
+                        ed += (double)sqb[c];
+                        rd += (double)xxb[c];
                     }
                 }
                 e[n - n0] += ed;
