@@ -578,7 +578,7 @@ int pkv_value_residual(const pkv_rjob *job, int n_threads, int64_t *starts) {
 }
 
 /* The occurrence scan of the lexical reader signal (patchkv_agent.core.plan.lexical_reader_scores; its
- * numpy twin is plan._reader_occurrences_numpy, and the two give equal arrays). Over the new context's
+ * numpy twin is plan._reader_scan_numpy, and the two give equal arrays). Over the new context's
  * word ids words[0..n), for the m changed words (changed[], strictly increasing):
  *   df[t]   = the number of distinct ctx_block-token blocks (cut from position 0) holding the first token
  *             of an occurrence of changed[t] (a position p is a word's first token unless words[p-1] ==
