@@ -419,6 +419,12 @@ def available() -> bool:
     return _library() is not None
 
 
+def ready() -> bool:
+    """True when the library is already loaded. Never builds, loads or waits: for callers on a latency path
+    (the planner), which use their numpy twin until then."""
+    return _lib is not None
+
+
 def status() -> str:
     """``"native"`` when available, else why not (no compiler, disabled, build error, refused by a trust check)."""
     return "native" if available() else f"unavailable: {_why}"

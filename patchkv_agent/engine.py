@@ -43,6 +43,7 @@ from .core.recovery import (
     to_dynamic_cache,
 )
 from .core.settings import RecoverySettings
+from .kernels import native
 from .core.weights import WeightWatch, model_lock
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
@@ -164,6 +165,7 @@ class PatchKVEngine:
         sources.update(dict.fromkeys(explicit, "argument"))
         self._sources = sources
         self.device = next(model.parameters()).device
+        native.available()  # load (or, once per CPU, build) kernels/native.c here, not on the first resume's plan
         # one forward at a time per *model*: engines sharing a model instance share the lock (a background
         # heal of one engine's thread must not run inside another engine's forward or attention capture)
         self.forward_lock = model_lock(model)

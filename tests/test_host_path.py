@@ -569,3 +569,42 @@ def test_recovery_buffers_follow_a_model_moved_in_place_and_a_replaced_first_par
     del lin
     gc.collect()
     assert gone() is None
+
+
+def test_the_planner_never_builds_the_native_library_and_plans_the_same_without_it(monkeypatch):
+    """The resume path's plan uses the native reader scan only once the library is loaded (the engine loads it
+    when constructed); before that, the numpy twin gives the same plan, and nothing compiles or loads."""
+    from patchkv_agent.core.length_model import LengthModel
+    from patchkv_agent.core.plan import plan_repair
+    from patchkv_agent.eval.tiny import tiny_engine
+    from patchkv_agent.kernels import native
+
+    rng = np.random.default_rng(7)
+    got = _random_edit(rng, _index(), 300, 900)
+    assert got is not None
+    old, _, edit = got
+    kw = dict(length_model=LengthModel.fixed(8), readers="lexical", block_size=8)
+    scores = rng.random(len(old))
+    with_lib = plan_repair(edit, scores, **kw)
+
+    def refuse():
+        raise AssertionError("the planner tried to build or load the native library")
+
+    import patchkv_agent.core.plan as P
+
+    calls = []
+    twin = P._reader_scan_numpy
+    monkeypatch.setattr(P, "_reader_scan_numpy", lambda *a: calls.append(1) or twin(*a))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_library", refuse)
+    without = plan_repair(edit, scores, **kw)
+    assert calls  # the scan ran, through the twin
+    for f in ("recompute_positions", "restore_new_positions", "restore_old_positions", "repair_blocks"):
+        assert np.array_equal(getattr(with_lib, f), getattr(without, f)), f
+    assert with_lib.n_readers == without.n_readers
+    monkeypatch.undo()
+    if native.available():  # an engine's construction is what loads it
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_tried", False)
+        tiny_engine(seed=0, layers=1, heads=2, kv_heads=2, head_dim=16, profile=None)
+        assert native.ready()

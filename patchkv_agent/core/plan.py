@@ -542,11 +542,13 @@ _native = None  # kernels.native, once imported: the rest of the planner needs n
 
 def _reader_scan(new: np.ndarray, changed: np.ndarray, size: int, blocks: SuffixBlocks
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_reader_scan_numpy`, in one native pass where ``kernels/native.c`` is available (equal arrays)."""
+    """:func:`_reader_scan_numpy`, in one native pass once ``kernels/native.c`` is loaded (equal arrays). Never
+    builds or loads the library on the resume path: :class:`~patchkv_agent.engine.PatchKVEngine` loads it when
+    it is constructed."""
     global _native
     if _native is None:  # imported on first use (an import statement per call costs ~15 us cold)
         from ..kernels import native as _native
-    if _native.available():
+    if _native.ready():
         return _native.reader_scan_native(new, changed, size, blocks.starts, blocks.ends)
     return _reader_scan_numpy(new, changed, size, blocks)
 
