@@ -224,6 +224,9 @@ def test_gpu_check_script_runs_in_its_small_mode(tmp_path):
     host = json.loads((tmp_path / "out" / "host_tiny" / "host.json").read_text())
     assert [r["edits"] for r in host["rows"]] == [1, 2]
     assert all(r["host_ms"] > 0 and r["kv_bytes"] > 0 for r in host["rows"])
+    from patchkv_agent.kernels import native  # the engine loaded the library: the plans scanned natively
+
+    assert {r["reader_scan"] for r in host["rows"]} == {"native" if native.available() else "numpy"}
     assert (tmp_path / "out" / "host_tiny" / "host.png").stat().st_size > 0
 
 

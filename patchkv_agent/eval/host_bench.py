@@ -165,12 +165,14 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
     Returns:
         ``{"device", "model", "rows": [...], "targets_ms", "notes"}``; each row has the configuration,
         ``<stage>_ms`` medians, ``host_ms``, ``kv_copy_ms`` / ``kv_copy_fp_ms``, ``kv_bytes``, the copy
-        bandwidths and ``memcpy_gbps`` of the same bytes.
+        bandwidths and ``memcpy_gbps`` of the same bytes, ``restore_kernel`` and ``reader_scan`` (the plan's
+        reader scan: ``native`` or ``numpy``).
 
     Raises:
         ValueError: ``repeats < 1``, or a length beyond the model's maximum positions.
     """
     from ..core.recovery import RecoveryBuffers, to_dynamic_cache
+    from ..kernels import native
     from ..strategies import get_strategy
 
     if repeats < 1:
@@ -215,6 +217,7 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                 times["cache"].append(_timed(lambda: to_dynamic_cache(eng.model, buf.keys, buf.values), device)[0])
                 info = {"restore_tokens": int(plan.n_restore), "recompute_tokens": int(plan.n_recompute),
                         "prefix_tokens": int(plan.prefix_len), "restore_kernel": buf.kernel,
+                        "reader_scan": "native" if native.ready() else "numpy",
                         "payload_bytes": int(buf.payload_bytes)}
             med = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
             spec = eng.spec
