@@ -35,6 +35,7 @@ from .core.models import ModelSpec, fingerprint, model_spec
 from .loading import DEFAULT_MODEL, load_model
 from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from .core.precision import PrecisionPolicy
+from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
 from .core.recovery import (
     FullRecompute,
     check_attn_implementation,
@@ -552,6 +553,51 @@ class PatchKVEngine:
         stats = replace(result.stats, heal_s=dt, healed_rows=n - start, extras=dict(result.stats.extras))
         return replace(result, keys=out.keys, values=out.values, exact_rows=n, stats=stats,
                        scores=scores[:n] if scores is not None and len(scores) >= n else result.scores)
+
+    def prepare(self, base: ResumeResult | None, token_ids, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                should_stop=None) -> ResumeResult:
+        """The exact KV of a predicted context, computed in background chunks (:mod:`patchkv_agent.core.prepare`).
+
+        The leading rows ``token_ids`` shares with ``base``'s exact rows are copied; the rest is recomputed
+        ``chunk_tokens`` rows per forward, each forward holding :attr:`forward_lock` in background mode (a
+        foreground resume waits for one chunk at most). Meant for a worker thread while a tool runs.
+
+        Args:
+            base: the thread's resident state (None, or one of other weights: everything is recomputed).
+            token_ids: the predicted context's ids.
+            chunk_tokens: rows per forward.
+            should_stop: checked between chunks; True returns the rows finished so far.
+
+        Returns:
+            A :class:`ResumeResult` (``strategy`` ``"prepared"``, no decode) whose ``context_ids`` are the
+            prepared ids (fewer when stopped) and whose K/V equal a full prefill of them;
+            ``stats.extras`` has ``reused_rows``, ``computed_rows``, ``chunks``, ``stopped``, ``forward_s``.
+
+        Raises:
+            InvalidInput: bad ids.
+        """
+        ids = self.validate_ids(token_ids)
+        reuse = 0
+        if base is not None and base.fingerprint == self.refresh_fingerprint() and len(base.keys):
+            held = min(len(base.context_ids), int(base.keys[0].shape[-2]))
+            exact = held if base.exact_rows is None else min(held, int(base.exact_rows))
+            m = min(exact, len(ids) - 1)
+            neq = np.flatnonzero(np.asarray(base.context_ids[:m]) != ids[:m])
+            reuse = int(neq[0]) if len(neq) else m
+        prep = prepare_exact(self.model, self.spec, ids, base_keys=base.keys if reuse else None,
+                             base_values=base.values if reuse else None, reuse_rows=reuse, lock=self.forward_lock,
+                             chunk_tokens=chunk_tokens, should_stop=should_stop, capture_factory=self._capture)
+        done = len(prep.token_ids)
+        stats = ResumeStats(strategy="prepared", prompt_tokens=done, prefix_tokens=prep.reused_rows, new_tokens=0,
+                            suffix_tokens=0, recompute_tokens=prep.computed_rows,
+                            recompute_ratio=prep.computed_rows / max(1, done - prep.reused_rows), restore_tokens=0,
+                            payload_bytes=0, ttft_s=prep.elapsed_s, plan_s=0.0, restore_s=0.0,
+                            recompute_s=prep.forward_s, offload_s=None, stats_s=None, quantize_s=None, fallback=None,
+                            extras={"reused_rows": prep.reused_rows, "computed_rows": prep.computed_rows,
+                                    "chunks": prep.chunks, "stopped": prep.stopped, "forward_s": prep.forward_s})
+        return ResumeResult(logits=prep.logits, output_ids=[], cache=None, stats=stats, context_ids=prep.token_ids,
+                            keys=prep.keys, values=prep.values, fingerprint=self.spec.fingerprint,
+                            scores=prep.scores, exact_rows=done)
 
     def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
         """A zero-copy checkpoint view of a resident result (full precision, no mixed-precision runs).

@@ -1,8 +1,10 @@
 """Per-model runtime facts shared by every engine over one model instance: its forward lock and a cheap
 "did the weights change in place?" check.
 
-- :func:`model_lock`: one re-entrant lock per model instance (weakly keyed: no attribute is added to
-  the model), so engines, registries and background heals over one model never run two forwards at once.
+- :func:`model_lock`: one re-entrant :class:`ForwardLock` per model instance (weakly keyed: no attribute
+  is added to the model), so engines, registries and background heals over one model never run two
+  forwards at once; background work takes it through :meth:`ForwardLock.background`, which gives way to
+  any foreground caller waiting (a foreground forward waits for at most the one background chunk running).
 - :class:`WeightWatch`: compares the parameters' version counters and storages with the last look
   (~0.2 ms on a 30-layer model); the module tree is walked again (~1.5 ms) only after a parameter was
   registered anew somewhere in the process, which torch's process-wide registration hook counts. The
@@ -13,29 +15,96 @@ Boundary: torch modules and their parameters only; knows nothing about fingerpri
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["model_lock", "WeightWatch"]
+__all__ = ["model_lock", "ForwardLock", "WeightWatch"]
 
-_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+
+class ForwardLock:
+    """A re-entrant lock with two kinds of holders: foreground (``with lock:``) before background.
+
+    Foreground callers (a resume, a decode step, a checkpoint pass) acquire it as an ``RLock``. Background
+    work that runs in chunks (a context prepared while a tool runs) takes it per chunk through
+    :meth:`background`, which waits while any foreground caller is waiting for or holding the lock and
+    re-checks once it has it: a foreground caller that arrives while a chunk runs waits for that chunk only,
+    never for the next one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(threading.Lock())
+        self._foreground = 0  # foreground callers waiting for or holding the lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        """Acquire as a foreground caller (``RLock.acquire``'s arguments)."""
+        with self._cond:
+            self._foreground += 1
+        ok = False
+        try:
+            ok = self._lock.acquire(blocking, timeout)
+            return ok
+        finally:
+            if not ok:
+                self._leave()
+
+    def release(self) -> None:
+        """Release a foreground hold."""
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._foreground -= 1
+            if self._foreground == 0:
+                self._cond.notify_all()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def foreground_waiting(self) -> bool:
+        """Whether a foreground caller waits for (or holds) the lock now."""
+        return self._foreground > 0
+
+    @contextlib.contextmanager
+    def background(self) -> Iterator[None]:
+        """Hold the lock for one background chunk, after every waiting foreground caller."""
+        while True:
+            with self._cond:
+                while self._foreground:
+                    self._cond.wait()
+            self._lock.acquire()
+            with self._cond:
+                if not self._foreground:
+                    break
+            self._lock.release()  # a foreground caller came in between: it goes first
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, ForwardLock]" = weakref.WeakKeyDictionary()
 _MODEL_LOCKS_GUARD = threading.Lock()
 
 
-def model_lock(model) -> threading.RLock:
+def model_lock(model) -> ForwardLock:
     """The forward lock of a model instance, shared by every engine over it (a model that cannot be weakly
     referenced gets a lock of its own per call)."""
     with _MODEL_LOCKS_GUARD:
         try:
             lock = _MODEL_LOCKS.get(model)
             if lock is None:
-                lock = _MODEL_LOCKS[model] = threading.RLock()
+                lock = _MODEL_LOCKS[model] = ForwardLock()
             return lock
         except TypeError:  # not weak-referenceable: this engine's own lock
-            return threading.RLock()
+            return ForwardLock()
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process since the hook went in
