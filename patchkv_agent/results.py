@@ -175,13 +175,26 @@ class RuntimeStats(ResumeStats):
         requested_strategy: the strategy the caller asked for (``strategy`` is what ran).
         thread_id, checkpoint_ns, context: the registry thread key and the context (lane) it resumed in.
         version, base_version: this version's number and the one it was resumed from (None: none).
-        base: where the base KV came from (``resident``, ``store``, ``checkpoint``, ``none``).
+        base: where the base KV came from: ``resident`` (the thread's last resume), ``prepared`` (the context
+            prepared while its tools ran), ``background`` / ``evicted`` (a checkpoint held in this process),
+            ``restart`` or another store source (a store entry), ``none`` (recomputed exactly).
         offload_wait_s: time spent waiting for a pending offload before the resume.
         heal_wait_s: time spent waiting for a heal in progress.
         base_approx_rows: approximate rows in the resident base (0 once healed).
         base_heal_s, base_healed_rows: the heal of the base (None: no heal ran).
         store_tier, store_get_s, store_key: the store read of a resume from a checkpoint tier.
         decode_s, output_tokens: set when a stream ends.
+        prepared: the tool-wait preparation of this call's context: ``hit`` (the call's context starts
+            with the prepared one), ``partial`` (a prefix of it was ready, or the call diverged inside it,
+            and the resume started there), ``miss`` (prepared, not used: the resident base shared more),
+            ``unfinished`` (still predicting or queued when the call came), ``failed`` (no prediction: see
+            ``prepared_reason``); None: nothing was prepared.
+        prepared_reason: why a preparation was not a hit (or the prediction's note on a hit).
+        prepared_tokens: rows the preparation computed in the background.
+        prepared_wasted: of those, rows this call did not use.
+        prepared_hidden_share: the share of this call's recompute (rows from the first token it changed
+            against the thread's previous context) done during the tool wait.
+        prepared_info: the prediction's own notes (editors applied, assumptions made).
     """
 
     requested_strategy: str | None = None
@@ -201,6 +214,12 @@ class RuntimeStats(ResumeStats):
     store_key: str | None = None
     decode_s: float | None = None
     output_tokens: int | None = None
+    prepared: str | None = None
+    prepared_reason: str | None = None
+    prepared_tokens: int | None = None
+    prepared_wasted: int | None = None
+    prepared_hidden_share: float | None = None
+    prepared_info: dict | None = None
 
 
 @dataclass(eq=False)

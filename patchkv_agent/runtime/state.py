@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,62 @@ from ..results import ResumeResult
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
-__all__ = ["ThreadState", "kv_bytes", "ckpt_bytes", "shared_prefix"]
+__all__ = ["ThreadState", "Phase", "Prediction", "Preparation", "kv_bytes", "ckpt_bytes", "shared_prefix"]
+
+
+class Phase(str, Enum):
+    """Where a thread's KV is (:meth:`ThreadRegistry.phase`); the transitions are the registry's.
+
+    ``NONE`` -(resume)-> ``STREAMING`` -(stream closed)-> ``RESIDENT``; while a tool runs, ``RESIDENT``
+    -> ``PREPARING`` (the next context computed exactly) -> ``PREPARED``, and/or ``HEALING`` ->
+    ``OFFLOADING`` -> ``RESIDENT`` with a checkpoint (``OFFLOADED`` once the resident KV is released or
+    evicted); the next resume starts from ``PREPARED``, ``RESIDENT`` or ``OFFLOADED`` and opens
+    ``STREAMING`` again; ``LOST``: the KV is gone (the next resume is exact and says why).
+    """
+
+    NONE = "none"
+    STREAMING = "streaming"
+    RESIDENT = "resident"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    HEALING = "healing"
+    OFFLOADING = "offloading"
+    OFFLOADED = "offloaded"
+    LOST = "lost"
+
+
+@dataclass
+class Prediction:
+    """A predicted next context of a thread (what a ``predict`` callable returns to
+    :meth:`ThreadRegistry.prepare_async`).
+
+    Attributes:
+        token_ids: the ids of the next call's context up to the part that is not known yet (the tool
+            results); None when no prediction could be made (``reason`` says why).
+        reason: why there is no prediction (or a note on an assumption it made).
+        info: JSON-safe notes reported in the next call's ``prepared_info`` (editors applied, outcomes).
+    """
+
+    token_ids: Any = None
+    reason: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Preparation:
+    """One preparation of a thread's next context (the registry's record; fields change under its lock)."""
+
+    version: int                          # the thread version it continues
+    predict: Any                          # () -> Prediction | ids | None, run by the worker
+    chunk_tokens: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    stage: str = "queued"                 # queued -> predicting -> computing -> done
+    future: Future | None = None
+    ids: np.ndarray | None = None         # the predicted ids
+    result: ResumeResult | None = None    # their exact KV (fewer rows when stopped)
+    reason: str | None = None             # no prediction / failure
+    info: dict = field(default_factory=dict)
+    predict_s: float = 0.0
 
 def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     m = min(len(a), len(b))
@@ -53,3 +109,4 @@ class ThreadState:
     last_used: float = 0.0
     healing: threading.Event | None = None  # set when the pending job's heal stage is over
     heal_stats: dict | None = None         # the last heal of the resident version (heal_s, healed_rows)
+    preparation: Preparation | None = None  # the next context, prepared while the tools run

@@ -61,7 +61,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -72,12 +72,13 @@ from ..results import ResumeResult, RuntimeStats
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
-from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
+from .state import Phase, Prediction, Preparation, ThreadState, ckpt_bytes, kv_bytes, shared_prefix
 from .stream import TokenStream, run_stream
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RESIDENT_BUDGET = 1 << 30
+DEFAULT_PREPARE_CHUNK = 256
 
 
 class ThreadRegistry:
@@ -98,6 +99,8 @@ class ThreadRegistry:
             docstring); False keeps them (the next call then builds on them: ``approx_rows`` in its stats).
         contexts: contexts kept apart per thread key (1: one context per key, each call diffs against
             the key's last one).
+        prepare_chunk_tokens: rows per background forward of a preparation (:meth:`prepare_async`): the
+            most a foreground forward of another thread waits for one.
 
     Raises:
         ValueError: a bad ``on_evict``, budget or ``contexts``, or ``offload_budget_bytes`` together with
@@ -106,11 +109,15 @@ class ThreadRegistry:
 
     def __init__(self, engine: PatchKVEngine, *, resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET,
                  offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1,
-                 store: KVStore | None = None, heal: bool = True, contexts: int = 4):
+                 store: KVStore | None = None, heal: bool = True, contexts: int = 4,
+                 prepare_chunk_tokens: int = DEFAULT_PREPARE_CHUNK):
         if on_evict not in ("offload", "drop"):
             raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= 64:
             raise ValueError(f"contexts must be an int in 1..64 (contexts kept per thread key), got {contexts!r}")
+        if isinstance(prepare_chunk_tokens, bool) or not isinstance(prepare_chunk_tokens, int) \
+                or prepare_chunk_tokens < 1:
+            raise ValueError(f"prepare_chunk_tokens must be an int >= 1, got {prepare_chunk_tokens!r}")
         if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
             raise ValueError("budgets must be >= 0 bytes")
         if store is not None and offload_budget_bytes is not None:
@@ -122,6 +129,7 @@ class ThreadRegistry:
         self.offload_budget_bytes = offload_budget_bytes
         self.on_evict = on_evict
         self.heal, self.contexts = bool(heal), contexts
+        self.prepare_chunk_tokens = prepare_chunk_tokens
         self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
         self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
@@ -170,6 +178,11 @@ class ThreadRegistry:
             lanes.append((ck, tok, th.last_used))
         if not lanes:  # the key's first call (or one after a restart: its version and reason are there)
             return key
+        for ck, _, _ in lanes:  # the context whose prepared next version this call continues
+            prep = self._peek(ck).preparation
+            pids = prep.ids if prep is not None else None
+            if pids is not None and len(pids) <= len(ids) and shared_prefix(pids, ids) == len(pids):
+                return ck
         shared = [shared_prefix(tok, ids) for _, tok, _ in lanes]
         best = int(np.argmax(shared))
         if shared[best] * 2 >= len(lanes[best][1]):  # continues (appends to / edits the back half of) it
@@ -196,9 +209,17 @@ class ThreadRegistry:
             return list(self._threads)
 
     def resident_bytes(self) -> int:
-        """K/V bytes held resident across threads."""
+        """K/V bytes held resident across threads (prepared next contexts included)."""
         with self._lock:
-            return sum(kv_bytes(t.resident) for t in self._threads.values() if t.resident is not None)
+            threads = list(self._threads.values())
+        total = 0
+        for t in threads:
+            if t.resident is not None:
+                total += kv_bytes(t.resident)
+            prep = t.preparation
+            if prep is not None and prep.result is not None:
+                total += kv_bytes(prep.result)
+        return total
 
     def offloaded_bytes(self) -> int:
         """Checkpoint bytes held in this process across threads (a store's bytes: ``store.nbytes()``)."""
@@ -306,6 +327,8 @@ class ThreadRegistry:
             if k[0] == str(thread_id):
                 th = self._thread(k, create=False)
                 if th is not None:
+                    if th.preparation is not None:
+                        th.preparation.stop.set()
                     self._wait_pending(th)
                     with th.lock, self._lock:
                         self._threads.pop(k, None)
@@ -314,8 +337,187 @@ class ThreadRegistry:
                         self._set_store_entry(th, None)
 
     def close(self) -> None:
-        """Finish pending offloads and stop the worker (a store stays open: its owner closes it)."""
+        """Stop preparations, finish pending offloads and stop the worker (a store stays open: its owner
+        closes it)."""
+        with self._lock:
+            threads = list(self._threads.values())
+        for th in threads:
+            prep = th.preparation
+            if prep is not None:
+                prep.stop.set()
         self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ preparation
+
+    def prepare_async(self, key: ThreadKey | None, predict: Callable[[], "Prediction | Any"], *,
+                      chunk_tokens: int | None = None) -> Future | None:
+        """Compute the thread's predicted next context exactly in the background worker, while its tools run.
+
+        ``predict`` runs in the worker and returns the next call's context up to what is not known yet
+        (a :class:`~patchkv_agent.runtime.state.Prediction`, or token ids, or None). Its K/V are computed
+        exactly from the thread's resident version (its leading exact rows copied, the rest recomputed in
+        chunks of ``chunk_tokens`` rows, each giving way to foreground forwards). The next resume of the
+        thread whose ids start with the prepared ones appends only what follows (``base`` ``"prepared"``,
+        ``prepared`` ``"hit"``): exact, at the cost of the appended tokens. A call that diverges from the
+        prediction, or comes before it is finished, starts from the prepared rows where they match and
+        reach further than the resident ones (``"partial"``), else as without a preparation (``"miss"``,
+        ``"unfinished"``); a running chunk is the most it waits for. The heal stage of the thread's
+        offload is skipped while a preparation of the version exists (the preparation recomputes from the
+        first approximate row the next context uses).
+
+        Args:
+            key: the thread key (its active context).
+            predict: the predictor (called once, in the worker; exceptions become ``prepared_reason``).
+            chunk_tokens: rows per background forward (default: the registry's ``prepare_chunk_tokens``).
+
+        Returns:
+            The job's future (one per thread version: a second call for the same version returns the
+            first one's), or None for an unknown thread or one without a context version.
+
+        Raises:
+            ValueError: ``chunk_tokens`` < 1.
+        """
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+        if key is None:
+            return None
+        th = self._thread(self.active(key), create=False)
+        if th is None:
+            return None
+        with th.lock:
+            if th.token_ids is None:
+                return None
+            old = th.preparation
+            if old is not None and old.version == th.version:
+                return old.future
+            if old is not None:
+                old.stop.set()
+            prep = Preparation(version=th.version, predict=predict,
+                               chunk_tokens=chunk_tokens or self.prepare_chunk_tokens)
+            th.preparation = prep
+            prep.future = self._executor.submit(self._prepare_job, th, prep)
+            return prep.future
+
+    def _prepare_job(self, th: ThreadState, prep: Preparation) -> float | None:
+        """Predict, then compute the prediction's KV in chunks (see :meth:`prepare_async`)."""
+
+        def current() -> bool:
+            return not prep.stop.is_set() and th.version == prep.version and th.preparation is prep
+
+        def finish(reason: str | None) -> None:
+            with th.lock:
+                prep.reason = prep.reason or reason
+                prep.stage = "done"
+
+        if not current():
+            return finish("superseded before it started")
+        prep.stage = "predicting"
+        t0 = time.perf_counter()
+        try:
+            pred = prep.predict()
+        except Exception as e:  # a predictor's fault never reaches the caller: the next resume says so
+            log.warning("prediction for thread %s failed: %s", th.key, e)
+            pred = Prediction(reason=f"the prediction raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                              if str(e) else f"the prediction raised {type(e).__name__}")
+        prep.predict_s = time.perf_counter() - t0
+        if not isinstance(pred, Prediction):
+            pred = Prediction(token_ids=pred, reason=None if pred is not None else "no prediction")
+        prep.info = dict(pred.info)
+        if pred.token_ids is None:
+            return finish(pred.reason or "no prediction")
+        try:
+            ids = self.engine.validate_ids(pred.token_ids, "predicted token_ids")
+        except ValueError as e:
+            return finish(f"the prediction is not a valid context: {e}")
+        with th.lock:
+            if not current():
+                prep.stage = "done"
+                prep.reason = prep.reason or "superseded while predicting"
+                return None
+            prep.ids, prep.reason = ids, pred.reason
+            base, prep.stage = th.resident, "computing"
+        try:
+            res = self.engine.prepare(base, ids, chunk_tokens=prep.chunk_tokens, should_stop=lambda: not current())
+        except Exception as e:
+            log.exception("preparing thread %s failed", th.key)
+            return finish(f"the preparation failed: {type(e).__name__}: {e}")
+        with th.lock:
+            prep.result, prep.stage = res, "done"
+        self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
+                            "computed": res.stats.extras.get("computed_rows"),
+                            "stopped": res.stats.extras.get("stopped"), "prepare_s": res.stats.ttft_s})
+        self._enforce_resident_budget(keep=th.key)
+        return prep.predict_s + res.stats.ttft_s
+
+    def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool) -> tuple[ResumeResult | None, dict]:
+        """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, stats)``.
+
+        A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
+        predicting is abandoned."""
+        with th.lock:
+            prep, th.preparation = th.preparation, None
+            if prep is None:
+                return None, {}
+            prep.stop.set()
+            version, stage, prev = th.version, prep.stage, th.token_ids
+        if prep.version != version:
+            return None, {}
+        if stage == "computing" and prep.future is not None:
+            try:
+                prep.future.result()
+            except Exception:  # the job records its own failure
+                log.exception("preparation of thread %s failed", th.key)
+        out: dict[str, Any] = {"prepared_info": prep.info or None}
+        res = prep.result
+        if res is None:
+            kind = "failed" if stage == "done" and prep.reason else "unfinished"
+            out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage} when the call came")
+            return None, out
+        done, reused = len(res.context_ids), int(res.stats.extras.get("reused_rows", 0))
+        computed = int(res.stats.extras.get("computed_rows", 0))
+        sp = shared_prefix(res.context_ids, ids)
+        sr = shared_prefix(prev, ids) if prev is not None else 0
+        full = prep.ids is not None and done == len(prep.ids)
+        out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)),
+                   _shared_resident=sr)
+        if not use:
+            out.update(prepared="miss", prepared_reason="the call asked for the exact strategy")
+        elif sp == done and full:
+            out.update(prepared="hit", prepared_reason=prep.reason)
+            return res, out
+        elif sp >= sr and sp > 0:
+            why = (f"the call's context differs from the prediction at token {sp} of {len(prep.ids)}" if full
+                   else f"stopped after {done} of {len(prep.ids)} tokens when the call came")
+            out.update(prepared="partial", prepared_reason=why)
+            return res, out
+        else:
+            out.update(prepared="miss", prepared_reason=f"the call's context differs from the prediction at token "
+                       f"{sp} of {len(prep.ids)}; the resident context shares {sr}")
+        return None, out
+
+    def phase(self, key: ThreadKey | None) -> Phase:
+        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.state.Phase`)."""
+        th = self._peek(self.active(key)) if key is not None else None
+        if th is None or th.token_ids is None:
+            return Phase.LOST if th is not None and th.lost is not None else Phase.NONE
+        with th.lock:
+            prep, pending = th.preparation, th.pending
+            if th.streams:
+                return Phase.STREAMING
+            if prep is not None and prep.version == th.version:
+                if prep.stage != "done":
+                    return Phase.PREPARING
+                if prep.result is not None:
+                    return Phase.PREPARED
+            if pending is not None and not pending.done():
+                healing = th.healing is not None and not th.healing.is_set()
+                return Phase.HEALING if healing else Phase.OFFLOADING
+            if th.resident is not None:
+                return Phase.RESIDENT
+            if self._offloaded(th):
+                return Phase.OFFLOADED
+            return Phase.LOST if th.lost is not None else Phase.NONE
 
     # ---------------------------------------------------------------- resume
 
@@ -356,9 +558,11 @@ class ThreadRegistry:
         with self._lock:
             self._active[primary] = key
         th = self._thread(key)
-        heal_wait_s = self._wait_heal(th)  # a heal in progress gives the exact base this resume wants
+        prepared, prep_stats = self._take_preparation(th, ids, use=strategy != "exact")
+        # a heal in progress gives the exact base this resume wants (a prepared base is exact already)
+        heal_wait_s = 0.0 if prepared is not None else self._wait_heal(th)
         with th.lock:
-            resident = th.resident is not None
+            resident = th.resident is not None or prepared is not None
         # a resident thread resumes from its resident KV: a pending offload is not waited for
         wait_s = 0.0 if resident and strategy != "exact" else self._wait_pending(th)
         with th.lock:
@@ -366,6 +570,9 @@ class ThreadRegistry:
             base_approx = th.resident.approx_rows if th.resident is not None else None
             if strategy == "exact":  # no base needed: do not write one
                 base, base_version, source, skey = None, None, "none", None
+                fallback = None
+            elif prepared is not None:
+                base, base_version, source, skey = self.engine.as_checkpoint(prepared), th.version, "prepared", None
                 fallback = None
             else:
                 base, base_version, source, skey = self._base(th)
@@ -396,6 +603,13 @@ class ThreadRegistry:
             base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
             base_approx_rows=base_approx if source == "resident" else None,
             base_heal_s=(base_heal or {}).get("heal_s"), base_healed_rows=(base_heal or {}).get("healed_rows"))
+        if prep_stats:
+            sr = prep_stats.pop("_shared_resident", None)
+            if sr is not None and len(ids) > sr:  # the share of this call's recompute the tool wait did
+                fg = res.stats.recompute_tokens if source == "prepared" else len(ids) - sr
+                prep_stats["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (len(ids) - sr)))
+            for k, v in prep_stats.items():
+                setattr(res.stats, k, v)
         if res.stats.fallback is None and fallback is not None:
             res.stats.fallback = fallback
         self._enforce_resident_budget(keep=key)
@@ -569,7 +783,10 @@ class ThreadRegistry:
         """Queue an offload job of ``th``'s current version (caller holds ``th.lock``). The job owns its heal
         event (set once its heal stage is over; None: nothing to heal): a job that runs late, after its
         thread moved on, sets only its own event, never the one a newer job's resume is waiting on."""
-        healing = threading.Event() if self.heal and th.resident is not None and th.resident.approx_rows else None
+        prep = th.preparation
+        preparing = prep is not None and prep.version == th.version  # it recomputes what the next call uses
+        healing = (threading.Event() if self.heal and not preparing and th.resident is not None
+                   and th.resident.approx_rows else None)
         th.healing = healing
         return self._executor.submit(self._offload_job, th, th.version, source, release, healing)
 
@@ -663,6 +880,11 @@ class ThreadRegistry:
                 if th.resident is None or th.streams or (th.pending is not None and not th.pending.done()):
                     continue
                 total -= kv_bytes(th.resident)
+                prep, th.preparation = th.preparation, None
+                if prep is not None:
+                    prep.stop.set()
+                    if prep.result is not None:
+                        total -= kv_bytes(prep.result)
                 if self.on_evict == "offload":
                     th.pending = self._submit_offload(th, "evicted")
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
