@@ -7,12 +7,15 @@ decode; the reply text is scripted, since a random model calls no tools).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.tools import tool
 from pydantic import PrivateAttr
 
 from patchkv_agent.langgraph import PatchKVChatModel, PatchKVMiddleware
+from patchkv_agent.langgraph.predict import PENDING
 from patchkv_agent.runtime.threads import ThreadRegistry
 from tiny_models import chat_engine
 
@@ -27,19 +30,23 @@ def search(query: str) -> str:
 
 
 class AgentScript(PatchKVChatModel):
-    """Real resume and decode under the thread's key; the reply text is scripted by turn."""
+    """Real resume and decode under the thread's key; the reply text is scripted by turn (the agent's n-th
+    call). The tool-wait prediction renders the next call in the registry's worker (with placeholder tool
+    results): those renders are not calls, and a summary written there is told apart per Python thread."""
 
     _turn: int = PrivateAttr(default=-1)
-    _summarizing: bool = PrivateAttr(default=False)
+    _local: threading.local = PrivateAttr(default_factory=threading.local)
 
     def render(self, messages, tools=None, response_format=None):
-        self._summarizing = len(messages) == 1 and "summar" in str(messages[0].content).lower()
-        if not self._summarizing:
+        summarizing = len(messages) == 1 and "summar" in str(messages[0].content).lower()
+        self._local.summarizing = summarizing
+        predicted = any(PENDING in str(m.content) for m in messages)
+        if not summarizing and not predicted:
             self._turn += 1  # the agent's n-th call (render runs once per call)
         return super().render(messages, tools, response_format)
 
     def _decode_text(self, output_ids):
-        if self._summarizing:
+        if getattr(self._local, "summarizing", False):
             return "Searched Paris landmarks; each is reached by metro."
         if self._turn >= len(TOPICS):
             return "Paris has many landmarks."
@@ -66,13 +73,14 @@ def test_create_agent_with_langchain_editors_resumes_each_context_with_a_plan(on
     agent = create_agent(llm, tools=[search], system_prompt=SYSTEM, middleware=[
         ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=150, keep=2)]),
         SummarizationMiddleware(model=llm, trigger=("tokens", 420), keep=("messages", 4)),
-        PatchKVMiddleware(reg)])
+        PatchKVMiddleware(reg, prepare=False)])  # the resume path without the tool-wait preparation
     out = agent.invoke({"messages": [HumanMessage("Tell me about Paris landmarks.")]},
                        {"configurable": {"thread_id": "t"}, "recursion_limit": 60})
     calls = reg.calls
     agent_calls = [c for c in calls if "#" not in c["checkpoint_ns"]]
     summary_calls = [c for c in calls if c["checkpoint_ns"].endswith("#summarization")]
     assert len(summary_calls) >= 1 and len(agent_calls) >= 6
+    assert all(c["prepared"] is None for c in calls)
     assert any("summary of the conversation" in str(m.content) for m in out["messages"])
     # the clear-tool-uses editor did clear results in what the model saw (its placeholder is in the context)
     assert any(c["new_tokens"] > 0 and c["restore_tokens"] > 0 for c in agent_calls[1:])

@@ -50,6 +50,7 @@ from ..core.sampling import Sampler, SamplingParams
 from ..results import json_safe
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
+from .predict import check_not_pending
 from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, new_call_id, parse_tool_calls, plain_messages,
                     to_trace_messages, tool_schemas, with_tool_protocol)
 
@@ -205,6 +206,12 @@ class PatchKVChatModel(BaseChatModel):
         return {"model_name": self.model_name, "strategy": self.strategy, "max_new_tokens": self.max_new_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                 "constrained": self.constrained, "fingerprint": self.engine.spec.fingerprint[:16]}
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        """LangChain's cache key of a call's model and parameters, without the graph thread it runs in (the
+        same prompt with the same parameters decodes the same output in any thread)."""
+        kwargs.pop(_KEY_KWARG, None)
+        return super()._get_llm_string(stop=stop, **kwargs)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         name = kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name  # (a call with model= raises)
@@ -440,6 +447,7 @@ class PatchKVChatModel(BaseChatModel):
         """Yield ``("text", delta)`` events, then one ``("final", dict)``."""
         from .grammar import spec_for
 
+        check_not_pending(messages)  # a call made while predicting must not read a pending tool result
         opt = self._call_options(kwargs)
         tool_choice, rf = opt["tool_choice"], opt["response_format"]
         tools = tool_schemas(opt["tools"]) if opt["tools"] is not None else []  # checks call-time tools too

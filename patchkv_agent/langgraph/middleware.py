@@ -6,6 +6,14 @@
   never waits for an offload). When the response asks for tools, the thread's KV is offloaded in the
   registry's background worker at once (for eviction, restarts and other processes; the resident KV
   stays), so the checkpoint work runs while the tools run, outside the model's forward lock.
+- *Preparation* (``prepare=True``): when the response asks for tools, the next call's context up to the
+  tool results is predicted by the agent's own editors (``editors=[...]``: the ``ContextEditingMiddleware``
+  and ``SummarizationMiddleware`` instances the agent runs; :mod:`~patchkv_agent.langgraph.predict`) and
+  computed exactly in the registry's worker while the tools run
+  (:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.prepare_async`): a next call that starts with it
+  appends only the tool results, and its stats say ``prepared: "hit"``. A summarizer call the prediction
+  makes is served to the real call through :class:`~patchkv_agent.langgraph.predict.PreparedCalls` (set as
+  the cache of the summarizer's ``PatchKVChatModel``; greedy decoding only).
 - ``wrap_tool_call``: makes sure the offload has started (idempotent) and times the tool, so the next
   response's ``response_metadata["patchkv"]`` reports ``tool_s`` beside ``offload_s`` /
   ``offload_wait_s`` (``offload_hidden_share``: the part of the offload that the tools hid).
@@ -27,6 +35,7 @@ from langchain_core.messages import AIMessage
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .chat_model import PatchKVChatModel
 from .keys import thread_key_from_config, using_thread_key
+from .predict import PreparedCalls, predict_agent_context
 
 
 def response_message(result: Any) -> AIMessage | None:
@@ -61,19 +70,52 @@ class PatchKVMiddleware(AgentMiddleware):
         registry: the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` of the agent's ``PatchKVChatModel``.
         scope: optional key scope (separates this agent's context from other LLM contexts of the thread).
         offload: ``"tool_calls"`` (offload when the model asks for tools), ``"always"`` or ``"never"``.
+        editors: the agent's context editors (the same middleware instances passed to ``create_agent``, in
+            its order), run on the predicted next request; None: the history and response as they are.
+        prepare: prepare the next call's context while the tools run (see the module docstring).
+
+    Attributes:
+        prepared_calls: the :class:`~patchkv_agent.langgraph.predict.PreparedCalls` cache set on the
+            summarizer models of ``editors`` (``hits``: summaries served from the tool wait).
 
     Raises:
-        ValueError: an unknown ``offload`` policy; at call time, a ``PatchKVChatModel`` with another registry.
+        ValueError: an unknown ``offload`` policy, an editor that is not an ``AgentMiddleware``; at call time,
+            a ``PatchKVChatModel`` with another registry.
     """
 
-    def __init__(self, registry: ThreadRegistry, *, scope: str | None = None, offload: str = "tool_calls"):
+    def __init__(self, registry: ThreadRegistry, *, scope: str | None = None, offload: str = "tool_calls",
+                 editors: Any = None, prepare: bool = True):
         super().__init__()
         if offload not in ("tool_calls", "always", "never"):
             raise ValueError(f"offload must be 'tool_calls', 'always' or 'never', got {offload!r}")
         self.registry, self.scope, self.offload = registry, scope, offload
+        self.editors = list(editors or [])
+        bad = [type(e).__name__ for e in self.editors if not isinstance(e, AgentMiddleware)]
+        if bad:
+            raise ValueError(f"editors must be the agent's AgentMiddleware instances, got {bad}")
+        self.prepare = bool(prepare)
+        self.prepared_calls = PreparedCalls()
+        for ed in self.editors:
+            self._serve_summaries(ed)
         self._tool_s: dict[ThreadKey, float] = {}
         self._lock = threading.Lock()
         self._warned = False
+
+    def _serve_summaries(self, editor: Any) -> None:
+        """Give a summarizing editor's PatchKV model the :attr:`prepared_calls` cache (a copy of the model:
+        the agent's own calls never pay the cache's key)."""
+        chat = getattr(editor, "_summary_chat_model", None)
+        wrapped = getattr(editor, "_summary_model", None)
+        if not isinstance(chat, PatchKVChatModel) or chat.registry is not self.registry:
+            return
+        if chat.temperature != 0 or chat.cache is not None:
+            return  # sampled summaries are not served from a cache; a user's own cache is kept
+        if getattr(wrapped, "bound", None) is not chat:
+            warnings.warn(f"PatchKVMiddleware: {type(editor).__name__}'s summary model is wrapped in a way this "
+                          "version does not know; summaries are predicted but not served from the tool wait",
+                          stacklevel=3)
+            return
+        editor._summary_model = wrapped.model_copy(update={"bound": chat.model_copy(update={"cache": self.prepared_calls})})
 
     # --------------------------------------------------------------- helpers
 
@@ -99,12 +141,23 @@ class PatchKVMiddleware(AgentMiddleware):
             warnings.warn(f"PatchKVMiddleware: the agent's model is a {type(model).__name__}, not a "
                           "PatchKVChatModel; KV resume and offload do nothing for it", stacklevel=3)
 
-    def _after(self, key: ThreadKey | None, result: Any) -> None:
+    def _after(self, key: ThreadKey | None, result: Any, request: Any = None) -> None:
         msg = response_message(result)
         with self._lock:
             tool_s = self._tool_s.pop(key, None)
         annotate(msg, tool_s)
-        if key is None or self.offload == "never":
+        if key is None:
+            return
+        model = getattr(getattr(request, "model", None), "bound", getattr(request, "model", None))
+        if self.prepare and msg is not None and msg.tool_calls and isinstance(model, PatchKVChatModel):
+            editors = self.editors
+
+            def predict():
+                with using_thread_key(key):  # a summarizer call made here runs in this thread's scope
+                    return predict_agent_context(model, request, msg, editors)
+
+            self.registry.prepare_async(key, predict)  # queued before the offload: the next call needs it first
+        if self.offload == "never":
             return
         if self.offload == "always" or (msg is not None and msg.tool_calls):
             self.registry.offload_async(key)
@@ -125,7 +178,7 @@ class PatchKVMiddleware(AgentMiddleware):
         key = self._key()
         with using_thread_key(key):
             result = handler(request)
-        self._after(key, result)
+        self._after(key, result, request)
         return result
 
     async def awrap_model_call(self, request: ModelRequest,
@@ -135,7 +188,7 @@ class PatchKVMiddleware(AgentMiddleware):
         key = self._key()
         with using_thread_key(key):
             result = await handler(request)
-        self._after(key, result)
+        self._after(key, result, request)
         return result
 
     def wrap_tool_call(self, request: Any, handler: Callable[[Any], Any]):

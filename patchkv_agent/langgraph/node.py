@@ -7,6 +7,12 @@ when it returns, the thread's KV is offloaded in the registry's background worke
 checkpoint work overlaps whatever the graph does next (tools, retrieval, a controller editing the
 context) and the next call of the node waits for it only if it is not done.
 
+With ``predict_next=``, the node also prepares its next call: the hook (run in the registry's worker,
+after the node returns) gives the ids of the next call's context up to what is not known yet, and they are
+computed exactly while the graph goes on (:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.prepare_async`);
+:func:`~patchkv_agent.langgraph.predict.known_prefix_ids` renders a predicted message list to such ids.
+Without the hook nothing is prepared.
+
 Knows LangGraph's node calling convention (``(state, config)``) and the registry; no tensors.
 """
 
@@ -42,7 +48,7 @@ def _asks_for_tools(update: Any) -> bool:
 
 
 def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = None,
-                 offload: str = "tool_calls") -> Callable:
+                 offload: str = "tool_calls", predict_next: Callable[[Any, Any], Any] | None = None) -> Callable:
     """Wrap an LLM node ``fn(state)`` or ``fn(state, config)`` (sync or async) for per-thread KV reuse.
 
     Args:
@@ -52,21 +58,34 @@ def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = 
         offload: when to offload after the node returns: ``"tool_calls"`` (the update's last message is
             an AIMessage with tool calls), ``"always"`` (the graph always pauses after this node, e.g. a
             controller or a tool follows), ``"never"``.
+        predict_next: ``predict_next(state, update)`` -> the next call's context ids up to the unknown part
+            (token ids, a :class:`~patchkv_agent.runtime.state.Prediction`, or None), called in the
+            registry's worker whenever the node's update asks for tools (or always, with
+            ``offload="always"``); None: nothing is prepared.
 
     Returns:
         A node ``(state, config) -> update`` (a coroutine function when ``fn`` is one).
 
     Raises:
-        ValueError: an unknown ``offload`` policy.
+        ValueError: an unknown ``offload`` policy, a ``predict_next`` that is not callable.
     """
     if offload not in OFFLOAD_POLICIES:
         raise ValueError(f"offload must be one of {OFFLOAD_POLICIES}, got {offload!r}")
+    if predict_next is not None and not callable(predict_next):
+        raise ValueError(f"predict_next must be a callable (state, update) -> ids, got {type(predict_next).__name__}")
     pass_config = _wants_config(fn)
 
     def key_of(config: RunnableConfig) -> ThreadKey | None:
         return thread_key_from_config(config, scope=scope)
 
-    def after(key: ThreadKey | None, update: Any) -> None:
+    def after(key: ThreadKey | None, state: Any, update: Any) -> None:
+        pause = offload == "always" or _asks_for_tools(update)
+        if key is not None and predict_next is not None and pause:
+            def predict():
+                with using_thread_key(key):
+                    return predict_next(state, update)
+
+            registry.prepare_async(key, predict)
         if key is not None and (offload == "always" or (offload == "tool_calls" and _asks_for_tools(update))):
             registry.offload_async(key)
 
@@ -76,7 +95,7 @@ def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = 
             key = key_of(config)
             with using_thread_key(key):
                 update = await (fn(state, config=config) if pass_config else fn(state))
-            after(key, update)
+            after(key, state, update)
             return update
 
         anode.__signature__ = _node_signature()
@@ -87,7 +106,7 @@ def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = 
         key = key_of(config)
         with using_thread_key(key):
             update = fn(state, config=config) if pass_config else fn(state)
-        after(key, update)
+        after(key, state, update)
         return update
 
     node.__signature__ = _node_signature()
