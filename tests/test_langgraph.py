@@ -277,7 +277,9 @@ def test_create_agent_with_middleware_end_to_end_and_recorder(engine):
     assert out["messages"][2].content == PASSAGE_B and out["messages"][-1].content == "It is in Paris."
     st = out["messages"][-1].response_metadata["patchkv"]
     assert st["strategy"] == "patchkv" and st["version"] == 2 and st["prefix_tokens"] > 0
-    assert st["base"] == "resident" and st["offload_wait_s"] == 0.0 and st["tool_s"] >= 0.3 and 0.0 <= st["offload_hidden_share"] <= 1.0
+    # the tool wait (0.3 s) prepared this call's context up to the tool result: only the result was computed
+    assert st["base"] == "prepared" and st["prepared"] == "hit" and st["approx_rows"] == 0, st
+    assert st["offload_wait_s"] == 0.0 and st["tool_s"] >= 0.3 and st["offload_hidden_share"] == 1.0
     # the recorder saw both versions exactly as the model did
     (trace,) = rec.episodes()
     validate_trace(trace)
@@ -287,7 +289,7 @@ def test_create_agent_with_middleware_end_to_end_and_recorder(engine):
     # async agent: same result
     aout = asyncio.run(_agent(engine).ainvoke({"messages": [HumanMessage("Where is the Eiffel Tower?")]}, cfg("y")))
     assert [m.content for m in aout["messages"]] == [m.content for m in out["messages"]]
-    assert aout["messages"][-1].response_metadata["patchkv"]["base"] == "resident"
+    assert aout["messages"][-1].response_metadata["patchkv"]["base"] == "prepared"
 
 
 def test_middleware_rejects_a_model_of_another_registry(engine):

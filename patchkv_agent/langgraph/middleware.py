@@ -57,7 +57,7 @@ def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
     if tool_s is not None:
         st["tool_s"] = tool_s
     off, wait = st.get("offload_s"), st.get("offload_wait_s") or 0.0
-    if st.get("base") == "resident":  # resumed from the resident KV: nothing of the offload was waited for
+    if st.get("base") in ("resident", "prepared"):  # resumed without the offload: nothing of it was waited for
         st["offload_hidden_share"] = 1.0
     elif st.get("base") == "background" and off:
         st["offload_hidden_share"] = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
