@@ -399,6 +399,29 @@ class ThreadRegistry:
             prep.future = self._executor.submit(self._prepare_job, th, prep)
             return prep.future
 
+    def wait_prepared(self, key: ThreadKey | None, timeout: float | None = None) -> float:
+        """Wait until the preparation of ``key``'s current version is over (done, failed or stopped).
+
+        Args:
+            key: the thread key (its active context).
+            timeout: seconds at most (None: no limit).
+
+        Returns:
+            The seconds waited (0.0 when nothing is being prepared).
+        """
+        th = self._peek(self.active(key)) if key is not None else None
+        prep = th.preparation if th is not None else None
+        if prep is None or prep.future is None or prep.future.done():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            prep.future.result(timeout)
+        except TimeoutError:
+            pass
+        except Exception:  # the job records its own failure
+            log.exception("preparation of thread %s failed", th.key)
+        return time.perf_counter() - t0
+
     def _prepare_job(self, th: ThreadState, prep: Preparation) -> float | None:
         """Predict, then compute the prediction's KV in chunks (see :meth:`prepare_async`)."""
 
