@@ -127,7 +127,7 @@ def test_a_trigger_decided_by_the_pending_result_is_reported_and_the_likelier_ou
 def test_no_prediction_for_structured_output_or_a_response_without_calls(model):
     req = _request(model, _history(1), [search])
     assert predict_agent_context(model, req, AIMessage("done"), []).reason == "the response asks for no tool"
-    req.response_format = object()
+    req = _request(model, _history(1), [search]).override(response_format=object())
     assert "structured" in predict_agent_context(model, req, AIMessage("", tool_calls=[
         {"name": "search", "args": {}, "id": "c", "type": "tool_call"}]), []).reason
 
