@@ -8,8 +8,11 @@ HotpotQA passages; its context is edited the way LangGraph users' agents edit th
 - ``SummarizationMiddleware(model=llm, ...)``: past ``--summary-trigger`` tokens, the history before the last
   ``--summary-keep`` messages becomes one summary message, written by the same ``PatchKVChatModel`` (its
   calls run in their own context of the thread, never the agent's);
-- ``PatchKVMiddleware``: each call resumes the thread's previous context (diff, plan, restore, recompute),
-  offloads and heals the KV while the tool runs.
+- ``PatchKVMiddleware(editors=[clear, summarize])``: when a response asks for a search, the next call's
+  context up to the search result is predicted by those two middlewares' own code and computed exactly
+  while the search runs (``--tool-latency`` seconds); the next call then computes only the result and what
+  follows ("prepared during the tool wait"). A call the prediction missed resumes the thread's previous
+  context (diff, plan, restore, recompute).
 
 The model writes every search itself (grammar-forced ``search`` calls for the first ``--searches`` calls,
 then ``tool_choice="auto"``). For each model call the demo prints the edit the middleware made, TTFT of
@@ -18,8 +21,9 @@ the previous context served from cache, the appended messages computed), and whe
 (the tool call and its arguments, or the text) equals exact's. The shadow runs (prefix, floor, exact) use
 the same model and grammar on separate threads, after the agent's call.
 
-    python examples/agent_editors.py                     # SmolLM2-135M, 1 question, 12 searches
+    python examples/agent_editors.py                     # SmolLM2-135M, 1 question, 12 searches, 1.5 s tools
     python examples/agent_editors.py --questions 2 --tool-latency 0.5
+    python examples/agent_editors.py --no-prepare        # without the tool-wait preparation
 """
 
 from __future__ import annotations
@@ -135,7 +139,9 @@ def build_middlewares(llm: PatchKVChatModel, args, rows: list[dict]):
                    "prefix_recompute": rst.get("recompute_tokens"), "base": st.get("base"),
                    "strategy": st.get("strategy"), "fallback": st.get("fallback"),
                    "healed": st.get("base_healed_rows"), "heal_wait_s": st.get("heal_wait_s") or 0.0,
-                   "context": st.get("context")}
+                   "context": st.get("context"), "prepared": st.get("prepared"),
+                   "prepared_reason": st.get("prepared_reason"),
+                   "hidden": st.get("prepared_hidden_share")}
             rows.append(row)
             print_row(row)
             self.prev_view, self.prev_summary, self.prev_cleared = msgs, summary, cleared
@@ -146,7 +152,8 @@ def build_middlewares(llm: PatchKVChatModel, args, rows: list[dict]):
     summarize = SummarizationMiddleware(model=llm, trigger=("tokens", args.summary_trigger),
                                         keep=("messages", args.summary_keep),
                                         token_counter=llm.get_num_tokens_from_messages)
-    return [SearchFirst(), clear, summarize, Shadow(), PatchKVMiddleware(llm.registry)]
+    return [SearchFirst(), clear, summarize, Shadow(),
+            PatchKVMiddleware(llm.registry, editors=[clear, summarize], prepare=not args.no_prepare)]
 
 
 def print_row(r: dict) -> None:
@@ -157,6 +164,10 @@ def print_row(r: dict) -> None:
     what = f"{act[1]}({act[2][:40]})" if act[0] == "call" else repr(str(act[-1])[:40])
     heal = (f", base healed ({r['healed']} rows, waited {r['heal_wait_s'] * 1e3:.0f} ms)"
             if r.get("healed") else "")
+    if r.get("prepared") == "hit":
+        heal += ", prepared during the tool wait"
+    elif r.get("prepared"):
+        heal += f", preparation {r['prepared']}: {str(r.get('prepared_reason') or '')[:70]}"
     print(f"  call {r['call']:2d} {r['tokens'] or 0:5d} tok  {r['edit']:<44} TTFT ms patchkv {ms(r['patchkv_s'])} "
           f"prefix {ms(r['prefix_s'])} floor {ms(r['floor_s'])}  next action "
           f"{'== exact' if r['same_action'] else '!= exact'}: {what}  [{r['strategy']}, recompute "
@@ -174,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-keep", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96,
                     help="tokens per model call (room for a whole search call: the next action)")
-    ap.add_argument("--tool-latency", type=float, default=0.2, help="seconds each search takes (simulated)")
+    ap.add_argument("--tool-latency", type=float, default=1.5,
+                    help="seconds each search takes (simulated; real searches and shell tools take 0.5-30 s)")
+    ap.add_argument("--no-prepare", action="store_true",
+                    help="do not prepare the next call's context while the search runs")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args(argv)
     for name in ("questions", "searches", "clear_trigger", "summary_trigger", "max_tokens"):
@@ -226,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(1 for r in resumed if r['fallback'])} exact fallbacks; median wait for the base's heal "
               f"{statistics.median(r['heal_wait_s'] for r in resumed) * 1e3:.0f} ms (the heal runs while the tool "
               f"runs; on this CPU it can outlast a {args.tool_latency:.1f} s tool)")
+        hits = [r for r in resumed if r.get("prepared") == "hit"]
+        if not args.no_prepare:
+            print(f"prepared during the {args.tool_latency:.1f} s tool wait: {len(hits)}/{len(resumed)} resumed calls "
+                  f"({sum(1 for r in edited if r.get('prepared') == 'hit')}/{len(edited)} edited); their median TTFT "
+                  f"{med(hits, 'patchkv_s') * 1e3:.0f} ms vs their no-edit floor {med(hits, 'floor_s') * 1e3:.0f} ms "
+                  f"and prefix {med(hits, 'prefix_s') * 1e3:.0f} ms; next action equal to exact's in "
+                  f"{sum(r['same_action'] for r in hits)}/{len(hits)}; misses: "
+                  + (", ".join(sorted({str(r.get('prepared')) + ' (' + str(r.get('prepared_reason'))[:60] + ')'
+                                       for r in resumed if r.get('prepared') not in ('hit', None)})) or "none"))
     return 0
 
 
