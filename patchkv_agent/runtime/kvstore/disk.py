@@ -368,6 +368,9 @@ class DiskStore(KVStore):
                 with _open_regular(src / "data.bin") as (fd, st):
                     if st.st_size != n:
                         raise CorruptCheckpoint(f"legacy data.bin has {st.st_size} bytes, its metadata makes {n}")
+                    if st.st_blocks * 512 < st.st_size // 2:  # the previous layout wrote its data densely
+                        raise CorruptCheckpoint(f"legacy data.bin declares {n} bytes but holds mostly holes "
+                                                f"({st.st_blocks * 512} bytes allocated): not written by this store")
                     self._publish(final, raw_meta, _verified_chunks(fd, meta["blobs"]), recovering=True)
                 self.recovered["legacy_restored" if restored else "legacy_migrated"] += 1
         except (OSError, MemoryError, CorruptCheckpoint, *DECODE_ERRORS) as e:

@@ -174,7 +174,8 @@ class RedisStore(KVStore):
         return xxhash.xxh3_64_hexdigest(body).encode() + b" " + body
 
     def _parse_record(self, digest: str, rec: bytes | None) -> tuple[CheckpointKey, int, str, int] | None:
-        """(key, nbytes, gen, nblobs) of an index record, or None when it is absent or damaged."""
+        """(key, nbytes, gen, nblobs) of an index record, or None when it is absent or damaged (a size over the
+        whole budget counts as damaged: the record is then rebuilt from the entry's verified metadata)."""
         if rec is None:
             return None
         try:
@@ -187,6 +188,7 @@ class RedisStore(KVStore):
             ok = (key.digest == digest and isinstance(n, int) and 0 <= n <= MAX_ENTRY_BYTES and isinstance(gen, str)
                   and _GEN.fullmatch(gen) and isinstance(nb, int) and 0 <= nb <= MAX_BLOBS
                   and isinstance(key.version, int))
+            ok = ok and (self.budget_bytes is None or n <= self.budget_bytes)  # else rebuilt from the metadata
             return (key, n, gen, nb) if ok else None
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
