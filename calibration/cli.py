@@ -20,6 +20,11 @@ the ``calib`` split), under the main stages' settings; it runs before the agent 
 
 Writes three files: the profile (``--out``), the drift curves (``.drift.npz``, for figures) and the raw
 resume rows (``.rows.jsonl``, to redo the selection offline).
+
+A bare ``patchkv-agent calibrate`` (no argument at all) starts nothing: it prints what it would run (the
+episodes, the stages, where the profile goes) and roughly how long that takes, and exits with status 2;
+``--run`` starts that default run, and so does any other option (``--out PATH``, ``--model ...``: every
+documented invocation). ``--dry-run`` prints the plan of any invocation and exits 0.
 """
 
 from __future__ import annotations
@@ -31,7 +36,14 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces", "check_calibrate_args"]
+__all__ = ["add_calibrate_cli", "calibrate_main", "build_calibrate_parser", "calib_traces", "check_calibrate_args",
+           "calibration_plan"]
+
+# measured per-episode wall time of the default calibration on SmolLM2-135M (docs/calibration.md: 1720 s for
+# its 50 episodes with --threads 1 on a shared 2-core CPU); agent-stage episodes are ~4k-token contexts
+# decoded for 48 tokens under every window (docs/calibration.md, "Why opt-in")
+_EPISODE_S = 35.0
+_AGENT_EPISODE_S = 60.0
 
 
 def _numbers(kind: type, what: str):
@@ -131,6 +143,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a shared machine)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--run", action="store_true",
+                   help="start the calibration (needed only when no other option is given: a bare `calibrate` "
+                        "prints what it would run and how long, and starts nothing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what this invocation would run and roughly how long, then exit without loading a model")
 
 
 def add_calibrate_cli(subparsers) -> argparse.ArgumentParser:
@@ -330,6 +347,45 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path} is a directory; pass a file path")
 
 
+def calibration_plan(args: argparse.Namespace) -> str:
+    """What ``calibrate`` with these arguments would run and roughly how long it takes (no model loads).
+
+    Args:
+        args: checked arguments (:func:`check_calibrate_args`).
+    Returns:
+        Several lines of text.
+    """
+    from patchkv_agent.loading import cache_dir
+
+    targets = _parse_workloads(args.workload, args.target_tokens)
+    follow = [] if args.follow_workloads.strip() in ("", "none") else [
+        w.strip() for w in args.follow_workloads.split(",") if w.strip()]
+    follow_n = args.follow_n if follow else 0
+    reader = _reader_workloads(args.reader_workloads)
+    agent = _agent_workloads(args.agent_workloads)
+    episodes = len(targets) * args.n + len(follow) * follow_n + len(reader) * args.reader_n
+    agent_eps = len(agent) * args.agent_n
+    est = episodes * _EPISODE_S * (args.versions - 1) / 2 + agent_eps * _AGENT_EPISODE_S * len(args.agent_windows)
+    out = Path(args.out) if args.out else cache_dir() / "profiles" / f"{_safe_name(args.model)}.json"
+    lines = [
+        f"calibrate {args.model}: writes {out} (+ .drift.npz, .rows.jsonl)",
+        f"  episodes: {args.n} per workload of {', '.join(f'{w} at {t} tokens' for w, t in targets.items())}, "
+        f"{args.versions} versions each (edit {args.edit})"
+        + (f"; {follow_n} per edit-following workload ({', '.join(follow)})" if follow_n else ""),
+        f"  stages: drift labels and the length model (tau_V candidates {', '.join(f'{t:g}' for t in args.tau_v)}), "
+        f"the (kappa, block, readers) grid {len(args.kappas)} x {len(args.blocks)} x "
+        f"{len([r for r in args.readers.split(',') if r.strip()])}"
+        + ("" if args.precision_target == "none" else ", the precision policy")
+        + (f", the reader stage ({len(reader)} workloads x {args.reader_n})" if reader else "")
+        + (f", the agent stage ({len(agent)} workloads x {args.agent_n}, windows "
+           f"{', '.join(map(str, args.agent_windows))})" if agent else ""),
+        f"  time: about {est / 60:.0f} min for SmolLM2-135M on 2 free CPU cores (measured: 1720 s for the default "
+        "50 episodes, docs/calibration.md); larger models, busy machines and --threads above the free cores take "
+        "much longer (hours)",
+    ]
+    return "\n".join(lines)
+
+
 def calib_traces(workload: str, edit: str, n: int, **build_kwargs) -> list[dict]:
     """Up to ``n`` calibration-split episodes of a workload, one edit kind per example where possible.
 
@@ -384,6 +440,16 @@ def calibrate_main(args: argparse.Namespace) -> int:
     from .profiling import episodes_from_traces
 
     check_calibrate_args(args)  # before the model loads (the lead CLI has run it already: cheap)
+    given = getattr(args, "_argv", None)  # the options typed (None: called from code, which means it)
+    if args.dry_run or (given is not None and not given and not args.run):
+        print(calibration_plan(args))
+        if args.dry_run:
+            return 0
+        from patchkv_agent.usage import UsageError
+
+        raise UsageError("nothing started (a bare `calibrate` only shows its plan, above): pass --run to start it "
+                         "with these defaults, or give the options you want (e.g. --out PROFILE.json); "
+                         "--dry-run shows the plan of any invocation")
 
     if args.threads:
         import torch
@@ -641,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     from patchkv_agent.usage import UsageError, report
 
     args = build_calibrate_parser().parse_args(argv)
-    args._command = "python -m patchkv_agent.calibration.cli " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
+    args._command = "python -m patchkv_agent.calibration.cli " + shlex.join(args._argv)
     try:
         return calibrate_main(args)
     except UsageError as e:

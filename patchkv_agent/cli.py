@@ -65,8 +65,11 @@ def _engine(args):
     t = time.perf_counter()
     from .profiles import resolve_profile_arg
 
-    eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window,
-                                        profile=resolve_profile_arg(getattr(args, "profile", "auto")))
+    try:
+        eng = PatchKVEngine.from_pretrained(args.model, block_size=args.block_size, dirty_window=args.dirty_window,
+                                            profile=resolve_profile_arg(getattr(args, "profile", "auto")))
+    except OSError as e:  # not found, offline hub, unreadable files: the model cannot be had from here
+        raise UsageError(f"--model {args.model}: {_reason(e)}") from None
     print(f"loaded {args.model} in {time.perf_counter() - t:.1f}s (profile: {eng.profile_path or 'none'}; "
           f"block {eng.settings.block_size}, kappa {eng.settings.kappa})", file=sys.stderr)
     return eng
@@ -240,10 +243,15 @@ def _shard(spec: str) -> tuple[int, int]:
 
 
 def cmd_bench(args) -> int:
-    from .eval.bench import markdown_table, read_results, run_bench, write_summary
+    from .eval.bench import markdown_table, run_bench, write_summary
 
     if args.summarize:
-        summary = write_summary([r for f in args.summarize for r in read_results(f)], args.out_dir)
+        rows = _summary_rows(args.summarize)
+        try:
+            summary = write_summary(rows, args.out_dir)
+        except (ValueError, TypeError, KeyError) as e:  # a row of the right shape whose values still do not add up
+            raise UsageError(f"--summarize: the rows cannot be summarized ({type(e).__name__}: {_reason(e)}); pass "
+                             "results.jsonl files written by `patchkv-agent bench` or `replay`") from None
     else:
         from .eval.bench import build_workload_traces
 
@@ -264,6 +272,47 @@ def cmd_bench(args) -> int:
     print(markdown_table(summary))
     print("wrote " + ", ".join(summary["files"]), file=sys.stderr)
     return 0
+
+
+_SUMMARY_NUMBERS = ("ttft_s", "recompute_ratio", "recompute_tokens", "payload_bytes", "f1", "first_token_kl",
+                    "top1_agree", "tf_agree", "exact_continuation", "floor_ttft_s")
+
+
+def _summary_rows(files: list[str]) -> list[dict]:
+    """The rows of ``bench --summarize``'s files, each checked to be a result row (docs/TRACES.md) that the
+    summary can use.
+
+    Raises:
+        UsageError: (exit status 2) a file that is not JSON Lines, or a row that is not a result row, naming
+            the file, the line and the field.
+    """
+    import math
+
+    from .eval.traces import read_results
+
+    rows = []
+    for f in files:
+        try:
+            got = read_results(f)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--summarize: {_reason(e).replace('; remove the line or rerun without --resume', '')}; "
+                             "pass results.jsonl files written by `patchkv-agent bench` or `replay`") from None
+        for i, r in enumerate(got, 1):
+            where = f"{f}: row {i}"
+            if not isinstance(r, dict):
+                raise UsageError(f"--summarize: {where} is not a JSON object; pass results.jsonl files written by "
+                                 "`patchkv-agent bench` or `replay`")
+            if not isinstance(r.get("strategy"), str):
+                raise UsageError(f"--summarize: {where} has no strategy name; pass results.jsonl files written by "
+                                 "`patchkv-agent bench` or `replay`")
+            for field in _SUMMARY_NUMBERS:
+                v = r.get(field)
+                ok = v is None or (isinstance(v, (int, float)) and math.isfinite(v))
+                if not ok or (field == "ttft_s" and v is None):
+                    raise UsageError(f"--summarize: {where}: {field} is {str(v)[:40]!r}, not a number; pass "
+                                     "results.jsonl files written by `patchkv-agent bench` or `replay`")
+        rows += got
+    return rows
 
 
 def cmd_bench_loop(args) -> int:
@@ -590,7 +639,10 @@ def main(argv: list[str] | None = None) -> int:
         SystemExit: status 2 with one line on stderr for a bad argument (:class:`~patchkv_agent.usage.UsageError`
             re-raised after printing it); argparse's own errors are one line too.
     """
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw)
+    if args.command == "calibrate":  # the options typed after it: a bare `calibrate` only shows its plan
+        args._argv = raw[raw.index("calibrate") + 1:] if "calibrate" in raw else raw
     prog = f"patchkv-agent {args.command}"
     try:
         check_args(args)

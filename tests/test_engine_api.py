@@ -216,7 +216,7 @@ def test_store_fallback_kinds(eng, pair, exc, kind, label, monkeypatch):
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
 
-    def fail(_key):
+    def fail(_key, **_kw):
         raise exc
 
     monkeypatch.setattr(store, "get", fail)

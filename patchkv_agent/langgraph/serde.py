@@ -15,7 +15,14 @@ read. :class:`AllowlistSerializer` reads the same formats but builds only:
 Anything else (another class, a method call, a NumPy array, pickle, a LangChain ``secret`` or a
 non-message ``constructor`` in the old JSON format, malformed or over-deep data, a blob larger than
 ``max_blob_bytes``) raises :class:`UntrustedCheckpointError` naming what was refused: no object is
-built from a name in the data and no import runs. Writing (``dumps_typed``) is LangGraph's own
+built from a name in the data and no import runs.
+
+Decoding is bounded before it starts: a msgpack blob is walked once without building anything (every
+value counted, extension payloads included; every container's declared length checked against the bytes
+left, since each element takes at least one), a JSON blob's values are counted by one pass over its
+tokens, and a blob of more than ``max_objects`` values (default :data:`MAX_OBJECTS`) or nested deeper than
+200 is refused unread. A blob's decoded memory is then at most its size plus about 100 bytes per value,
+so a few kilobytes of empty maps can no longer cost gigabytes. Writing (``dumps_typed``) is LangGraph's own
 encoder, so a saver built with ``serde=AllowlistSerializer()`` writes what any LangGraph reader reads.
 
 Knows LangGraph's serialization formats and LangChain's message classes; nothing about models.
@@ -26,13 +33,16 @@ from __future__ import annotations
 import datetime as _dt
 import decimal
 import json
+import re
 import uuid
 from collections import deque
 from typing import Any, Callable
 
-__all__ = ["AllowlistSerializer", "UntrustedCheckpointError", "MAX_BLOB_BYTES"]
+__all__ = ["AllowlistSerializer", "UntrustedCheckpointError", "MAX_BLOB_BYTES", "MAX_OBJECTS", "msgpack_census",
+           "json_census"]
 
 MAX_BLOB_BYTES = 256 << 20  # one checkpoint blob; larger ones are refused before they are decoded
+MAX_OBJECTS = 1_000_000  # values in one blob (a 5,000-message history is ~100k); more are refused undecoded
 _MAX_DEPTH = 200  # nesting of decoded containers (msgpack and JSON alike)
 
 # msgpack extension codes of langgraph.checkpoint.serde.jsonplus
@@ -122,20 +132,156 @@ def _build_value(module: str, name: str, arg: Any, *, code: int) -> Any:
 
 _REFUSED = object()
 
+# msgpack first bytes -> (payload length field size, fixed payload size) of the scalar formats
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8}
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin8/16/32, str8/16/32: length bytes
+_EXT_SIZED = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # ext8/16/32: length bytes (then a type byte)
+_FIXEXT = {0xd4: 1, 0xd5: 2, 0xd6: 4, 0xd7: 8, 0xd8: 16}
+_CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # array16/32, map16/32: (bytes, per item)
+
+
+def msgpack_census(blob: bytes, *, max_objects: int = MAX_OBJECTS, max_depth: int = _MAX_DEPTH) -> int:
+    """Count the values of one msgpack document without building any (extension payloads of LangGraph's
+    codes 0-7 are msgpack too and counted), refusing it as soon as it cannot be decoded cheaply.
+
+    Args:
+        blob: the document.
+        max_objects: values allowed (containers, scalars and extension values alike).
+        max_depth: container and extension nesting allowed.
+
+    Returns:
+        The number of values.
+
+    Raises:
+        UntrustedCheckpointError: more than ``max_objects`` values, deeper than ``max_depth``, a container
+            whose declared length exceeds the bytes left (each element takes at least one), a truncated or
+            malformed document, or bytes after it.
+    """
+    count = 0
+
+    def walk(start: int, end: int, depth: int) -> int:
+        """Walk exactly one document in ``blob[start:end]``; returns its end."""
+        nonlocal count
+        pos = start
+        stack = [1]  # values still to read at each open container level
+        while stack:
+            if stack[-1] == 0:
+                stack.pop()
+                continue
+            stack[-1] -= 1
+            if pos >= end:
+                raise UntrustedCheckpointError("truncated msgpack blob")
+            count += 1
+            if count > max_objects:
+                raise UntrustedCheckpointError(
+                    f"a checkpoint blob holds more than {max_objects} values (refused before decoding: it could "
+                    "take far more memory than its size); pass AllowlistSerializer(max_objects=...) to read it")
+            b = blob[pos]
+            pos += 1
+            items = -1
+            if b <= 0x7f or b >= 0xe0:
+                continue
+            if 0x80 <= b <= 0x8f:
+                items = 2 * (b & 0x0f)
+            elif 0x90 <= b <= 0x9f:
+                items = b & 0x0f
+            elif 0xa0 <= b <= 0xbf:
+                pos += b & 0x1f
+            elif b in _FIXED:
+                pos += _FIXED[b]
+            elif b in _SIZED:
+                w = _SIZED[b]
+                pos += w + int.from_bytes(blob[pos:pos + w], "big")
+            elif b in _CONTAINERS:
+                w, per = _CONTAINERS[b]
+                items = per * int.from_bytes(blob[pos:pos + w], "big")
+                pos += w
+            elif b in _EXT_SIZED or b in _FIXEXT:
+                if b in _EXT_SIZED:
+                    w = _EXT_SIZED[b]
+                    n = int.from_bytes(blob[pos:pos + w], "big")
+                    pos += w
+                else:
+                    n = _FIXEXT[b]
+                if pos + 1 + n > end:
+                    raise UntrustedCheckpointError("truncated msgpack extension in a checkpoint blob")
+                code = blob[pos]
+                pos += 1
+                if code <= _EXT_DELTA:  # LangGraph's payloads are msgpack documents themselves
+                    if depth + len(stack) > max_depth:
+                        raise UntrustedCheckpointError(f"a checkpoint blob nests deeper than {max_depth}")
+                    if walk(pos, pos + n, depth + len(stack)) != pos + n:
+                        raise UntrustedCheckpointError("malformed msgpack extension (bytes after its value)")
+                pos += n
+            else:
+                raise UntrustedCheckpointError(f"not a valid msgpack blob (byte 0x{b:02x} at {pos - 1})")
+            if pos > end:
+                raise UntrustedCheckpointError("truncated msgpack blob")
+            if items > 0:
+                if items > end - pos:
+                    raise UntrustedCheckpointError(
+                        f"a msgpack container in a checkpoint blob declares {items} elements, more than the "
+                        f"{end - pos} bytes left (damaged or hostile)")
+                if depth + len(stack) >= max_depth:
+                    raise UntrustedCheckpointError(f"a checkpoint blob nests deeper than {max_depth}")
+                stack.append(items)
+        return pos
+
+    end = walk(0, len(blob), 0)
+    if end != len(blob):
+        raise UntrustedCheckpointError(f"not a valid msgpack blob ({len(blob) - end} bytes after its value)")
+    return count
+
+
+# one token after another, never restarting inside a string: a string, a value-opening or separating
+# character (counted), a run of anything else (not counted), or a quote that opens no complete string
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[{,]|[^"\[{,]+|"', re.S)
+
+
+def json_census(blob: bytes, *, max_objects: int = MAX_OBJECTS) -> int:
+    """An upper bound of the values in a JSON document (each string, container and separator), found by
+    one linear pass over its tokens without building anything.
+
+    Args:
+        blob: the document.
+        max_objects: values allowed.
+
+    Returns:
+        The bound (the pass stops at an unterminated string, which the decoder then refuses).
+
+    Raises:
+        UntrustedCheckpointError: more than ``max_objects`` values.
+    """
+    count = 0
+    for m in _JSON_TOKEN.finditer(blob):
+        first = blob[m.start()]
+        if first == 0x22 and m.end() - m.start() == 1:
+            break  # an unterminated string: invalid JSON, refused by the decoder
+        if first in (0x22, 0x5B, 0x7B, 0x2C):
+            count += 1
+            if count > max_objects:
+                raise UntrustedCheckpointError(
+                    f"a JSON checkpoint blob holds more than {max_objects} values (refused before decoding: it "
+                    "could take far more memory than its size); pass AllowlistSerializer(max_objects=...) to read it")
+    return count
+
 
 class AllowlistSerializer:
     """A LangGraph ``SerializerProtocol`` that reads LangChain messages and plain data only.
 
     Args:
         max_blob_bytes: largest blob :meth:`loads_typed` decodes.
+        max_objects: most values one blob may hold (counted before it is decoded; see :func:`msgpack_census`).
 
     Use it wherever a checkpoint blob comes from outside the process, e.g.
     ``SqliteSaver(conn, serde=AllowlistSerializer())``; ``patchkv-agent replay --from-checkpointer``
     reads databases through it.
     """
 
-    def __init__(self, *, max_blob_bytes: int = MAX_BLOB_BYTES):
+    def __init__(self, *, max_blob_bytes: int = MAX_BLOB_BYTES, max_objects: int = MAX_OBJECTS):
         self.max_blob_bytes = int(max_blob_bytes)
+        self.max_objects = int(max_objects)
         self._messages = _message_classes()
 
     # ------------------------------------------------------------------ writing: LangGraph's own encoder
@@ -159,8 +305,9 @@ class AllowlistSerializer:
 
         Raises:
             UntrustedCheckpointError: (a ``ValueError``) a class, method call, array, pickle or secret
-                outside the allowlist, an unknown type tag, malformed or over-deep data, or a blob larger
-                than ``max_blob_bytes``; the message names what was refused.
+                outside the allowlist, an unknown type tag, malformed or over-deep data, a blob larger
+                than ``max_blob_bytes`` or holding more than ``max_objects`` values, or a container declaring
+                more elements than bytes left; the message names what was refused.
         """
         try:
             type_, blob = data
@@ -216,6 +363,7 @@ class AllowlistSerializer:
         def unpack(b: bytes) -> Any:
             return ormsgpack.unpackb(b, ext_hook=hook, option=ormsgpack.OPT_NON_STR_KEYS)
 
+        msgpack_census(blob, max_objects=self.max_objects)  # before anything is built
         try:
             value = unpack(blob)
         except (ValueError, TypeError, RecursionError, OverflowError) as e:
@@ -270,6 +418,7 @@ class AllowlistSerializer:
                                                "allowlist: LangChain messages and plain data)")
             return msg
 
+        json_census(blob, max_objects=self.max_objects)  # before anything is built
         try:
             value = json.loads(blob, object_hook=hook)
         except UntrustedCheckpointError:

@@ -8,7 +8,8 @@
   restarts, shared by processes on one host),
   :class:`RedisStore` (shared by worker processes; needs ``pip install 'patchkv-agent[redis]'``).
 - :class:`CheckpointKey`: (deployment, thread, namespace, version, model fingerprint, token-ids hash);
-  an entry is only ever returned for the exact key it was stored under (``codec``).
+  an entry is only ever returned for the exact key it was stored under (``codec``); :class:`EntryLimits`:
+  what the requesting model can need, checked before an entry's blobs are read (``get(key, limits=...)``).
 - :func:`resume_from_store`: selective recovery from the stored checkpoint, or the exact result with
   ``stats["fallback"]`` saying why (``resume``).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from ...core.checkpoint import CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, PutResult, StoreUnavailable
-from .codec import CheckpointKey, ForeignCheckpoint, decode_checkpoint, encode_checkpoint, ids_hash
+from .codec import CheckpointKey, EntryLimits, ForeignCheckpoint, decode_checkpoint, encode_checkpoint, ids_hash
 from .disk import DiskStore
 from .memory import MemoryStore
 from .resume import load_for_resume, resume_from_store
@@ -33,6 +34,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'patchkv_agent.runtime.kvstore' has no attribute {name!r}")
 
 
-__all__ = ["KVStore", "MemoryStore", "DiskStore", "RedisStore", "CheckpointKey", "PutResult", "CheckpointMissing",
+__all__ = ["KVStore", "MemoryStore", "DiskStore", "RedisStore", "CheckpointKey", "EntryLimits", "PutResult",
+           "CheckpointMissing",
            "CorruptCheckpoint", "ForeignCheckpoint", "StoreUnavailable", "encode_checkpoint", "decode_checkpoint",
            "ids_hash", "load_for_resume", "resume_from_store"]

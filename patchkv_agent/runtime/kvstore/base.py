@@ -9,18 +9,23 @@ Contract (``tests/test_kvstore.py`` checks it for every tier):
 
 - ``put`` publishes atomically: a reader sees the whole entry or none, never a part.
 - ``get`` returns a checkpoint only after every byte read back (metadata included) matched the checksum
-  written with it and the entry matched the requested key; otherwise it raises
+  written with it and the entry matched the requested key (and, given :class:`~.codec.EntryLimits`, the
+  requesting model's shape); otherwise it raises
   :class:`~patchkv_agent.core.checkpoint.CorruptCheckpoint` (:class:`~.codec.ForeignCheckpoint` for another
   key's content) and *quarantines* the entry (removes it, counts it in ``stats.quarantined`` and records
   why), so a broken entry never breaks the next call: that one gets :class:`CheckpointMissing` saying it was
-  quarantined. No parse, decode or type error of stored bytes leaves ``get`` as anything else. A key that
+  quarantined. No parse, decode or type error of stored bytes, and no ``MemoryError`` while reading one,
+  leaves ``get`` as anything else. Declared sizes are checked before anything is allocated: an entry larger
+  than the whole budget or this host's memory, or (with limits) of another shape than the model's, is
+  refused unread and quarantined. A key that
   is not there raises :class:`CheckpointMissing` whose ``reason`` says whether it was evicted, never
   stored, too large, quarantined or expired. A tier that cannot be reached raises :class:`StoreUnavailable`.
 - With ``budget_bytes`` set, after every ``put`` the blob bytes held are within the budget; the least
   recently used entries (``get`` and ``put`` count as uses) are evicted first, never the one just put.
   Sizes are derived from verified metadata (shapes and dtypes under the metadata checksum), never from a
   size field no checksum covers, so a damaged record can neither evict valid entries nor switch the
-  budget off.
+  budget off; an entry whose size is over the whole budget (or this host's memory) is quarantined, never
+  a reason to evict others.
 - Every method is safe to call from many OS threads (one re-entrant lock per store instance).
 
 Knows checkpoints through :mod:`.codec` only; nothing about engines or models.
@@ -29,6 +34,7 @@ Knows checkpoints through :mod:`.codec` only; nothing about engines or models.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -38,7 +44,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint
-from .codec import CheckpointKey, ForeignCheckpoint, blob_nbytes, encode_checkpoint
+from .codec import CheckpointKey, EntryLimits, ForeignCheckpoint, blob_nbytes, encode_checkpoint, entry_nbytes
 
 MAX_TOMBSTONES = 4096
 QUARANTINED = "quarantined"
@@ -47,6 +53,14 @@ log = logging.getLogger(__name__)
 
 # what a damaged stored entry can raise while it is parsed (the decode guard turns these into CorruptCheckpoint)
 DECODE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError)
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host in bytes (None when the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class CheckpointMissing(KeyError):
@@ -107,6 +121,7 @@ class KVStore(ABC):
     """
 
     tier = "abstract"
+    _suspect = None  # what a tier's _read judged last (its _quarantine spares an entry replaced since)
 
     def __init__(self, *, deployment: str = "default", budget_bytes: int | None = None):
         if not deployment:
@@ -119,6 +134,8 @@ class KVStore(ABC):
         self._lock = threading.RLock()
         self._lru: OrderedDict[CheckpointKey, int] = OrderedDict()  # oldest first
         self._tombs: OrderedDict[str, str] = OrderedDict()
+        self._limits: EntryLimits | None = None  # of the get in progress (under the lock)
+        self._host_memory = host_memory_bytes()
 
     # ---------------------------------------------------------------- public API
 
@@ -173,12 +190,23 @@ class KVStore(ABC):
             evicted = self._evict(keep=key)
         return PutResult(stored=True, nbytes=n, evicted=tuple(evicted))
 
-    def get(self, key: CheckpointKey) -> Checkpoint:
+    def get(self, key: CheckpointKey, *, limits: EntryLimits | None = None) -> Checkpoint:
         """The checkpoint under ``key``, verified.
+
+        Args:
+            key: from :meth:`key_for`.
+            limits: what the requesting model can need (``EntryLimits.of(engine.spec)``); an entry of
+                another shape is refused before its blobs are read (None: any shape, still bounded by the
+                budget and this host's memory).
+
+        Returns:
+            The checkpoint (fresh tensors, or the held one in the memory tier).
 
         Raises:
             CheckpointMissing: no entry (``reason`` says why).
-            CorruptCheckpoint: damaged bytes (``ForeignCheckpoint``: another key's content).
+            CorruptCheckpoint: damaged bytes (``ForeignCheckpoint``: another key's content), a declared size
+                over the budget or this host's memory, a shape that does not fit ``limits``, or a
+                ``MemoryError`` while it was read; the entry is quarantined.
             StoreUnavailable: the tier cannot be reached.
             ValueError: a key of another deployment.
         """
@@ -190,14 +218,22 @@ class KVStore(ABC):
                                         f"no checkpoint of {key.describe()} in the {self.tier} store "
                                         "(never stored, deleted, or expired)")
             self._index_touch(key)
+            self._limits = limits
             try:
                 try:
                     ckpt = self._read(key)
+                    if limits is not None:  # a tier that holds checkpoints (or does not call _admit)
+                        limits.check_checkpoint(ckpt, key.describe())
                 except (CheckpointMissing, CorruptCheckpoint, StoreUnavailable):
                     raise
+                except MemoryError:  # declared sizes beyond what this process can hold: never raised out
+                    raise CorruptCheckpoint(f"entry of {key.describe()} cannot be read: it needs more memory "
+                                            "than this process has (declared sizes out of range)") from None
                 except DECODE_ERRORS as e:  # a stored-entry parse error the tier did not name: damage
                     raise CorruptCheckpoint(f"entry of {key.describe()} cannot be read: {type(e).__name__}: "
                                             f"{str(e)[:200]}") from None
+                finally:
+                    self._limits = None
             except CheckpointMissing:
                 self.stats.misses += 1
                 raise
@@ -279,7 +315,15 @@ class KVStore(ABC):
         if self.budget_bytes is None:
             return []
         evicted = []
-        items = self._index_items()
+        items = []
+        for k, n in self._index_items():
+            over = None if k == keep else self._oversize(n)
+            if over:  # impossible or planted: taken out, never paid for by evicting valid entries
+                self.stats.corrupt += 1
+                self._suspect = None  # judged by its index record, not by a read of this instance
+                self.quarantine(k, f"its size record {over}")
+            else:
+                items.append((k, n))
         total = sum(n for _, n in items)
         for k, n in items:
             if total <= self.budget_bytes:
@@ -298,6 +342,32 @@ class KVStore(ABC):
             self.stats.evicted_keys.append(k)
             del self.stats.evicted_keys[:-MAX_TOMBSTONES]
         return evicted
+
+    def _oversize(self, nbytes: int) -> str | None:
+        """Why an entry of ``nbytes`` blob bytes cannot be genuine here (over the whole budget, which no
+        ``put`` stores, or over this host's memory), or None."""
+        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+            return (f"declares {nbytes} B, more than the {self.tier} store's whole budget of {self.budget_bytes} B "
+                    "(no put stores that)")
+        if self._host_memory is not None and nbytes > self._host_memory:
+            return f"declares {nbytes} B, more than this host's memory ({self._host_memory} B)"
+        return None
+
+    def _admit(self, meta: Mapping[str, Any], key: CheckpointKey) -> int:
+        """For a tier's ``_read``: the verified size of an entry whose metadata ``check_meta`` accepted, after
+        checking it against the budget, this host's memory and the requesting model (the ``limits`` of the
+        ``get`` in progress), before any blob is read or allocated.
+
+        Raises:
+            CorruptCheckpoint: it does not fit (the entry is then quarantined by ``get``).
+        """
+        n = entry_nbytes(meta)
+        if self._limits is not None:
+            self._limits.check_meta(meta, key.describe())
+        over = self._oversize(n)
+        if over:
+            raise CorruptCheckpoint(f"the entry of {key.describe()} {over}")
+        return n
 
     def _drop(self, key: CheckpointKey) -> None:
         self._remove(key)

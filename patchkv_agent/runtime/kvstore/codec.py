@@ -376,6 +376,71 @@ def _check_structure(meta: Mapping[str, Any], specs: Mapping[str, Mapping[str, A
                                             f"header makes it {dtype} {shape}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class EntryLimits:
+    """What the model asking for an entry can need: an entry of another shape is damage, not data.
+
+    Checked against the verified metadata before any blob is read or allocated (:meth:`check_meta`), and
+    against a decoded checkpoint (:meth:`check_checkpoint`, for tiers that hold checkpoints in memory).
+
+    Attributes:
+        num_layers: the model's decoder layers (the entry must have exactly these).
+        num_kv_heads: its K/V heads (every layer's K/V must have exactly these).
+        head_dim: its head dimension (likewise).
+        max_positions: the longest context it takes (the entry's token count must not exceed it).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+
+    @classmethod
+    def of(cls, spec: Any) -> "EntryLimits":
+        """The limits of a :class:`~patchkv_agent.core.models.ModelSpec` (or anything with its four fields)."""
+        return cls(num_layers=int(spec.num_layers), num_kv_heads=int(spec.num_kv_heads),
+                   head_dim=int(spec.head_dim), max_positions=int(spec.max_positions))
+
+    def _misfit(self, n_layers: int, n_tokens: int, shapes) -> str | None:
+        if n_layers != self.num_layers:
+            return f"{n_layers} layers, the model has {self.num_layers}"
+        if n_tokens > self.max_positions:
+            return f"{n_tokens} positions, the model takes at most {self.max_positions}"
+        want = (self.num_kv_heads, self.head_dim)
+        for i, (h, d) in enumerate(shapes):
+            if (h, d) != want:
+                return f"layer {i} holds {h} heads x {d} channels, the model {want[0]} x {want[1]}"
+        return None
+
+    def check_meta(self, meta: Mapping[str, Any], what: str) -> None:
+        """Refuse verified metadata (:func:`check_meta` passed) of an entry this model cannot have written.
+
+        Args:
+            meta: metadata :func:`check_meta` accepted.
+            what: the entry, for the message (e.g. ``key.describe()``).
+
+        Raises:
+            CorruptCheckpoint: layers, K/V heads, head_dim or token count differ from the model's (the
+                message says "does not fit this model").
+        """
+        specs = {s["name"]: s for s in meta["blobs"]}
+        n = int(meta["n_layers"])
+        misfit = self._misfit(n, specs["token_ids"]["shape"][0],
+                              ((specs[f"k.{i}"]["shape"][0], specs[f"k.{i}"]["shape"][2]) for i in range(n)))
+        if misfit is not None:
+            raise CorruptCheckpoint(f"the entry of {what} does not fit this model: {misfit}")
+
+    def check_checkpoint(self, ckpt: Checkpoint, what: str) -> None:
+        """As :meth:`check_meta`, on a checkpoint already in memory.
+
+        Raises:
+            CorruptCheckpoint: it does not fit this model.
+        """
+        misfit = self._misfit(len(ckpt.keys), len(ckpt.token_ids), ((k.shape[0], k.shape[2]) for k in ckpt.keys))
+        if misfit is not None:
+            raise CorruptCheckpoint(f"the entry of {what} does not fit this model: {misfit}")
+
+
 def entry_nbytes(meta: Mapping[str, Any]) -> int:
     """Total blob bytes of an entry whose metadata :func:`check_meta` accepted (what budgets count),
     derived from the verified shapes and dtypes."""

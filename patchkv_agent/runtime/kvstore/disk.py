@@ -14,7 +14,15 @@ verified before use: the header's metadata checksum, the codec's checksum over t
 its field types, the file length against the length derived from the verified blob table, and each
 blob's xxh3. A check that fails quarantines the entry (moved to ``.quarantine/``, counted, its reason
 recorded) so the next call sees a plain miss; nothing that is not a regular file is ever opened for
-reading (a FIFO or a directory in place of an entry is skipped, never waited on).
+reading (a FIFO or a directory in place of an entry is skipped, never waited on). Sizes are checked before
+anything is allocated: the length the verified blob table makes must be the file's, within the budget and
+this host's memory, and (for a ``get`` with :class:`~.codec.EntryLimits`) what the requesting model can
+need; an entry failing that is quarantined unread, so a sparse file declaring terabytes costs nothing.
+
+No path inside the store is followed through a symbolic link: the deployment directory, ``.gone`` and
+``.quarantine`` are checked with ``lstat`` when the store opens (a link is refused with an error naming the
+fix) and opened with ``O_NOFOLLOW`` when used, and tombstones and quarantined entries are written, listed
+and pruned relative to those directory descriptors, pruning only names the store itself writes.
 
 ``put`` writes the new entry to a temporary file, fsyncs it, and swaps it into place with one
 ``rename(2)`` (which drops the old copy in the same atomic step), then fsyncs the directory: at every
@@ -67,7 +75,12 @@ HEADER = struct.Struct("<8sQQ")  # magic, metadata length, xxh3-64 of the metada
 SUFFIX = ".kv"
 KEEP_QUARANTINED = 16
 _DIGEST = re.compile(r"[0-9a-f]{32}")
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_QUARANTINED = re.compile(r"[0-9a-f]{32}-[0-9]{1,24}\.kv")  # what _quarantine_file names (the only names pruned)
+_TMP = re.compile(r"\.tmp-[0-9a-f]{32}-[0-9A-Za-z]{1,64}(?:\.kv|-old)?")  # put / previous-layout temporaries
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_OPEN_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
+SPECIAL_DIRS = (".gone", ".quarantine")
 
 
 def _dir_name(deployment: str) -> str:
@@ -80,11 +93,47 @@ class NotRegular(OSError):
     """A path that should be a regular file is something else (FIFO, directory, device, symlink)."""
 
 
-@contextlib.contextmanager
-def _open_regular(path: Path) -> Iterator[tuple[int, os.stat_result]]:
-    """Open ``path`` for reading without following a symlink or blocking on a FIFO; refuse non-regular files."""
+class LinkedDirectory(OSError):
+    """A directory of the store is a symbolic link (or not a directory): refused, never followed."""
+
+
+def _refuse_link(path: Path) -> LinkedDirectory:
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        target = f" (to {os.readlink(path)!r})"
+    except OSError:
+        target = ""
+    return LinkedDirectory(f"{path} is a symbolic link{target}; a disk store never follows links inside its "
+                           f"directory: remove the link (rm {path}) and reopen the store (to keep the store "
+                           "elsewhere, pass that location as root)")
+
+
+def _ensure_dir(path: Path) -> None:
+    """Create ``path`` if missing; refuse it when it is a symbolic link or not a directory."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse_link(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise LinkedDirectory(f"{path} is not a directory; remove it (rm {path}) and reopen the store")
+
+
+def _open_dir(name: str | os.PathLike, dir_fd: int | None = None) -> int:
+    """A descriptor of a directory opened without following a symbolic link (LinkedDirectory if it is one)."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise LinkedDirectory(f"{name} is a symbolic link or not a directory (refused)") from None
+        raise
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path | str, dir_fd: int | None = None) -> Iterator[tuple[int, os.stat_result]]:
+    """Open ``path`` (relative to ``dir_fd`` when given) for reading without following a symlink or blocking
+    on a FIFO; refuse non-regular files."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:  # a symlink in place of the file
             raise NotRegular(f"{path} is a symbolic link") from None
@@ -115,10 +164,45 @@ def _read_fd(fd: int, n: int, offset: int = 0) -> bytes:
     return b"".join(chunks)
 
 
-def read_small_text(path: Path, limit: int = 4096) -> str | None:
-    """A short regular file's text (undecodable bytes replaced), or None when absent, not regular or unreadable."""
+def _read_exact(fd: int, n: int, offset: int) -> bytearray:
+    """``n`` bytes at ``offset`` into one preallocated buffer (no second copy); CorruptCheckpoint if short."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.preadv(fd, [view[got:got + (1 << 26)]], offset + got)
+        if k <= 0:
+            raise CorruptCheckpoint(f"entry file ended after {got} of its {n} data bytes (truncated)")
+        got += k
+    return buf
+
+
+def _verified_chunks(fd: int, specs: list) -> Iterator[bytes]:
+    """The blobs of a data file in bounded chunks, each blob's xxh3 checked at its end (CorruptCheckpoint)."""
+    off = 0
+    for spec in specs:
+        h, left = xxhash.xxh3_64(), spec["nbytes"]
+        while left:
+            b = os.pread(fd, min(left, 1 << 24), off)
+            if not b:
+                raise CorruptCheckpoint(f"data ended inside blob {spec['name']} (truncated)")
+            h.update(b)
+            off += len(b)
+            left -= len(b)
+            yield b
+        if h.hexdigest() != spec["xxh3"]:
+            raise CorruptCheckpoint(f"blob {spec['name']} failed its checksum")
+
+
+def read_small_text(path: Path | str, limit: int = 4096, *, dir_fd: int | None = None) -> str | None:
+    """A short regular file's text (undecodable bytes replaced), or None when absent, not regular or unreadable.
+
+    Args:
+        path: the file (relative to ``dir_fd`` when given); a link is never followed.
+        limit: bytes read at most.
+        dir_fd: a directory descriptor ``path`` is relative to (None: the working directory).
+    """
     try:
-        with _open_regular(path) as (fd, _):
+        with _open_regular(path, dir_fd) as (fd, _):
             return _read_fd(fd, limit).decode("utf-8", "replace")
     except OSError:
         return None
@@ -155,7 +239,8 @@ class DiskStore(KVStore):
         fsync: fsync files and directories on publish (off only for throwaway stores).
 
     Raises:
-        StoreUnavailable: ``root`` cannot be created or listed.
+        StoreUnavailable: ``root`` cannot be created or listed, or the deployment directory, ``.gone`` or
+            ``.quarantine`` is a symbolic link or not a directory (the message names the path and the fix).
     """
 
     tier = "disk"
@@ -169,10 +254,14 @@ class DiskStore(KVStore):
         self._clock = 0  # last recency stamp (ns)
         self.recovered: dict[str, int] = {"tmp_removed": 0, "legacy_migrated": 0, "legacy_restored": 0}
         try:
-            for sub in (".gone", ".quarantine"):
-                (self.dir / sub).mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=True)  # root itself may be a link: the caller chose it
+            _ensure_dir(self.dir)
+            for sub in SPECIAL_DIRS:
+                _ensure_dir(self.dir / sub)
             self._recover()
             self._scan()
+        except LinkedDirectory as e:
+            raise StoreUnavailable(f"disk store at {self.dir} cannot be opened: {e}") from None
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot be opened: {e}") from e
 
@@ -209,6 +298,20 @@ class DiskStore(KVStore):
         finally:
             os.close(fd)  # releases the lock
 
+    @contextlib.contextmanager
+    def _subdir(self, name: str) -> Iterator[int]:
+        """A descriptor of the special directory ``name`` (``.gone``, ``.quarantine``), opened relative to
+        the store's directory without following a link at either step (LinkedDirectory otherwise)."""
+        dfd = _open_dir(self.dir)
+        try:
+            sfd = _open_dir(name, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            yield sfd
+        finally:
+            os.close(sfd)
+
     # ------------------------------------------------------------------ restart
 
     def _recover(self) -> None:
@@ -216,8 +319,8 @@ class DiskStore(KVStore):
         with self._dir_lock(exclusive=True, blocking=False) as alone:
             now = time.time()
             for e in list(os.scandir(self.dir)):
-                if not e.name.startswith(".tmp-"):
-                    continue
+                if not _TMP.fullmatch(e.name):
+                    continue  # only the temporaries the store itself names
                 try:
                     old = now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_S
                 except OSError:
@@ -244,22 +347,35 @@ class DiskStore(KVStore):
             pass
 
     def _migrate_legacy(self, src: Path, digest: str, restored: bool = False) -> None:
-        """An entry of the previous layout (a directory of meta.json + data.bin) -> an entry file."""
+        """An entry of the previous layout (a directory of meta.json + data.bin) -> an entry file.
+
+        The data is checked against its verified size (within the budget and this host's memory) before a
+        byte of it is read, then streamed (never held whole) with every blob's checksum verified before the
+        entry is published; a directory that fails any of this is removed with a warning and never breaks
+        opening the store.
+        """
         final = self.dir / f"{digest}{SUFFIX}"
         try:
-            if not final.exists() and _DIGEST.fullmatch(digest):
+            if not os.path.lexists(final) and _DIGEST.fullmatch(digest):
                 with _open_regular(src / "meta.json") as (fd, st):
                     raw_meta = _read_fd(fd, min(st.st_size, MAX_META_BYTES + 1))
                 meta = parse_meta(raw_meta, "legacy metadata")
                 stored = check_meta(meta, None)
+                n = entry_nbytes(meta)
+                over = self._oversize(n)
+                if stored.digest != digest or over:
+                    raise CorruptCheckpoint(f"legacy entry {over or 'does not match its name'}")
                 with _open_regular(src / "data.bin") as (fd, st):
-                    data = _read_fd(fd, st.st_size)
-                if stored.digest != digest or len(data) != entry_nbytes(meta):
-                    raise CorruptCheckpoint("legacy entry does not match its name or length")
-                self._publish(final, raw_meta, [memoryview(data)], recovering=True)
+                    if st.st_size != n:
+                        raise CorruptCheckpoint(f"legacy data.bin has {st.st_size} bytes, its metadata makes {n}")
+                    if st.st_blocks * 512 < st.st_size // 2:  # the previous layout wrote its data densely
+                        raise CorruptCheckpoint(f"legacy data.bin declares {n} bytes but holds mostly holes "
+                                                f"({st.st_blocks * 512} bytes allocated): not written by this store")
+                    self._publish(final, raw_meta, _verified_chunks(fd, meta["blobs"]), recovering=True)
                 self.recovered["legacy_restored" if restored else "legacy_migrated"] += 1
-        except (OSError, CorruptCheckpoint, *DECODE_ERRORS) as e:
-            log.warning("disk store %s: legacy entry %s not migrated: %s", self.dir, src.name, str(e)[:200])
+        except (OSError, MemoryError, CorruptCheckpoint, *DECODE_ERRORS) as e:
+            log.warning("disk store %s: legacy entry %s not migrated (removed): %s", self.dir, src.name,
+                        str(e)[:200] or type(e).__name__)
         self._rm(src)
 
     def _scan(self) -> None:
@@ -289,6 +405,9 @@ class DiskStore(KVStore):
                 if st.st_size != data_off + n:
                     raise CorruptCheckpoint(f"entry file {p.name} has {st.st_size} bytes, its metadata makes "
                                             f"{data_off + n} (truncated or wrong length)")
+                over = self._oversize(n)
+                if over:  # never indexed at its declared size: it would evict every valid entry
+                    raise CorruptCheckpoint(f"entry file {p.name} {over}")
                 return st.st_mtime_ns, key, n
         except FileNotFoundError:
             return None
@@ -321,7 +440,7 @@ class DiskStore(KVStore):
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot write {key.describe()}: {e}") from e
 
-    def _publish(self, final: Path, raw_meta: bytes, chunks: list, *, recovering: bool = False) -> None:
+    def _publish(self, final: Path, raw_meta: bytes, chunks, *, recovering: bool = False) -> None:
         """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory.
 
         ``recovering``: called by recovery, which already holds the exclusive lock.
@@ -374,11 +493,11 @@ class DiskStore(KVStore):
                 self._suspect = (key.digest, st.st_dev, st.st_ino)  # the file whose bytes are judged
                 meta, data_off = _read_meta(fd, st.st_size)
                 check_meta(meta, key)  # before the blob table is trusted
-                n = entry_nbytes(meta)
+                n = self._admit(meta, key)  # the model's shape, the budget, this host: before any allocation
                 if st.st_size != data_off + n:
                     raise CorruptCheckpoint(f"entry file of {key.describe()} has {st.st_size} bytes, expected "
                                             f"{data_off + n} (truncated or wrong length)")
-                data = _read_fd(fd, n, data_off)
+                data = _read_exact(fd, n, data_off)
         except FileNotFoundError:
             self._index_pop(key)
             raise CheckpointMissing(key, self._tomb_get(key) or f"checkpoint of {key.describe()} was removed "
@@ -413,25 +532,71 @@ class DiskStore(KVStore):
     def _quarantine_file(self, p: Path, digest: str, reason: str, found_by_scan: bool = False) -> None:
         """Move a damaged entry aside (the newest ``KEEP_QUARANTINED`` are kept for inspection).
 
+        Works relative to the store's own directory descriptors: the entry is renamed into ``.quarantine``
+        opened without following a link (when that fails, e.g. ``.quarantine`` became a link, the entry is
+        removed instead), and only names this method writes, of regular files, are pruned there.
+
         ``found_by_scan``: found on open or by an index lookup, not by ``get`` (which counts and records its own).
         """
-        q = self.dir / ".quarantine"
         try:
-            os.rename(p, q / f"{digest}-{time.time_ns()}{SUFFIX}")
-        except FileNotFoundError:
+            dfd = _open_dir(self.dir)
+        except OSError as e:
+            log.warning("disk store %s: cannot quarantine %s: %s", self.dir, p.name, e)
             return
-        except OSError:
-            self._rm(p)
+        try:
+            try:
+                qfd = _open_dir(".quarantine", dir_fd=dfd)
+            except OSError as e:  # a link (refused), or missing: the entry is removed instead of moved
+                qfd = None
+                log.warning("disk store %s: .quarantine unusable (%s); removing %s instead of moving it aside",
+                            self.dir, e, p.name)
+            try:
+                if qfd is None:
+                    raise OSError(errno.ENOENT, "no usable .quarantine")
+                os.rename(p.name, f"{digest}-{time.time_ns()}{SUFFIX}", src_dir_fd=dfd, dst_dir_fd=qfd)
+                self._prune_quarantine(qfd)
+            except OSError:
+                try:
+                    st = os.lstat(p.name, dir_fd=dfd)
+                except FileNotFoundError:
+                    if qfd is not None:
+                        return  # already gone (another process took it out)
+                    st = None
+                with contextlib.suppress(OSError):
+                    if st is not None and stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(p.name, dir_fd=dfd)
+                    elif st is not None:
+                        os.unlink(p.name, dir_fd=dfd)
+            finally:
+                if qfd is not None:
+                    os.close(qfd)
+        finally:
+            os.close(dfd)
         log.warning("disk store %s: quarantined %s: %s", self.dir, p.name, (reason.splitlines() or [""])[0][:300])
-        with contextlib.suppress(OSError):
-            old = sorted(q.iterdir(), key=lambda x: x.name.rsplit("-", 1)[-1])
-            for x in old[:-KEEP_QUARANTINED]:
-                self._rm(x)
         if found_by_scan:
             self.stats.quarantined += 1
             for k in [k for k in self._lru if k.digest == digest]:
                 self._lru.pop(k, None)
             self._tomb_put_digest(digest, f"entry {p.name} was quarantined as corrupt ({reason[:300]})")
+
+    @staticmethod
+    def _prune_quarantine(qfd: int) -> None:
+        """Remove all but the newest ``KEEP_QUARANTINED`` quarantined entries: only names the store writes
+        there (``<digest>-<ns>.kv``), never a link; anything else in the directory is left alone."""
+        mine = []
+        for name in os.listdir(qfd):
+            if _QUARANTINED.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    mode = os.lstat(name, dir_fd=qfd).st_mode
+                    if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISFIFO(mode):  # what was moved here
+                        mine.append((int(name[33:-len(SUFFIX)]), name, stat.S_ISDIR(mode)))
+        mine.sort()
+        for _, name, is_dir in mine[:-KEEP_QUARANTINED]:
+            with contextlib.suppress(OSError):
+                if is_dir:
+                    shutil.rmtree(name, dir_fd=qfd)  # fd-based: never follows a link inside it
+                else:
+                    os.unlink(name, dir_fd=qfd)
 
     # tombstones persist so another process (or a restart) can say why a key is gone
 
@@ -440,23 +605,42 @@ class DiskStore(KVStore):
         self._tomb_put_digest(key.digest, reason)
 
     def _tomb_put_digest(self, digest: str, reason: str) -> None:
-        p = self.dir / ".gone" / digest
+        """Write ``.gone/<digest>`` through the directory's descriptor (never through a link)."""
+        tmp = f".{digest}-{uuid.uuid4().hex}"
         try:
-            tmp = p.with_name(f".{digest}-{uuid.uuid4().hex}")
-            tmp.write_text(reason)
-            os.replace(tmp, p)
+            with self._subdir(".gone") as gfd:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644, dir_fd=gfd)
+                try:
+                    data = memoryview(reason.encode("utf-8", "replace"))
+                    while data:
+                        data = data[os.write(fd, data):]
+                finally:
+                    os.close(fd)
+                try:
+                    os.replace(tmp, digest, src_dir_fd=gfd, dst_dir_fd=gfd)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=gfd)
+                    raise
+        except LinkedDirectory as e:
+            log.warning("disk store %s: tombstone of %s not written: %s", self.dir, digest, e)
         except OSError:
             pass
 
     def _tomb_get(self, key) -> str | None:
         reason = super()._tomb_get(key)
         if reason is None:
-            reason = read_small_text(self.dir / ".gone" / key.digest) or None
+            try:
+                with self._subdir(".gone") as gfd:
+                    reason = read_small_text(key.digest, dir_fd=gfd) or None
+            except OSError:
+                reason = None
         return reason
 
     def _tomb_pop(self, key) -> None:
         super()._tomb_pop(key)
         try:
-            (self.dir / ".gone" / key.digest).unlink()
+            with self._subdir(".gone") as gfd:
+                os.unlink(key.digest, dir_fd=gfd)
         except OSError:
             pass

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...core.checkpoint import Checkpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
-from .codec import CheckpointKey, verify_blobs
+from .codec import CheckpointKey, EntryLimits, verify_blobs
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,26 @@ class MemoryStore(KVStore):
         self.verify = verify
         self._entries: dict[CheckpointKey, tuple[Checkpoint, dict[str, Any], Mapping[str, np.ndarray]]] = {}
 
-    def get(self, key: CheckpointKey) -> Checkpoint:
-        """As :meth:`KVStore.get`; an entry spilled by eviction is read from the spill tier."""
+    def get(self, key: CheckpointKey, *, limits: EntryLimits | None = None) -> Checkpoint:
+        """As :meth:`KVStore.get`; an entry spilled by eviction is read from the spill tier.
+
+        Args:
+            key: from :meth:`key_for`.
+            limits: what the requesting model can need (passed on to the spill tier too).
+
+        Returns:
+            The held checkpoint (checksums re-verified), or the spill tier's copy.
+
+        Raises:
+            CheckpointMissing, CorruptCheckpoint, StoreUnavailable, ValueError: as :meth:`KVStore.get`.
+        """
         try:
-            return super().get(key)
+            return super().get(key, limits=limits)
         except CheckpointMissing as e:
             if self.spill is None:
                 raise
             try:
-                return self.spill.get(key)
+                return self.spill.get(key, limits=limits)
             except CheckpointMissing as e2:
                 raise CheckpointMissing(key, f"{e.reason}; {self.spill.tier} tier: {e2.reason}") from None
 

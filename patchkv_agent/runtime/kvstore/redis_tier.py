@@ -18,7 +18,13 @@ Nothing read back is trusted unverified: the metadata hash is checked against it
 the generation, hence the blob names, and the blob table, hence every size and the blob count); an index
 record is checked against its own checksum and against the key's digest; a damaged index record is rebuilt
 from the entry's verified metadata, or, when that is damaged too, the entry is quarantined (deleted,
-counted, its reason recorded). Budgets count sizes from verified records only.
+counted, its reason recorded). Budgets count sizes from verified records only; a record (even a
+self-consistent one) declaring more than the whole budget or this host's memory is quarantined, never a
+reason to evict others. Before a blob is fetched, the verified metadata is checked against the budget, this
+host's memory and the requesting model (:class:`~.codec.EntryLimits`), and every blob value's length
+(``STRLEN``) against the length its metadata makes. Scanning the index is pipelined in batches, and
+members of ``:lru`` that are not entries (junk digests, expired entries) are pruned in batches, so a
+hundred thousand of them cost a few round trips, not one each.
 
 ``put`` writes the blobs under a fresh generation and the metadata and index in one MULTI/EXEC
 transaction, so another client sees the old entry or the whole new one. With ``ttl_s`` the metadata and
@@ -43,7 +49,8 @@ import xxhash
 
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
-from .codec import CheckpointKey, check_meta, decode_checkpoint, entry_nbytes, meta_checksum, parse_meta
+from .codec import (MAX_ENTRY_BYTES, CheckpointKey, check_meta, decode_checkpoint, entry_nbytes, meta_checksum,
+                    parse_meta)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 _GEN = re.compile(r"[0-9a-f]{12}")
 _ESCAPE = set('%:*?[]\\{}') | {chr(c) for c in range(33)} | {"\x7f"}
 MAX_BLOBS = 1 << 20
+BATCH = 1000  # members per pipelined batch when the index is scanned or pruned
 
 
 def escape_part(text: str) -> str:
@@ -166,7 +174,8 @@ class RedisStore(KVStore):
         return xxhash.xxh3_64_hexdigest(body).encode() + b" " + body
 
     def _parse_record(self, digest: str, rec: bytes | None) -> tuple[CheckpointKey, int, str, int] | None:
-        """(key, nbytes, gen, nblobs) of an index record, or None when it is absent or damaged."""
+        """(key, nbytes, gen, nblobs) of an index record, or None when it is absent or damaged (a size over the
+        whole budget counts as damaged: the record is then rebuilt from the entry's verified metadata)."""
         if rec is None:
             return None
         try:
@@ -176,9 +185,10 @@ class RedisStore(KVStore):
             r = json.loads(body)
             key = CheckpointKey(**r["key"])
             n, gen, nb = r["nbytes"], r["gen"], r["nblobs"]
-            ok = (key.digest == digest and isinstance(n, int) and n >= 0 and isinstance(gen, str)
+            ok = (key.digest == digest and isinstance(n, int) and 0 <= n <= MAX_ENTRY_BYTES and isinstance(gen, str)
                   and _GEN.fullmatch(gen) and isinstance(nb, int) and 0 <= nb <= MAX_BLOBS
                   and isinstance(key.version, int))
+            ok = ok and (self.budget_bytes is None or n <= self.budget_bytes)  # else rebuilt from the metadata
             return (key, n, gen, nb) if ok else None
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
@@ -276,7 +286,23 @@ class RedisStore(KVStore):
                     raise CheckpointMissing(key, self._tomb_get(key) or f"checkpoint of {key.describe()} left "
                                             "the Redis store (evicted or expired)")
                 meta = self._verified_meta(raw, key)
+                self._admit(meta, key)  # the model's shape, the budget, this host: before any fetch
                 names = self._blob_names(key.digest, meta["store"]["gen"], len(meta["blobs"]))
+                if names:  # every value's length before the values themselves: none larger than declared
+                    pipe = self.client.pipeline(transaction=False)
+                    for name in names:
+                        pipe.strlen(name)
+                    lens = pipe.execute()
+                    wrong = [(spec, got) for spec, got in zip(meta["blobs"], lens) if got != spec["nbytes"]]
+                    if wrong:
+                        if self._hget_meta(mk) != raw:
+                            continue
+                        spec, got = wrong[0]
+                        if got == 0:
+                            raise CorruptCheckpoint(f"blob {spec['name']} of {key.describe()} is missing from "
+                                                    "Redis")
+                        raise CorruptCheckpoint(f"blob {spec['name']} of {key.describe()} holds {got} bytes in "
+                                                f"Redis, expected {spec['nbytes']} (truncated or wrong length)")
                 values = self.client.mget(names) if names else []
                 if any(v is None for v in values):
                     if self._hget_meta(mk) != raw:
@@ -385,24 +411,27 @@ class RedisStore(KVStore):
         with self._io("listing keys"):
             members = self.client.zrange(self._k("lru"), 0, -1)
             bad = [m for m in members if not _DIGEST.fullmatch(m.decode("ascii", "replace"))]
-            if bad:
-                self.client.zrem(self._k("lru"), *bad)
-            digests = [m.decode() for m in members if m not in bad]
-            if not digests:
-                return []
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hmget(self._k("idx"), digests)
-            for d in digests:
-                pipe.exists(f"{self.ns}:meta:{d}")
-            recs, *alive = pipe.execute()
-            out = []
+            digests = [m.decode() for m in members if _DIGEST.fullmatch(m.decode("ascii", "replace"))]
+            self._prune(bad, [], [])
+            recs: list = []
+            alive: list = []
+            for i in range(0, len(digests), BATCH):  # one round trip per batch, never one per member
+                chunk = digests[i:i + BATCH]
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hmget(self._k("idx"), chunk)
+                for d in chunk:
+                    pipe.exists(f"{self.ns}:meta:{d}")
+                got, *ok = pipe.execute()
+                recs += got
+                alive += ok
+            out, junk, expired = [], [], []
             for d, rec, ok in zip(digests, recs, alive):
                 parsed = self._parse_record(d, rec)
                 if not ok:
                     if parsed is not None:
-                        self._expire(d, parsed[0], parsed)  # expired: pruned with its reason
-                    elif rec is None:
-                        self._unindex(d)
+                        expired.append((d, parsed))  # expired: pruned with its reason
+                    else:
+                        junk.append(d)  # no entry and no usable record: nothing to say why
                     continue
                 if parsed is None:
                     fixed = self._repair(d, None)
@@ -410,7 +439,37 @@ class RedisStore(KVStore):
                         out.append(fixed)
                     continue
                 out.append((parsed[0], parsed[1]))
+            self._prune([], junk, expired)
         return out
+
+    def _prune(self, bad: list[bytes], junk: list[str], expired: list) -> None:
+        """Remove, in pipelined batches: ``bad`` members of ``:lru`` (not digests), ``junk`` digests (no entry,
+        no usable record) from ``:lru`` and ``:idx``, and ``expired`` ``(digest, parsed record)`` entries from
+        the index with a tombstone saying they expired."""
+        for i in range(0, len(bad), BATCH):
+            self.client.zrem(self._k("lru"), *bad[i:i + BATCH])
+        for i in range(0, len(junk), BATCH):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zrem(self._k("lru"), *junk[i:i + BATCH])
+            pipe.hdel(self._k("idx"), *junk[i:i + BATCH])
+            pipe.execute()
+        if junk:
+            log.warning("Redis store %s: pruned %d index members without an entry", self.ns, len(junk))
+        pipe, pending = None, 0
+        for n, (d, p) in enumerate(expired):
+            if pipe is None:
+                pipe = self.client.pipeline(transaction=False)
+            names = [f"{self.ns}:meta:{d}", *self._blob_names(d, p[2], p[3])]
+            pipe.zrem(self._k("lru"), d)
+            pipe.hdel(self._k("idx"), d)
+            pipe.srem(self._k("names"), *names)
+            pipe.hset(self._k("gone"), d, f"checkpoint of {p[0].describe()} expired from the Redis store "
+                                          f"(TTL {self.ttl_s} s)")
+            pending += len(names) + 3
+            if pending >= 16 * BATCH or n == len(expired) - 1:  # bounded pipelines, few round trips
+                pipe.expire(self._k("gone"), GONE_TTL_S)
+                pipe.execute()
+                pipe, pending = None, 0
 
     def _tomb_put(self, key: CheckpointKey, reason: str) -> None:
         with self._io("recording a removal"):

@@ -4,8 +4,9 @@
 between the store and the engine (the entry is missing or evicted, its bytes are damaged, it belongs to
 another thread or model, the tier is unreachable) the caller gets the exact result of a full prefill with
 ``stats["fallback"]`` naming the reason; never stale or foreign KV, never an exception for a condition
-the caller cannot fix. A verified entry whose K/V do not fit the engine's model (layers, KV heads, head_dim)
-although it carries the model's fingerprint is quarantined like a damaged one. Misuse (a key of another deployment, an unknown strategy, bad token ids) raises
+the caller cannot fix. An entry whose declared K/V do not fit the engine's model (layers, KV heads, head_dim,
+positions) although it carries the model's fingerprint is refused before its blobs are read and
+quarantined like a damaged one. Misuse (a key of another deployment, an unknown strategy, bad token ids) raises
 ``ValueError``/``TypeError`` naming the fix.
 
 Knows the engine's public ``resume`` and the store interface; nothing about tiers or LangGraph.
@@ -21,7 +22,7 @@ from ...core.checkpoint import CorruptCheckpoint
 from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from .base import CheckpointMissing, KVStore, StoreUnavailable
 from ...results import RuntimeStats
-from .codec import CheckpointKey, ForeignCheckpoint
+from .codec import CheckpointKey, EntryLimits, ForeignCheckpoint
 
 __all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
 
@@ -49,13 +50,9 @@ def load_for_resume(engine, store: KVStore, key: CheckpointKey):
                               f"({key.fingerprint[:24]}...) than this engine's ({current[:24]}...); "
                               "not loaded")
     try:
-        ckpt = store.get(key)
-        misfit = _misfit(engine, ckpt)
-        if misfit is None:
-            return ckpt, None
-        reason = f"the checkpoint of {key.describe()} does not fit this model: {misfit}"
-        store.quarantine(key, reason)  # it claims this model's fingerprint, so it is damaged or hostile
-        return None, Fallback(FallbackKind.CORRUPT_CHECKPOINT, reason)
+        # the model's shape bounds what the entry may declare: one that does not fit is refused (and
+        # quarantined: it claims this model's fingerprint, so it is damaged or hostile) before its blobs are read
+        return store.get(key, limits=EntryLimits.of(engine.spec)), None
     except CheckpointMissing as e:
         return None, Fallback(FallbackKind.MISSING, e.reason)
     except ForeignCheckpoint as e:
@@ -68,22 +65,6 @@ def load_for_resume(engine, store: KVStore, key: CheckpointKey):
         detail = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         log.warning("%s store failed reading %s: %s", store.tier, key.describe(), detail)
         return None, Fallback(FallbackKind.STORE_ERROR, detail)
-
-
-def _misfit(engine, ckpt) -> str | None:
-    """Why a verified checkpoint cannot be this engine's model's KV (layers, heads, head_dim), or None.
-
-    The codec proves an entry consistent with itself; only the model can say whether its shapes are the
-    model's, and the recovery would otherwise meet the difference inside a tensor op.
-    """
-    spec = engine.spec
-    if len(ckpt.keys) != spec.num_layers:
-        return f"{len(ckpt.keys)} layers, the model has {spec.num_layers}"
-    want = (spec.num_kv_heads, spec.head_dim)
-    for i, k in enumerate(ckpt.keys):
-        if (k.shape[0], k.shape[2]) != want:
-            return f"layer {i} holds {k.shape[0]} heads x {k.shape[2]} channels, the model {want[0]} x {want[1]}"
-    return None
 
 
 def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids, *, strategy="patchkv",
