@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the first GPU (issue 21): Triton kernels against their torch references at production
-# sizes (every format, K4V4 included), quantize / restore time against device memcpy, then `bench` and
+# sizes (every format, K4V4 included), quantize / restore time against device memcpy, a foreground resume of
+# one thread while another's next context is prepared (scripts/prepare_contention.py), then `bench` and
 # `bench-host` on SmolLM2 (and on each HF model given as an argument). Everything lands under one folder.
 # Builds nothing by hand (the native CPU kernels compile themselves on first use; Triton JITs).
 #
@@ -38,6 +39,14 @@ else
     timeout 150 "$PY" -m patchkv_agent.cli bench-host --repeats 5 --out-dir "$OUT/host_tiny" || status=1
     timeout 120 "$PY" -m patchkv_agent.cli bench-host --model smollm2-135m --lengths 2048,8192,32768 --edits 1,4 \
         --repeats 3 --out-dir "$OUT/host_smollm2" || status=1
+fi
+echo "== a foreground resume while another thread's next context is prepared"
+if [ "$SMALL" = "1" ]; then
+    timeout 120 "$PY" scripts/prepare_contention.py --tiny --tokens 600 --chunk 64 --repeats 2 \
+        --out "$OUT/prepare_contention.json" || status=1
+else
+    timeout 120 "$PY" scripts/prepare_contention.py --model smollm2-135m --tokens 7000 --chunk 512 --repeats 7 \
+        --out "$OUT/prepare_contention.json" || status=1
 fi
 if [ "$SMALL" != "1" ]; then
     echo "== bench (TTFT per strategy)"

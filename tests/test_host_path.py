@@ -228,6 +228,8 @@ def test_gpu_check_script_runs_in_its_small_mode(tmp_path):
 
     assert {r["reader_scan"] for r in host["rows"]} == {"native" if native.available() else "numpy"}
     assert (tmp_path / "out" / "host_tiny" / "host.png").stat().st_size > 0
+    prep = json.loads((tmp_path / "out" / "prepare_contention.json").read_text())
+    assert prep["tokens"] == 600 and prep["chunks"] >= 1 and prep["b_resume_during_preparation_s"]["median"] > 0
 
 
 def test_bench_host_rejects_bad_arguments(capsys):
