@@ -41,6 +41,12 @@ most tokens the diff can reuse) and opens a new one when none shares a quarter o
 two callers on one key never overwrite each other's KV. :meth:`handle`, :meth:`offload_async` and
 :meth:`wait` act on the context the key's last call used.
 
+*Preparation* (:meth:`ThreadRegistry.prepare_async`): while a thread's tools run, its predicted next
+context is computed exactly in the worker, in chunks that give way to foreground forwards; the next resume
+starts from it when the call's context continues it (base ``"prepared"``), and says in its stats whether
+the preparation was a hit, partial, a miss, unfinished or failed. :meth:`phase` tells where a thread's KV
+is (:class:`~patchkv_agent.runtime.state.Phase`).
+
 Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its
 snapshot and to install the result, not while it quantizes and copies), the engine's ``forward_lock`` for
 the model forward (one forward at a time per model, shared with every other registry and direct caller of
