@@ -183,6 +183,13 @@ def cmd_replay(args) -> int:
     return 1 if errors else 0
 
 
+def _floors(args) -> tuple[str, ...]:
+    """The ``--noise-floor`` names (checked by :func:`_check_args` before any model loads)."""
+    from .eval.noise_floor import parse_floors
+
+    return parse_floors(getattr(args, "noise_floor", None))
+
+
 def _run_replay(args, todo, results) -> tuple[list[dict], list[tuple[str, str]]]:
     from .eval.replay import replay_episode
 
@@ -190,7 +197,8 @@ def _run_replay(args, todo, results) -> tuple[list[dict], list[tuple[str, str]]]
     rows, errors = [], []
     for tr, strategies in tqdm(todo, desc="replay", unit="episode"):
         try:
-            for row in replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model):
+            for row in replay_episode(eng, tr, strategies, max_new_tokens=args.max_new_tokens, model_name=args.model,
+                                      floors=_floors(args)):
                 if (row["id"], row["version"], row["strategy"]) in results.done:
                     continue  # a strategy rerun for its missing versions: keep the row already written
                 try:
@@ -266,7 +274,7 @@ def cmd_bench(args) -> int:
         heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]
         summary = run_bench(eng, traces, args.strategies.split(","), args.out_dir,
                             max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume,
-                            heal=heal)
+                            heal=heal, floors=_floors(args))
         for e in summary["errors"]:
             print(f"skipped {e['id']}: {e['error']}", file=sys.stderr)
     print(markdown_table(summary))
@@ -407,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--limit", type=_non_negative, default=0, help="replay only the first N episodes (0: all)")
     p.add_argument("--out", default="results.jsonl", help="result rows, appended and flushed as they finish")
+    p.add_argument("--noise-floor", default=None, metavar="FLOORS",
+                   help="also run accepted approximations of exact on the same calls and score them like a strategy "
+                        "(CPU emulations): 'default' (kv-bf16,kv-int8,kv-fp8,weights-bf16), 'all', or names")
     p.add_argument("--resume", action="store_true",
                    help="keep --out and skip the (episode, version, strategy) rows already in it")
     p.set_defaults(func=cmd_replay)
@@ -423,6 +434,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(FOLLOW_STRATEGIES)} unless --workloads / --strategies say otherwise "
                         f"({NOREADERS}: patchkv with the reader blocks off)")
     p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
+    p.add_argument("--noise-floor", default=None, metavar="FLOORS",
+                   help="also run accepted approximations of exact (bf16 / int8 / fp8 KV cache, bf16 weights; CPU "
+                        "emulations) on the same calls; the summary and agreement_<workload>.png show them beside "
+                        "the strategies: 'default', 'all', or names")
     p.add_argument("--n", type=int, default=30, help="episodes per workload")
     p.add_argument("--target-tokens", type=int, default=3000)
     p.add_argument("--versions", type=_at_least_two, default=None,
@@ -559,6 +574,11 @@ def _check_command(args) -> None:
         _bench_defaults(args)
     if cmd in ("demo", "replay", "bench", "bench-loop"):
         _check_strategies(args.strategies)
+    if cmd in ("replay", "bench"):
+        try:
+            _floors(args)
+        except ValueError as e:
+            raise UsageError(f"--noise-floor: {e}") from None
     if cmd == "demo":
         _check_workloads("--workload", args.workload)
     if cmd in ("bench", "bench-loop") and not getattr(args, "summarize", None):

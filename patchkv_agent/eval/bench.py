@@ -45,12 +45,15 @@ _COLUMNS = (  # (summary key, Markdown header, format)
     ("tf_agree", "TF agree", ".3f"),
     ("exact_continuation", "exact cont.", ".3f"),
     ("next_action", "next action", ".3f"),
+    ("next_action_call", "tool-call decisions", ".3f"),
+    ("next_action_text", "text actions", ".3f"),
     ("next_action_restore", "next action (restored)", ".3f"),
     ("next_action_after", "next action (after)", ".3f"),
     ("vs_floor", "TTFT / no-edit floor", ".2f"),
 )
 # agent columns: shown when some group has a value (agent workloads; next action needs a tokenizer)
-_AGENT_COLUMNS = frozenset({"next_action", "next_action_restore", "next_action_after", "vs_floor"})
+_AGENT_COLUMNS = frozenset({"next_action", "next_action_call", "next_action_text", "next_action_restore",
+                            "next_action_after", "vs_floor"})
 
 
 def _register_variant(name: str, doc: str, **fixed) -> str:
@@ -128,7 +131,7 @@ def build_workload_traces(workload: str, edit: str = "all", *, n: int | None = N
 
 def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir: str | Path, *,
               max_new_tokens: int = 16, model_name: str = "", resume: bool = False, warmup: bool = True,
-              progress: bool = True, heal: Sequence[str] = ("patchkv",)) -> dict[str, Any]:
+              progress: bool = True, heal: Sequence[str] = ("patchkv",), floors: Sequence[str] = ()) -> dict[str, Any]:
     """Replay traces under strategies, append rows to ``out_dir/results.jsonl``, write the summary.
 
     Each episode's rows are appended (and flushed) when the episode finishes, so the file only ever
@@ -148,6 +151,8 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
         progress: show a tqdm progress bar.
         heal: strategies healed between versions, as the thread registry does while a tool runs (see
             :func:`~patchkv_agent.eval.replay.replay_episode`); ``()`` carries every approximation forward.
+        floors: noise floors run on the same calls as exact (:mod:`~patchkv_agent.eval.noise_floor`; CPU
+            emulations, no TTFT): their agreement is the bar the strategies' is read against.
 
     Returns:
         The summary (see :func:`summarize`) of every row in the results file, with ``files`` and
@@ -169,8 +174,10 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     path = out / RESULTS_FILE
     results = ResultsFile(path, resume=resume)  # checks the file can be written before any model work
     done = {(r.get("id"), r.get("strategy")) for r in results.rows}
-    pending = [(tr, [s for s in strategies if (tr.get("id"), s) not in done]) for tr in traces]
-    pending = [(tr, todo) for tr, todo in pending if todo]
+    floors = tuple(floors)
+    pending = [(tr, [s for s in strategies if (tr.get("id"), s) not in done],
+                [f for f in floors if (tr.get("id"), f) not in done]) for tr in traces]
+    pending = [(tr, todo, fl) for tr, todo, fl in pending if todo or fl]
     errors: list[dict] = []
     if warmup and pending:
         try:
@@ -181,11 +188,11 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
             pass  # reported when the episode itself runs
     bar = tqdm(pending, desc="bench", unit="episode", disable=not progress, file=sys.stderr)
     with results:
-        for tr, todo in bar:
+        for tr, todo, fl in bar:
             bar.set_postfix_str(str(tr.get("id")))
             try:
                 rows = list(replay_episode(engine, tr, todo, max_new_tokens=max_new_tokens, model_name=model_name,
-                                           heal=heal))
+                                           heal=heal, floors=fl))
             except ValueError as e:
                 errors.append({"id": tr.get("id"), "error": str(e)})
                 bar.write(f"skipped {tr.get('id')}: {e}")
@@ -229,15 +236,19 @@ def _follow_rates(rows: list[dict], exact: dict[tuple, dict]) -> tuple[float | N
 
 
 def _group(rows: list[dict], prefix_ttft: float | None, exact: dict[tuple, dict] | None = None) -> dict[str, Any]:
-    ttft = statistics.median(float(r["ttft_s"]) for r in rows)
+    times = [float(r["ttft_s"]) for r in rows if r["ttft_s"] is not None]  # noise floors have none
+    ttft = statistics.median(times) if times else None
+    calls = [r.get("next_action") for r in rows if r.get("action_kind") == "call"]
+    texts = [r.get("next_action") for r in rows if r.get("action_kind") == "text"]
     follow, stale, n_follow, n_stale = _follow_rates(rows, exact or {})
     payload = _mean(r.get("payload_bytes") for r in rows)
     return {
         "n": len(rows),
         "episodes": len({r.get("id") for r in rows}),
+        "floor": bool(rows and rows[0].get("floor")),
         "ttft_s_median": ttft,
-        "ttft_ms_median": ttft * 1e3,
-        "speedup_vs_prefix": (prefix_ttft / ttft) if prefix_ttft is not None and ttft > 0 else None,
+        "ttft_ms_median": None if ttft is None else ttft * 1e3,
+        "speedup_vs_prefix": (prefix_ttft / ttft) if prefix_ttft is not None and ttft else None,
         "recompute_ratio_mean": _mean(r.get("recompute_ratio") for r in rows),
         "payload_mib_mean": None if payload is None else payload / 2**20,
         "f1_mean": _mean(r.get("f1") for r in rows),
@@ -251,6 +262,8 @@ def _group(rows: list[dict], prefix_ttft: float | None, exact: dict[tuple, dict]
         "tf_agree": _mean(r.get("tf_agree") for r in rows),
         "exact_continuation": _mean(r.get("exact_continuation") for r in rows),
         "next_action": _mean(r.get("next_action") for r in rows),
+        "next_action_call": _mean(calls), "next_action_call_n": sum(1 for c in calls if c is not None),
+        "next_action_text": _mean(texts), "next_action_text_n": sum(1 for t in texts if t is not None),
         "next_action_restore": _mean(r.get("next_action") for r in rows if r.get("restore_tokens")),
         "next_action_restore_n": sum(1 for r in rows if r.get("restore_tokens") and r.get("next_action") is not None),
         "next_action_after": _mean(r.get("next_action") for r in rows if r.get("after_restore")),
@@ -272,7 +285,7 @@ def _floor_ratio(rows: list[dict]) -> float | None:
 def _by_strategy(rows: list[dict], strategies: list[str]) -> dict[str, dict]:
     groups = {s: [r for r in rows if r["strategy"] == s] for s in strategies}
     prefix = groups.get("prefix")
-    prefix_ttft = statistics.median(float(r["ttft_s"]) for r in prefix) if prefix else None
+    prefix_ttft = statistics.median(float(r["ttft_s"]) for r in prefix if r["ttft_s"] is not None) if prefix else None
     exact = {(r.get("id"), r.get("version")): r for r in groups.get("exact", [])}
     return {s: _group(rs, prefix_ttft, exact) for s, rs in groups.items() if rs}
 
@@ -409,8 +422,12 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
     files = []
     for w in summary["workloads"]:
         png = out / f"frontier_{_safe(w)}.png"
-        plot_frontier([r for r in rows if str(r.get("workload")) == w], png, title=w)
+        plot_frontier([r for r in rows if str(r.get("workload")) == w and not r.get("floor")], png, title=w)
         files.append(str(png))
+        if any(r.get("floor") for r in rows if str(r.get("workload")) == w):
+            png = out / f"agreement_{_safe(w)}.png"
+            plot_agreement(summary["by_workload"][w], png, title=w)
+            files.append(str(png))
     md = out / "summary.md"
     md.write_text(f"# Benchmark summary ({', '.join(summary['models'])}; {summary['n_rows']} rows)\n\n"
                   + markdown_table(summary))
@@ -418,6 +435,48 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
     summary["files"] = [str(js), str(md)] + files
     js.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def plot_agreement(groups: dict[str, dict], path: str | Path | None = None, *, title: str | None = None):
+    """Agreement with exact against recomputed share, one point per strategy, noise floors as lines.
+
+    The y value is the next-action agreement where the rows have one (agent workloads), else the
+    teacher-forced top-1 agreement; the floors (bf16 / int8 / fp8 KV cache, bf16 weights) are horizontal
+    lines: a strategy above a floor keeps exact's decisions as often as serving in that format does.
+
+    Args:
+        groups: one workload's ``{strategy: group}`` of :func:`summarize`.
+        path: where to save the PNG (None: not saved).
+        title: the figure's title.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = "next_action" if any(g.get("next_action") is not None for g in groups.values()) else "tf_agree"
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (name, g) in enumerate(groups.items()):
+        y = g.get(key)
+        if y is None:
+            continue
+        if g.get("floor"):
+            ax.axhline(y, ls="--", lw=1, color=f"C{i % 10}", label=f"{name} (floor) {y:.2f}")
+        elif name != "exact":
+            ax.scatter([g.get("recompute_ratio_mean") or 0.0], [y], s=40, color=f"C{i % 10}", label=f"{name} {y:.2f}")
+    ax.set_xlabel("recomputed share of the suffix (mean)")
+    ax.set_ylabel("next action = exact's" if key == "next_action" else "teacher-forced top-1 agreement")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title or "agreement with exact vs recompute")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return fig
 
 
 def _safe(name: str) -> str:

@@ -17,7 +17,9 @@ from typing import Any, Iterable, Iterator
 
 from ..engine import PatchKVEngine
 from ..results import ResumeResult
-from .metrics import NEXT_ACTION_TOKENS, answer_match, fidelity, next_action_agree, token_f1
+from .metrics import (NEXT_ACTION_TOKENS, answer_match, fidelity, first_token_kl, next_action, next_action_agree,
+                      token_f1, top1_agree)
+from .noise_floor import run_floor
 from .traces import RESULT_FIELDS, version_ids
 
 __all__ = ["RESULT_FIELDS", "replay_episode"]
@@ -26,7 +28,7 @@ __all__ = ["RESULT_FIELDS", "replay_episode"]
 # --------------------------------------------------------------------------- replay
 
 def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *, max_new_tokens: int = 16,
-                   model_name: str = "", heal: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+                   model_name: str = "", heal: Iterable[str] = (), floors: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """Replay one episode; yields one result row (``docs/TRACES.md`` fields) per version >= 1 and strategy.
 
     Rows come out as they finish (version by version, strategies in the given order), so a caller can
@@ -45,6 +47,9 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
         heal: strategies whose state is healed (:meth:`~patchkv_agent.engine.PatchKVEngine.heal`, what the
             thread registry does while a tool runs) before it becomes their next version's base; the row
             records ``heal_s`` (off the resume path).
+        floors: noise floors (:data:`~.noise_floor.FLOORS`: ``kv-bf16``, ``kv-int8``, ``kv-fp8``,
+            ``weights-bf16`` ...) run on the same calls as ``exact`` and scored against it like a strategy;
+            their rows carry ``floor: true``, ``strategy`` = the floor's name and no TTFT (emulations).
 
     Raises:
         ValueError: malformed trace (fewer than two versions), or as ``engine.checkpoint`` / ``resume``
@@ -68,6 +73,8 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
         if isinstance(versions[k].get("unedited"), dict):
             floor = engine.resume(prev_exact, version_ids(engine, versions[k]["unedited"]), strategy="prefix",
                                   max_new_tokens=0).stats["ttft_s"]
+        for f in floors:
+            yield _floor_row(engine, trace, k, f, ids[k], ref, max_new_tokens, model_name)
         for s in strategies:
             res = ref if s == "exact" else engine.resume(chain[s], ids[k], strategy=s, max_new_tokens=max_new_tokens)
             row = _row(engine, trace, k, s, res, ref, versions[k].get("answers") or answers, model_name)
@@ -83,6 +90,33 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
             yield row
         if k < len(ids) - 1 and isinstance(versions[k + 1].get("unedited"), dict):  # the next version's floor
             prev_exact = engine.checkpoint_from(ref)
+
+
+def _action_kind(text: str) -> str:
+    """``"call"`` when the text's next action is a tool call (parsed or not), else ``"text"``."""
+    return "call" if next_action(text)[0] != "text" else "text"
+
+
+def _floor_row(engine, trace, k, floor: str, ids, ref: ResumeResult, max_new_tokens: int, model_name: str) -> dict:
+    """A noise floor's result row (:mod:`.noise_floor`): the fidelity fields against ``exact``, no timings."""
+    fr = run_floor(engine.model, ids, floor, max_new_tokens=max_new_tokens, eos_ids=engine.eos_ids,
+                   ref_ids=ref.output_ids)
+    dec = engine.tokenizer.decode if engine.tokenizer is not None else None
+    text = dec(fr.output_ids, skip_special_tokens=True) if dec else ""
+    ref_text = dec(ref.output_ids, skip_special_tokens=True) if dec else ""
+    row: dict[str, Any] = {"id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
+                           "version": k, "strategy": floor, "model": model_name, "floor": True,
+                           "prompt_tokens": len(ids), "ttft_s": None, "recompute_ratio": 1.0,
+                           "recompute_tokens": len(ids), "payload_bytes": 0, "output_ids": fr.output_ids,
+                           "output_text": text, "first_token_kl": first_token_kl(ref.logits, fr.logits),
+                           "top1_agree": top1_agree(ref.logits, fr.logits), "tf_agree": fr.tf_agree,
+                           "exact_continuation": fr.output_ids == list(ref.output_ids),
+                           "next_action": next_action_agree(text, ref_text) if dec else fr.output_ids == list(ref.output_ids),
+                           "action_kind": _action_kind(ref_text), "fallback": None}
+    gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
+    if gold and old:
+        row["follows"], row["stale"] = answer_match(text, gold), answer_match(text, old)
+    return row
 
 
 def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answers, model_name) -> dict:
@@ -107,6 +141,7 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
         ref_text = engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True) if engine.tokenizer else ""
         row["next_action"] = next_action_agree(text, ref_text) if engine.tokenizer else \
             bool(list(res.output_ids) == list(ref.output_ids))
+        row["action_kind"] = _action_kind(ref_text)
     row["f1"] = token_f1(text, answers) if answers else None
     gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
     if gold and old:  # edit-following episodes carry a gold answer per version
