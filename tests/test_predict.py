@@ -212,3 +212,33 @@ def test_node_predict_next_hook_prepares_the_next_call(one_torch_thread):
     assert st["prepared"] == "hit" and st["base"] == "prepared" and st["approx_rows"] == 0, (st["prepared_reason"], st["prompt_tokens"], st["prefix_tokens"])
     with pytest.raises(ValueError, match="predict_next"):
         patchkv_node(node, reg, predict_next="no")
+
+
+def test_a_real_call_waits_for_its_twin_in_flight_in_a_prediction():
+    cache = PreparedCalls()
+    got = {}
+    in_prediction, done = threading.Event(), threading.Event()
+
+    def prediction():
+        with recording_calls():
+            assert cache.lookup("p", "m") is None  # the prediction makes the call
+            in_prediction.set()
+            done.wait(10)
+            cache.update("p", "m", ["summary"])
+
+    t = threading.Thread(target=prediction)
+    t.start()
+    in_prediction.wait(10)
+    r = threading.Thread(target=lambda: got.update(v=cache.lookup("p", "m")))  # the real call, meanwhile
+    r.start()
+    done.set()
+    r.join(10)
+    t.join(10)
+    assert got["v"] == ["summary"] and cache.hits == 1 and not cache._in_flight
+    # a prediction that ends without the response releases its waiter, which then decodes itself
+    with recording_calls():
+        cache.lookup("q", "m")
+        waiter = threading.Thread(target=lambda: got.update(q=cache.lookup("q", "m")))
+        waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and got["q"] is None and not cache._in_flight

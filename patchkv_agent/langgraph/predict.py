@@ -31,6 +31,7 @@ import logging
 import re
 import statistics
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any, Iterator, Sequence
@@ -53,7 +54,8 @@ PENDING = "pending tool result"  # the text of a placeholder result (after one o
 SAFETY_TOKENS = 2  # the prediction stops this many tokens before the first placeholder token (a tokenizer may
 #                    merge the last known characters with the result's first ones)
 _PENDING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("patchkv_pending_markers", default=())
-_RECORDING: contextvars.ContextVar[bool] = contextvars.ContextVar("patchkv_recording_calls", default=False)
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("patchkv_recording_calls", default=None)
+IN_FLIGHT_WAIT_S = 600.0  # the longest a real call waits for the same call a prediction is making
 
 
 class PendingToolResult(RuntimeError):
@@ -76,12 +78,15 @@ def check_not_pending(messages: Sequence[BaseMessage]) -> None:
 def recording_calls(markers: tuple[str, ...] = ()) -> Iterator[None]:
     """Inside the block, :class:`PreparedCalls` stores the responses of calls, and calls that read one of
     ``markers`` raise :class:`PendingToolResult`."""
-    t1, t2 = _RECORDING.set(True), _PENDING.set(tuple(markers))
+    started: list = []  # (cache, key) of the calls this block began: released when it ends, made or not
+    t1, t2 = _RECORDING.set(started), _PENDING.set(tuple(markers))
     try:
         yield
     finally:
         _RECORDING.reset(t1)
         _PENDING.reset(t2)
+        for cache, key in started:
+            cache._release(key)
 
 
 class PreparedCalls(BaseCache):
@@ -89,8 +94,11 @@ class PreparedCalls(BaseCache):
 
     Set it as the ``cache`` of the model whose calls a prediction makes (the summarizer's): ``update``
     stores a response only inside :func:`recording_calls` (the prediction), ``lookup`` returns a stored
-    response once (same prompt, same model parameters: LangChain's own cache key) and forgets it. Any other
-    call passes through unchanged. At most ``max_entries`` responses are held (oldest dropped).
+    response once (same prompt, same model parameters: LangChain's own cache key) and forgets it. A real
+    call whose twin the prediction is still making waits for it (the prediction started it earlier, so it
+    ends sooner than a second decode would) and is served its response; a prediction that ends without
+    the response releases the waiter, which then decodes itself. Any other call passes through
+    unchanged. At most ``max_entries`` responses are held (oldest dropped).
 
     Args:
         max_entries: responses held at most.
@@ -104,33 +112,65 @@ class PreparedCalls(BaseCache):
             raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
         self.max_entries = max_entries
         self._held: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._in_flight: dict[tuple[str, str], threading.Event] = {}
         self._lock = threading.Lock()
         self.hits = 0
         self.stored = 0
+        self.waited_s = 0.0
 
     def lookup(self, prompt: str, llm_string: str) -> Any:
-        """The stored response of this call (removed), or None."""
+        """The stored response of this call (removed), or None; waits for the same call in flight in a
+        prediction (see the class docstring)."""
+        key = (prompt, llm_string)
+        started = _RECORDING.get()
         with self._lock:
-            val = self._held.pop((prompt, llm_string), None)
+            val = self._held.pop(key, None)
+            if val is not None:
+                self.hits += 1
+                return val
+            evt = self._in_flight.get(key)
+            if started is not None:  # a prediction makes this call: a real twin may wait for it
+                if evt is None:
+                    self._in_flight[key] = threading.Event()
+                    started.append((self, key))
+                return None
+        if evt is None:
+            return None
+        t0 = time.perf_counter()
+        evt.wait(IN_FLIGHT_WAIT_S)
+        with self._lock:
+            self.waited_s += time.perf_counter() - t0
+            val = self._held.pop(key, None)
             if val is not None:
                 self.hits += 1
             return val
 
     def update(self, prompt: str, llm_string: str, return_val: Any) -> None:
-        """Store a response made during a prediction (ignored otherwise)."""
-        if not _RECORDING.get():
+        """Store a response made during a prediction (ignored otherwise) and release its waiters."""
+        if _RECORDING.get() is None:
             return
+        key = (prompt, llm_string)
         with self._lock:
-            self._held[(prompt, llm_string)] = return_val
-            self._held.move_to_end((prompt, llm_string))
+            self._held[key] = return_val
+            self._held.move_to_end(key)
             self.stored += 1
             while len(self._held) > self.max_entries:
                 self._held.popitem(last=False)
+        self._release(key)
+
+    def _release(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            evt = self._in_flight.pop(key, None)
+        if evt is not None:
+            evt.set()
 
     def clear(self, **kwargs: Any) -> None:
-        """Forget every stored response."""
+        """Forget every stored response (and release calls waiting for one)."""
         with self._lock:
             self._held.clear()
+            keys = list(self._in_flight)
+        for key in keys:
+            self._release(key)
 
     def __len__(self) -> int:
         return len(self._held)
