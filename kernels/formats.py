@@ -120,10 +120,10 @@ def check_quantize_args(k, v, rows, tag, block_size, v_group) -> str:
         raise ValueError(f"k, v must be float tensors, got {k.dtype}, {v.dtype}")
     if rows.dim() != 1 or rows.dtype != torch.int64:
         raise ValueError(f"rows must be int64 [R], got {rows.dtype} {tuple(rows.shape)}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if v_group < 1 or v_group & (v_group - 1):
-        raise ValueError(f"v_group must be a power of two, got {v_group}")
+    if not _int(block_size) or not 1 <= block_size < 2**31:  # the kernels hold it as int32
+        raise ValueError(f"block_size must be an int in [1, 2^31), got {str(block_size)[:40]}")
+    if not _int(v_group) or not 1 <= v_group < 2**31 or v_group & (v_group - 1):
+        raise ValueError(f"v_group must be a power of two below 2^31, got {str(v_group)[:40]}")
     if tag in (K8V4, K4V4) and k.shape[-1] % 2:
         raise ValueError(f"{tag} packs two 4-bit codes per byte and needs an even head_dim, got {k.shape[-1]}; "
                          "use K8V8 or FP16 for odd head dims")

@@ -51,6 +51,7 @@ typedef struct {
     int64_t n_angles;                      /* rows of ctab / stab */
     int64_t n_k_data, n_v_data;            /* elements (bytes for codes; source-dtype elements for raw runs) */
     int64_t n_k_scale, n_k_zero, n_v_scale, n_v_zero; /* fp16 elements */
+    int64_t n_dst_k, n_dst_v;              /* fp32 elements from dst_k / dst_v to the end of their buffers */
 } pkv_job;
 
 /* Error codes of pkv_restore / pkv_quantize (argument checks; nothing is read or written on an error). */
@@ -75,6 +76,17 @@ static int mul3(int64_t a, int64_t b, int64_t c, int64_t *out) {
     return __builtin_mul_overflow(a, b, &t) || __builtin_mul_overflow(t, c, out);
 }
 
+/* Whether a [H, rows, D] view with element strides (sh, sr) and unit inner stride, from its base pointer,
+ * stays inside a buffer of n elements: (H - 1) * sh + (rows - 1) * sr + D <= n (overflow-checked). */
+static int view_fits(int64_t H, int64_t rows, int64_t D, int64_t sh, int64_t sr, int64_t n) {
+    int64_t a, b, end;
+    if (H < 1 || rows < 1) return 1;
+    if (sh < 0 || sr < 0 || n < 0) return 0;
+    if (__builtin_mul_overflow(H - 1, sh, &a) || __builtin_mul_overflow(rows - 1, sr, &b)) return 0;
+    if (__builtin_add_overflow(a, b, &end) || __builtin_add_overflow(end, D, &end)) return 0;
+    return end <= n;
+}
+
 /* 0 when every index the job will form stays inside its buffers, else a PKV_E_* code. */
 static int check_job(const pkv_job *j) {
     if (j->tag < 0 || j->tag > 3 || (j->tag == 0 && (j->src_dtype < 0 || j->src_dtype > 2))) return PKV_E_TAG;
@@ -90,12 +102,15 @@ static int check_job(const pkv_job *j) {
     if (mul3(j->H, j->R, j->D / kdiv, &need) || need > j->n_k_data) return PKV_E_SIZE;
     if (mul3(j->H, j->R, j->D / vdiv, &need) || need > j->n_v_data) return PKV_E_SIZE;
     if (j->tag != 0) {
-        int64_t nb = j->R / j->block_size + (j->R % j->block_size != 0), ng = (j->D + j->v_group - 1) / j->v_group;
+        int64_t nb = j->R / j->block_size + (j->R % j->block_size != 0), ng = j->D / j->v_group + (j->D % j->v_group != 0);
         if (!j->k_scale || !j->k_zero || !j->v_scale || !j->v_zero) return PKV_E_NULL;
         if (mul3(j->H, nb, j->D, &need) || need > j->n_k_scale || need > j->n_k_zero) return PKV_E_SIZE;
         if (mul3(j->H, j->R, ng, &need) || need > j->n_v_scale || need > j->n_v_zero) return PKV_E_SIZE;
     }
     if (j->rot && mul3(j->n_angles, j->rot, 1, &need)) return PKV_E_SIZE;
+    /* every destination row the job may write (rows < n_dst) lies inside the fp32 buffers it was given */
+    if (!view_fits(j->H, j->n_dst, j->D, j->dk_sh, j->dk_sr, j->n_dst_k)) return PKV_E_SIZE;
+    if (!view_fits(j->H, j->n_dst, j->D, j->dv_sh, j->dv_sr, j->n_dst_v)) return PKV_E_SIZE;
     if (!j->src_rows && j->M > j->R) return PKV_E_SRC;
     for (int64_t m = 0; m < j->M; m++) {
         if (j->src_rows && (j->src_rows[m] < 0 || j->src_rows[m] >= j->R)) return PKV_E_SRC;
@@ -181,7 +196,7 @@ static void load_raw(const pkv_job *j, const void *base, int64_t off, float *out
 
 /* Key scales and zeros of (head h, block b) widened to fp32 (once per block, not per row). */
 static void key_meta(const pkv_job *j, int h, int64_t b, float *ks, float *kz) {
-    int64_t nb = (j->R + j->block_size - 1) / j->block_size, off = ((int64_t)h * nb + b) * j->D;
+    int64_t nb = j->R / j->block_size + (j->R % j->block_size != 0), off = ((int64_t)h * nb + b) * j->D;
     for (int c = 0; c < j->D; c++) {
         ks[c] = h2f(j->k_scale[off + c]);
         kz[c] = h2f(j->k_zero[off + c]);
@@ -213,7 +228,7 @@ static void decode_value(const pkv_job *j, int h, int64_t r, float *out) {
         load_raw(j, j->v_data, ((int64_t)h * j->R + r) * D, out);
         return;
     }
-    int g = j->v_group, ng = (D + g - 1) / g;
+    int g = j->v_group, ng = D / g + (D % g != 0);
     const uint16_t *s = j->v_scale + ((int64_t)h * j->R + r) * ng, *z = j->v_zero + ((int64_t)h * j->R + r) * ng;
     if (j->tag == TAG_K8V8) {
         const uint8_t *q = (const uint8_t *)j->v_data + ((int64_t)h * j->R + r) * D;
@@ -368,10 +383,15 @@ typedef struct {
     uint16_t *k_scale, *k_zero;          /* fp16 [H, NB, D] */
     uint16_t *v_scale, *v_zero;          /* fp16 [H, R, NG] */
     int64_t N;                           /* source rows (rows[] must lie in [0, N)) */
+    /* Bounds of every buffer, checked by check_qjob before anything is read or written: the sources in
+     * source-dtype elements from k / v to the end of their buffers, the outputs in their own elements
+     * (bytes for codes, source-dtype elements for raw runs, fp16 elements for scales and zeros). */
+    int64_t n_k, n_v;
+    int64_t n_k_data, n_v_data, n_k_scale, n_k_zero, n_v_scale, n_v_zero;
 } pkv_qjob;
 
-/* 0 when the quantize job's shape and gathered rows are in range, else a PKV_E_* code (the outputs are
- * sized from the same shape by the caller; the sources by N). */
+/* 0 when the quantize job's shape, gathered rows, sources and outputs are in range, else a PKV_E_* code
+ * (nothing is read or written then). */
 static int check_qjob(const pkv_qjob *j) {
     if (j->tag < 0 || j->tag > 3 || j->src_dtype < 0 || j->src_dtype > 2) return PKV_E_TAG;
     if (j->H < 1 || j->D < 1 || j->D > PKV_MAX_D || ((j->tag == 2 || j->tag == 3) && j->D % 2)) return PKV_E_DIMS;
@@ -380,6 +400,18 @@ static int check_qjob(const pkv_qjob *j) {
     if (j->R == 0) return 0;
     if (!j->k || !j->v || !j->rows || !j->k_data || !j->v_data) return PKV_E_NULL;
     if (j->tag != 0 && (!j->k_scale || !j->k_zero || !j->v_scale || !j->v_zero)) return PKV_E_NULL;
+    /* sources: every row < N of every head inside the buffers */
+    if (!view_fits(j->H, j->N, j->D, j->k_sh, j->k_sn, j->n_k)) return PKV_E_SIZE;
+    if (!view_fits(j->H, j->N, j->D, j->v_sh, j->v_sn, j->n_v)) return PKV_E_SIZE;
+    /* outputs: the shapes of the format (the sizes the caller allocated, not trusted to match) */
+    int64_t need, nb = j->R / j->block_size + (j->R % j->block_size != 0), ng = j->D / j->v_group + (j->D % j->v_group != 0);
+    int kdiv = j->tag == 3 ? 2 : 1, vdiv = (j->tag == 2 || j->tag == 3) ? 2 : 1;
+    if (mul3(j->H, j->R, j->D / kdiv, &need) || need > j->n_k_data) return PKV_E_SIZE;
+    if (mul3(j->H, j->R, j->D / vdiv, &need) || need > j->n_v_data) return PKV_E_SIZE;
+    if (j->tag != 0) {
+        if (mul3(j->H, nb, j->D, &need) || need > j->n_k_scale || need > j->n_k_zero) return PKV_E_SIZE;
+        if (mul3(j->H, j->R, ng, &need) || need > j->n_v_scale || need > j->n_v_zero) return PKV_E_SIZE;
+    }
     for (int64_t r = 0; r < j->R; r++)
         if (j->rows[r] < 0 || j->rows[r] >= j->N) return PKV_E_SRC;
     return 0;
@@ -410,7 +442,7 @@ static inline int32_t code(float x, float sf, float zf, float qmax) {
 static void quantize_item(const void *job, int64_t local) {
     const pkv_qjob *j = (const pkv_qjob *)job;
     int D = j->D, bs = j->block_size, es = j->src_dtype == DT_F32 ? 4 : 2;
-    int64_t nb = (j->R + bs - 1) / bs, per_head = (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
+    int64_t nb = j->R / bs + (j->R % bs != 0), per_head = (nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
     int h = (int)(local / per_head);
     int64_t b0 = (local % per_head) * CHUNK_BLOCKS, b1 = b0 + CHUNK_BLOCKS < nb ? b0 + CHUNK_BLOCKS : nb;
     int64_t r0 = b0 * bs, r1 = b1 * bs < j->R ? b1 * bs : j->R;
@@ -426,7 +458,8 @@ static void quantize_item(const void *job, int64_t local) {
     float mn[1024], mx[1024], sf[1024], zf[1024], x[1024];
     int32_t iq[1024];
     float kqmax = j->tag == TAG_K4V4 ? 15.0f : 255.0f;
-    float *blk = (float *)malloc((size_t)bs * D * sizeof(float)); /* one block of keys, widened */
+    int64_t blk_rows = bs < j->R ? bs : j->R; /* a block never holds more rows than the run */
+    float *blk = (float *)malloc((size_t)blk_rows * D * sizeof(float)); /* one block of keys, widened */
     for (int64_t b = b0; b < b1; b++) { /* keys: per channel over the block's rows */
         int64_t e = (b + 1) * bs < j->R ? (b + 1) * bs : j->R, moff = ((int64_t)h * nb + b) * D;
         int n = (int)(e - b * bs);
@@ -457,7 +490,7 @@ static void quantize_item(const void *job, int64_t local) {
         }
     }
     free(blk);
-    int g = j->v_group, ng = (D + g - 1) / g;
+    int g = j->v_group, ng = D / g + (D % g != 0);
     float qmax = j->tag == TAG_K8V8 ? 255.0f : 15.0f; /* K8V4, K4V4: 4-bit values */
     for (int64_t r = r0; r < r1; r++) { /* values: per token, groups of g channels */
         int64_t off = h * j->v_sh + j->rows[r] * j->v_sn, moff = ((int64_t)h * j->R + r) * ng;
@@ -494,7 +527,7 @@ int pkv_quantize(const pkv_qjob *jobs, int n_jobs, int n_threads, int64_t *start
     }
     starts[0] = 0;
     for (int i = 0; i < n_jobs; i++) {
-        int64_t nb = (jobs[i].R + jobs[i].block_size - 1) / jobs[i].block_size;
+        int64_t nb = jobs[i].R / jobs[i].block_size + (jobs[i].R % jobs[i].block_size != 0);
         starts[i + 1] = starts[i] + (int64_t)jobs[i].H * ((nb + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS);
     }
     pkv_work w = {(const char *)jobs, sizeof(pkv_qjob), starts, starts[n_jobs], quantize_item, 0};

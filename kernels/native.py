@@ -19,6 +19,13 @@ directory with the wrong owner or permissions is refused (:class:`UntrustedLibra
 then uses the torch reference and :func:`status` says why. Without a compiler, or with
 ``PATCHKV_NATIVE=0``, :func:`available` is False likewise.
 
+Arguments: every size and stride is checked twice. The wrappers raise ``ValueError`` for what the C jobs
+cannot hold or describe (fp32 destinations and unit inner strides only, heads, head_dim, block size and
+value group as int32 below 2^31: ctypes would wrap 2^32 + 1 to 1), and ``native.c`` checks every buffer
+against the element counts it is handed (sources and destinations to the end of their storage, every output
+of a quantize job, products in int64 with overflow checks) and returns an error code instead of touching
+memory outside them (:data:`ERRORS`).
+
 ``pkv_reader_scan`` (:func:`reader_scan_native`) is the planner's one pass over the context: the lexical
 reader signal's occurrence scan, equal to its numpy twin in ``core/plan.py``, which runs where the library is
 unavailable.
@@ -85,6 +92,7 @@ class _Job(ctypes.Structure):
         ("n_dst", ctypes.c_int64), ("n_angles", ctypes.c_int64), ("n_k_data", ctypes.c_int64),
         ("n_v_data", ctypes.c_int64), ("n_k_scale", ctypes.c_int64), ("n_k_zero", ctypes.c_int64),
         ("n_v_scale", ctypes.c_int64), ("n_v_zero", ctypes.c_int64),
+        ("n_dst_k", ctypes.c_int64), ("n_dst_v", ctypes.c_int64),
     ]
 
 
@@ -97,6 +105,9 @@ class _QJob(ctypes.Structure):
         ("rows", ctypes.c_void_p), ("k_data", ctypes.c_void_p), ("v_data", ctypes.c_void_p),
         ("k_scale", ctypes.c_void_p), ("k_zero", ctypes.c_void_p), ("v_scale", ctypes.c_void_p),
         ("v_zero", ctypes.c_void_p), ("N", ctypes.c_int64),
+        ("n_k", ctypes.c_int64), ("n_v", ctypes.c_int64),
+        ("n_k_data", ctypes.c_int64), ("n_v_data", ctypes.c_int64), ("n_k_scale", ctypes.c_int64),
+        ("n_k_zero", ctypes.c_int64), ("n_v_scale", ctypes.c_int64), ("n_v_zero", ctypes.c_int64),
     ]
 
 
@@ -119,12 +130,46 @@ def error_text(rc: int) -> str | None:
     return ERRORS.get(int(rc))
 
 
-def _set_sizes(j: _Job, p: RunPayload, *, dst_rows: int, angles: int) -> None:
-    """Fill a restore job's buffer bounds from the payload's tensors as they are (never from its header)."""
+INT32_MAX = (1 << 31) - 1  # the C jobs hold heads, head_dim, block size and value group as int32
+_UNIT = {0: 4, 1: 2, 2: 2}  # bytes per element native.c reads of a raw (FP16-tag) run, by src_dtype code
+
+
+def extent(t: torch.Tensor | None, unit: int | None = None) -> int:
+    """Elements of ``unit`` bytes (default: ``t``'s own) from ``t.data_ptr()`` to the end of its storage:
+    the most any index from that pointer may reach, whatever shape and strides ``t`` claims (0 for None)."""
+    if t is None:
+        return 0
+    unit = unit or t.element_size()
+    return max(0, t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()) // unit
+
+
+_PAYLOAD_BUFFERS = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+def _set_sizes(j: _Job, p: RunPayload, *, dst_rows: int, angles: int, dst_k: torch.Tensor | None = None,
+               dst_v: torch.Tensor | None = None, buffers: dict | None = None) -> None:
+    """Fill a restore job's buffer bounds from the tensors as they are (never from the payload's header):
+    the payload's (or ``buffers``', the contiguous copies the job points at) in the units ``native.c`` reads
+    them in, the fp32 destinations to the end of their storage (0 when not given: nothing may be written)."""
     j.n_dst, j.n_angles = dst_rows, angles
-    for name in ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero"):
-        t = getattr(p, name)
-        setattr(j, f"n_{name}", 0 if t is None else t.numel())
+    raw = _UNIT.get(int(j.src_dtype), 4) if int(j.tag) == _TAGS[FP16] else None
+    for name in _PAYLOAD_BUFFERS:
+        t = (buffers or {}).get(name, getattr(p, name)) if buffers is not None else getattr(p, name)
+        unit = (raw or 1) if name.endswith("data") else 2  # codes are bytes, scales and zeros fp16
+        n = 0 if t is None or not t.is_contiguous() else t.numel() * t.element_size() // unit
+        setattr(j, f"n_{name}", n)
+    j.n_dst_k, j.n_dst_v = extent(dst_k, 4), extent(dst_v, 4)
+
+
+def _int32(name: str, v, lo: int = 0) -> int:
+    """``v`` as an int in ``[lo, 2^31)``, the range of the jobs' int32 fields (ctypes would wrap anything else)."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= INT32_MAX:
+        raise ValueError(f"{name} must be an int in [{lo}, 2^31), got {str(v)[:40]}")
+    return int(v)
+
+
+def _threads(n_threads: int | None) -> int:
+    return min(64, max(1, int(n_threads or torch.get_num_threads())))
 
 
 class _RJob(ctypes.Structure):
@@ -168,7 +213,7 @@ def value_residual_sq_native(values: Sequence[torch.Tensor], group: int, n_threa
     j = _RJob(layers=ctypes.cast(ptrs, ctypes.c_void_p), L=len(values), H=h, D=d,
               v_group=effective_v_group(d, group), N=n, err=err.data_ptr(), ref=ref.data_ptr())
     starts = (ctypes.c_int64 * 2)()
-    rc = lib.pkv_value_residual(ctypes.byref(j), max(1, n_threads or torch.get_num_threads()), starts)
+    rc = lib.pkv_value_residual(ctypes.byref(j), _threads(n_threads), starts)
     if rc < -1:
         raise ValueError(f"native value residual refused its arguments: {error_text(rc) or rc}")
     return err, ref
@@ -455,6 +500,34 @@ def supports(call: ScatterCall) -> bool:
             and (p.tag != FP16 or (p.k_data.dtype in _DTYPES and p.v_data.dtype == p.k_data.dtype)))
 
 
+def _check_call(call: ScatterCall) -> None:
+    """What :func:`supports` requires, as a ``ValueError`` naming the argument (a direct caller of
+    :func:`scatter_native` gets an error, never a write of fp32 rows into a narrower buffer)."""
+    p, dk, dv = call.payload, call.dst_k, call.dst_v
+    for name, t in (("dst_k", dk), ("dst_v", dv)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
+            raise ValueError(f"native restore writes fp32 CPU destinations; {name} is "
+                             f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '?')} "
+                             "(use the torch backend for other destinations)")
+        if t.dim() != 3 or t.stride(-1) != 1 or min(t.stride()) < 0:
+            raise ValueError(f"native restore needs {name} [H, N, D] with unit inner stride, got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    for name in ("k_data", "v_data"):
+        t = getattr(p, name)
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise ValueError(f"native restore reads CPU payloads; {name} is on {t.device}")
+    if p.tag == FP16 and (p.k_data.dtype not in _DTYPES or p.v_data.dtype != p.k_data.dtype):
+        raise ValueError(f"native restore reads raw runs in fp32, fp16 or bf16, got {p.k_data.dtype}, {p.v_data.dtype}")
+    for name in ("dst_rows", "delta", "src_rows", "inv_freq"):
+        t = getattr(call, name)
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise ValueError(f"native restore needs {name} on the CPU, got {t.device}")
+    _int32("payload heads", p.num_kv_heads, 1)
+    _int32("payload head_dim", p.head_dim, 1)
+    if p.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"native restore takes head_dim <= {MAX_HEAD_DIM}, got {p.head_dim}")
+
+
 def _c(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
     if t is None:
         return None, None
@@ -484,13 +557,24 @@ def quantize_native(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tag: o
 
     Raises:
         RuntimeError: the library is unavailable.
-        ValueError: bad arguments, as the reference raises them.
+        ValueError: bad arguments, as the reference raises them (``block_size`` and ``v_group`` below 2^31
+            included); sources the native path cannot read (not CPU fp32/fp16/bf16 of one dtype with unit
+            inner stride, head_dim > 1024), or rows not on the CPU.
     """
     lib = _library()
     if lib is None:
         raise RuntimeError(f"native kernels {status()}")
     tag = check_quantize_args(k, v, rows, tag, block_size, v_group)
+    if not supports_quantize(k, v) or min(k.stride()) < 0 or min(v.stride()) < 0:
+        raise ValueError(f"native quantize reads CPU fp32/fp16/bf16 sources of one dtype, [H, N, D] with unit "
+                         f"inner stride and head_dim <= {MAX_HEAD_DIM}; got {k.dtype} {tuple(k.shape)} strides "
+                         f"{k.stride()} on {k.device}, {v.dtype} strides {v.stride()} on {v.device} (use the "
+                         "torch backend, or .contiguous())")
+    if rows.device.type != "cpu":
+        raise ValueError(f"native quantize needs rows on the CPU, got {rows.device}")
     h, _, d = k.shape
+    _int32("num_kv_heads", h, 1)
+    block_size = _int32("block_size", block_size, 1)
     r, group = rows.numel(), effective_v_group(d, v_group)
     meta = dict(tag=tag, n_rows=r, num_kv_heads=h, head_dim=d, block_size=block_size, v_group=group)
     if tag == FP16:
@@ -506,11 +590,14 @@ def quantize_native(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, tag: o
         j = _QJob(tag=_TAGS[tag], src_dtype=_DTYPES[k.dtype], H=h, D=d, block_size=block_size, v_group=group, R=r,
                   k=k.data_ptr(), v=v.data_ptr(), k_sh=k.stride(0), k_sn=k.stride(1), v_sh=v.stride(0),
                   v_sn=v.stride(1), rows=rows.data_ptr())
+        unit = _UNIT[_DTYPES[k.dtype]] if tag == FP16 else 1
         for name, t in out.items():
             setattr(j, name, t.data_ptr())
+            setattr(j, f"n_{name}", extent(t, unit if name.endswith("data") else 2))
         j.N = k.shape[1]
+        j.n_k, j.n_v = extent(k), extent(v)
         starts = (ctypes.c_int64 * 2)()
-        rc = lib.pkv_quantize(ctypes.byref(j), 1, max(1, n_threads or torch.get_num_threads()), starts)
+        rc = lib.pkv_quantize(ctypes.byref(j), 1, _threads(n_threads), starts)
         if rc < -1:
             raise ValueError(f"native quantize refused its arguments: {error_text(rc) or rc}")
     return RunPayload(**meta, **out)
@@ -525,7 +612,8 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
 
     Raises:
         RuntimeError: the library is unavailable (check :func:`available` first).
-        ValueError: bad shapes or rows, as the reference would raise.
+        ValueError: bad shapes or rows, as the reference would raise; a call :func:`supports` would refuse
+            (destinations not fp32 CPU tensors of unit inner stride, tensors off the CPU, head_dim > 1024).
     """
     lib = _library()
     if lib is None:
@@ -538,6 +626,7 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
     for call in calls:
         p = call.payload
         tag = check_payload(p)  # every call: O(1), and a payload's tensors are not part of the signature below
+        _check_call(call)
         m = p.n_rows if call.src_rows is None else call.src_rows.numel()
         sig = (id(call.src_rows), id(call.dst_rows), id(call.delta), id(call.inv_freq), p.n_rows, p.num_kv_heads,
                p.head_dim, tuple(call.dst_k.shape), tuple(call.dst_v.shape))
@@ -579,11 +668,12 @@ def scatter_native(calls: Sequence[ScatterCall], n_threads: int | None = None) -
         j.dk_sh, j.dk_sr = call.dst_k.stride(0), call.dst_k.stride(1)
         j.dv_sh, j.dv_sr = call.dst_v.stride(0), call.dst_v.stride(1)
         _set_sizes(j, p, dst_rows=min(call.dst_k.shape[1], call.dst_v.shape[1]),
-                   angles=0 if ctab is None else ctab.shape[0])
+                   angles=0 if ctab is None else ctab.shape[0], dst_k=call.dst_k, dst_v=call.dst_v,
+                   buffers=dict(zip(_PAYLOAD_BUFFERS, keep[-len(tensors):])))
     if n == 0:
         return
     starts = (ctypes.c_int64 * (n + 1))()
-    rc = lib.pkv_restore(jobs, n, max(1, n_threads or torch.get_num_threads()), starts)
+    rc = lib.pkv_restore(jobs, n, _threads(n_threads), starts)
     if rc < -1:  # the checks above passed, so this is a caller bug, not hostile data: say which job
         raise ValueError(f"native restore refused payload {int(starts[0])} of {n}: {error_text(rc) or rc}")
 

@@ -83,9 +83,10 @@ def quantize_keys(k: torch.Tensor, block_size: int, bits: int = 8) -> tuple[torc
     h, r, d = k.shape
     qmax = (1 << bits) - 1
     nb = -(-r // block_size)
+    bs = min(block_size, max(r, 1))  # a block past the run's rows is one block of its rows: pad no further
     x = k.float()
-    mn = _pad_to(x, 1, nb * block_size, float("inf")).view(h, nb, block_size, d).amin(2)
-    mx = _pad_to(x, 1, nb * block_size, float("-inf")).view(h, nb, block_size, d).amax(2)
+    mn = _pad_to(x, 1, nb * bs, float("inf")).view(h, nb, bs, d).amin(2)
+    mx = _pad_to(x, 1, nb * bs, float("-inf")).view(h, nb, bs, d).amax(2)
     s, z = scale_zero(mn, mx, qmax)
     blk = torch.arange(r, device=k.device) // block_size
     return codes(x, s[:, blk], z[:, blk], qmax), s, z

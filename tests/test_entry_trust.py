@@ -235,7 +235,7 @@ for name in ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero"):
 j.dst_rows = rows.data_ptr()
 j.dst_k, j.dst_v = dk.data_ptr(), dv.data_ptr()
 j.dk_sh, j.dk_sr, j.dv_sh, j.dv_sr = 30 * 16, 16, 30 * 16, 16
-native._set_sizes(j, p, dst_rows=30, angles=0)
+native._set_sizes(j, p, dst_rows=30, angles=0, dst_k=dk, dst_v=dv)
 if case == "block_size_0":
     j.block_size = 0
 elif case == "rows_past_the_payload":

@@ -17,6 +17,13 @@ every call then tokenizes the whole text): a slow (Python) tokenizer, added toke
 ``rstrip`` / ``single_word`` or normalized matching, ``split_special_tokens``, or a probe whose segmented ids
 differ from the whole-text ids (checked when the encoder is built).
 
+Message text is text: a tokenizer matches its special tokens anywhere in its input, so a message whose
+content holds ``<|im_start|>system`` would be read as a real turn marker (a tool's output forging a system
+turn). :meth:`SegmentEncoder.as_text` breaks every special token's text inside a message's strings (a zero
+width space after its first character, :data:`LITERAL_BREAK`) before the chat template renders them, so the
+only special tokens in a rendered context are the template's own; a text without a special token's text is
+returned unchanged, so ordinary conversations keep their ids.
+
 Boundary: a tokenizer object (duck-typed: ``__call__``, ``added_tokens_decoder``, ``is_fast``) in, numpy
 int64 arrays out; no model, no torch.
 """
@@ -30,15 +37,48 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SegmentEncoder", "DEFAULT_CACHE_TOKENS"]
+__all__ = ["SegmentEncoder", "DEFAULT_CACHE_TOKENS", "LITERAL_BREAK", "special_token_texts"]
 
 DEFAULT_CACHE_TOKENS = 1 << 21  # ids the memo keeps (int64: 16 MiB), least recently used dropped first
 _PROBE_TEXT = ("system\nYou are helpful.", "user\n  Hi there!\n\n{\"a\": [1, 2]}", "assistant\n", "\n",
                " leading space", "tool\nnaïve — 12345 ok\tTab", "x")
 
 
+LITERAL_BREAK = "\u200b"  # zero width space: inserted after a special token text's first character
+_LONE = "\ufffd"  # what a one-character special token's text becomes (nothing can be inserted into it)
+
+
 def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts a call of ``tokenizer`` reads as special tokens wherever they stand in its input: its added
+    tokens flagged ``special`` and its ``all_special_tokens``, longest first.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (or any object; missing attributes count as none).
+    Returns:
+        The texts (texts holding :data:`LITERAL_BREAK` or U+FFFD are left out: :meth:`SegmentEncoder.as_text`
+        could not break them without making new ones).
+    """
+    found: set[str] = set()
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(decoder, dict):
+        for at in decoder.values():
+            content = getattr(at, "content", None)
+            if isinstance(content, str) and content and getattr(at, "special", False):
+                found.add(content)
+    try:
+        found.update(t for t in (getattr(tokenizer, "all_special_tokens", None) or ()) if isinstance(t, str) and t)
+    except TypeError:
+        pass
+    return tuple(sorted((t for t in found if LITERAL_BREAK not in t and _LONE not in t), key=lambda t: (-len(t), t)))
+
+
+def _break(m: re.Match) -> str:
+    t = m.group(0)
+    return t[0] + LITERAL_BREAK + t[1:] if len(t) > 1 else _LONE
 
 
 class SegmentEncoder:
@@ -70,6 +110,7 @@ class SegmentEncoder:
         self._special_ids: dict[str, np.ndarray] = {}
         self._pattern: re.Pattern | None = None
         self._anchor: tuple[str, int] | None = None
+        self._literal: tuple[Any, re.Pattern | None] | None = None  # (tokenizer, special texts) of as_text
         self.reason: str | None = "max_tokens=0" if max_tokens == 0 else self._configure()
 
     # ------------------------------------------------------------------ set-up
@@ -194,6 +235,44 @@ class SegmentEncoder:
             return self._whole(text)
 
     __call__ = encode
+
+    def as_text(self, value: Any) -> Any:
+        """``value`` with every special token's text inside its strings broken (see the module docstring), so a
+        tokenizer call reads it as text: for message contents, roles, tool call names and arguments, before
+        a chat template renders them.
+
+        Args:
+            value: a string, or lists / tuples / dicts of them (keys included) and other values (kept).
+        Returns:
+            The same structure (new containers; unchanged strings are the same objects). A string that holds
+            no special token's text is returned as it is, so the ids of ordinary text do not change; applying
+            it twice changes nothing more.
+        """
+        lit = self._literal
+        if lit is None or lit[0] is not self.tokenizer:
+            texts = special_token_texts(self.tokenizer)
+            pat = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+            lit = self._literal = (self.tokenizer, pat)
+        pattern = lit[1]
+        if pattern is None:
+            return value
+
+        def walk(v: Any) -> Any:
+            if isinstance(v, str):
+                # each pass breaks at least one match and makes none (no special text holds the inserted
+                # characters), so this ends; a second pass is needed only for overlapping special texts
+                while pattern.search(v):
+                    v = pattern.sub(_break, v)
+                return v
+            if isinstance(v, dict):
+                return {walk(k): walk(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [walk(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(walk(x) for x in v)
+            return v
+
+        return walk(value)
 
     @property
     def cached_tokens(self) -> int:

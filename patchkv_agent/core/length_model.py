@@ -11,6 +11,7 @@ Boundary: numpy only; knows spans' token counts, nothing about plans, models or 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ __all__ = ["LengthModel"]
 _N_FEATURES = 7  # phi = [1, a, b, c, ab, ac, bc]
 _MAX_EXPONENT = 700.0  # exp() of a larger log-window would overflow: the window is then the segment's bound
 _FEW_SPANS = 16  # predict() evaluates up to this many spans in Python (numpy's per-call overhead is larger)
+MAX_WINDOW = (1 << 31) - 1  # d_min / d_max bound: no context is longer, and every index type holds it
+_MAX_WEIGHT = 1e6  # |w| beyond this is no fitted model (the features are logs of token counts, < 22)
 
 
 
@@ -39,9 +42,20 @@ class LengthModel:
     quantile: float | None = None  # the quantile the weights were fitted for (metadata)
 
     def __post_init__(self) -> None:
-        if len(self.weights) != _N_FEATURES or not all(math.isfinite(float(w)) for w in self.weights):
-            raise ValueError(f"LengthModel needs {_N_FEATURES} finite weights, got {self.weights!r}")
-        if self.d_min < 0 or (self.d_max is not None and self.d_max < self.d_min):
+        try:
+            finite = len(self.weights) == _N_FEATURES and all(math.isfinite(float(w)) for w in self.weights)
+        except (TypeError, ValueError, OverflowError):
+            finite = False
+        if not finite:
+            raise ValueError(f"LengthModel needs {_N_FEATURES} finite weights, got {str(self.weights)[:200]}")
+        for name in ("d_min", "d_max"):
+            v = getattr(self, name)
+            if v is None and name == "d_max":
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= MAX_WINDOW:
+                raise ValueError(f"LengthModel needs an int {name} in [0, 2^31), got {v!r}")
+            object.__setattr__(self, name, int(v))
+        if self.d_max is not None and self.d_max < self.d_min:
             raise ValueError(f"LengthModel needs 0 <= d_min <= d_max, got d_min={self.d_min} d_max={self.d_max}")
 
     @classmethod
@@ -120,15 +134,35 @@ class LengthModel:
         Returns:
             The model.
         Raises:
-            ValueError: on an unknown ``kind`` or missing/invalid fields.
+            ValueError: on an unknown ``kind`` or missing/invalid fields: weights must be numbers of magnitude
+                at most 1e6, ``d_min`` / ``d_max`` integers in ``[0, 2^31)``, ``quantile`` a number in
+                ``(0, 1)`` (each range-checked before use: a file may hold ``Infinity`` or ``1e30``).
         """
         if data.get("kind", "log_linear_quantile") != "log_linear_quantile":
-            raise ValueError(f"unknown length model kind {data.get('kind')!r}; expected 'log_linear_quantile'")
-        try:
-            weights = tuple(float(w) for w in data["weights"])
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"length model dict needs a 'weights' list of {_N_FEATURES} numbers") from e
-        d_max = data.get("d_max")
+            raise ValueError(f"unknown length model kind {str(data.get('kind'))[:40]!r}; expected 'log_linear_quantile'")
+        w = data.get("weights")
+        if (not isinstance(w, (list, tuple)) or len(w) != _N_FEATURES
+                or not all(_number(x) and abs(x) <= _MAX_WEIGHT for x in w)):
+            raise ValueError(f"length model dict needs a 'weights' list of {_N_FEATURES} numbers of magnitude "
+                             f"<= {_MAX_WEIGHT:g}, got {str(w)[:80]}")
+        lim = {}
+        for name, default in (("d_min", 0), ("d_max", None)):
+            v = data.get(name, default)
+            if v is None and name == "d_max":
+                lim[name] = None
+                continue
+            if not _number(v) or not (isinstance(v, int) or v.is_integer()) or not 0 <= v <= MAX_WINDOW:
+                raise ValueError(f"length model {name}={str(v)[:40]} (need an integer in [0, 2^31))")
+            lim[name] = int(v)
         q = data.get("quantile")
-        return cls(weights=weights, d_min=int(data.get("d_min", 0)), d_max=None if d_max is None else int(d_max),
+        if q is not None and not (_number(q) and 0.0 < q < 1.0):
+            raise ValueError(f"length model quantile={str(q)[:40]} (need a number in (0, 1) or null)")
+        return cls(weights=tuple(float(x) for x in w), d_min=lim["d_min"], d_max=lim["d_max"],
                    quantile=None if q is None else float(q))
+
+
+def _number(x: Any) -> bool:
+    """An int or a finite float (not a bool); never converts (a 400-digit int stays an int)."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (isinstance(x, float) and math.isfinite(x))

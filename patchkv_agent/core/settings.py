@@ -22,9 +22,10 @@ from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE
                    READER_MIN_SHARE, READERS, LengthModel)
 from .precision import PrecisionPolicy
 
-__all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS"]
+__all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS", "MAX_TOKENS"]
 
 DEFAULT_CAPTURE_WINDOW = 32  # final query positions whose attention the checkpoint pass records
+MAX_TOKENS = (1 << 31) - 1  # the bound of every token-count field: the kernels index blocks and rows with int32
 RESTORE_PRECISIONS = ("fp16", "mixed")
 
 
@@ -37,7 +38,8 @@ class RecoverySettings:
     """Everything a strategy, the checkpoint pass and the restore read (frozen; copy with ``replace``).
 
     Attributes:
-        block_size: suffix block size in tokens (unit of selection, transfer and precision tags), ``>= 1``.
+        block_size: suffix block size in tokens (unit of selection, transfer and precision tags), in
+            ``[1, 2^31)`` (every token count below is bounded by ``2^31`` too).
         length_model: the dirty-window :class:`~patchkv_agent.core.plan.LengthModel` (``d_hat`` per
             edited span); default a fixed ``DEFAULT_DIRTY_WINDOW``-token window.
         kappa: fraction of suffix tokens outside the window recomputed by attention score, in ``[0, 1]``.
@@ -87,16 +89,12 @@ class RecoverySettings:
     min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
-        if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
-            raise ValueError(f"recent_window must be an int >= 0, got {self.recent_window!r}")
-        for name in ("reader_min_blocks", "reader_attention_blocks"):
+        # token counts: ints below 2^31 (a block size of 2^32 would wrap to 0 in the kernels' int32 fields)
+        for name, lo in (("block_size", 1), ("recent_window", 0), ("reader_min_blocks", 0),
+                         ("reader_attention_blocks", 0), ("capture_window", 1)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if isinstance(self.capture_window, bool) or not isinstance(self.capture_window, int) or self.capture_window < 1:
-            raise ValueError(f"capture_window must be an int >= 1, got {self.capture_window!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TOKENS:
+                raise ValueError(f"{name} must be an int in [{lo}, 2^31), got {str(v)[:40]}")
         for name in ("kappa", "reader_budget", "reader_min_share", "rewrite_share", "min_restore_share"):  # shares in [0, 1], stored as floats
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):

@@ -348,6 +348,7 @@ def _raw_native(meta, blobs) -> int:
             j.dst_rows = dst_rows.ctypes.data if dst_rows.size else None
             j.dst_k, j.dst_v = dk.data_ptr(), dv.data_ptr()
             j.n_dst = n_dst if ok_dst else 0
+            j.n_dst_k, j.n_dst_v = dk.numel(), dv.numel()  # honest: what the destinations hold
             j.dk_sh = j.dv_sh = n_dst * d if ok_dst else 0
             j.dk_sr = j.dv_sr = d if ok_dst else 0
             starts = (ctypes.c_int64 * 2)()
@@ -382,6 +383,117 @@ def check_entry(meta: dict[str, Any], blobs: dict[str, np.ndarray], key: Checkpo
     if ckpt.mixed is not None:
         _restore_both(ckpt)
     return "accepted"
+
+
+# ------------------------------------------------------------------ native argument cases
+
+
+def native_argument_cases() -> dict[str, str]:
+    """Calls of the native wrappers and entry points with arguments that once wrote or read out of bounds
+    (issue 32, findings 7 and 8), each answered by its outcome, plus controls that must be accepted.
+
+    Cases: ``block_size`` at and beyond 2^31 (ctypes wrapped 2^32 + 1 to 1: a heap overflow in
+    ``pkv_quantize``); a quantize source with inner stride 0 (read past it); a restore into an fp16
+    destination (fp32 rows written past it); and the same three jobs handed to ``native.c`` directly, past
+    every Python check, with the buffers' true sizes: the library must return an error code and touch
+    nothing. Under AddressSanitizer (:func:`run_fuzz_asan` runs these in its child) an out-of-bounds access
+    is a sanitizer report, not a silent success.
+
+    Returns:
+        ``{case: outcome}``, outcome ``"accepted"``, ``"refused: <why>"`` (a ValueError of the wrapper or the
+        library's error text) or ``"wrote: ..."`` (a refused raw job that changed its outputs); empty when the
+        library is unavailable.
+    """
+    import ctypes
+
+    import torch
+
+    from ..kernels import native
+    from ..kernels.reference import reference_quantize_gather
+
+    lib = native._library()
+    if lib is None:
+        return {}
+    out: dict[str, str] = {}
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 20, 16, generator=g), torch.randn(2, 20, 16, generator=g)
+    rows = torch.arange(20)
+
+    def wrapper(name, fn):
+        try:
+            fn()
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = "refused: " + str(e)[:200]
+
+    def control_quantize():
+        got, want = native.quantize_native(k, v, rows, "K8V8", 8, 32), reference_quantize_gather(k, v, rows, "K8V8", 8, 32)
+        if not all(torch.equal(a, b) for a, b in zip(got.tensors().values(), want.tensors().values())):
+            raise AssertionError("native quantize differs from the reference")
+
+    wrapper("control: quantize", control_quantize)
+    for bs in (2**31, 2**32, 2**32 + 1):
+        wrapper(f"quantize block_size {bs}", lambda bs=bs: native.quantize_native(k, v, rows, "K8V8", bs, 32))
+    k0 = torch.randn(2, 20, 1, generator=g).expand(2, 20, 16)  # inner stride 0: 40 floats behind 640 elements
+    wrapper("quantize inner stride 0", lambda: native.quantize_native(k0, k0, rows, "K8V8", 8, 32))
+    p = reference_quantize_gather(k, v, rows, "K8V8", 8, 32)
+    zero = torch.zeros(20, dtype=torch.int64)
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        d_k, d_v = torch.zeros(2, 30, 16, dtype=dt), torch.zeros(2, 30, 16, dtype=dt)
+        call = native.ScatterCall(p, d_k, d_v, torch.arange(20), zero, None)
+        name = "control: scatter fp32 destination" if dt == torch.float32 else f"scatter {str(dt)[6:]} destination"
+        wrapper(name, lambda call=call: native.scatter_native([call]))
+
+    def raw(name, fn, outputs):
+        before = [t.clone() for t in outputs]
+        rc = fn()
+        if rc == 0:
+            out[name] = "accepted"
+        elif any(not torch.equal(a, b) for a, b in zip(before, outputs)):
+            out[name] = f"wrote: refused with {rc} after changing its outputs"
+        else:
+            out[name] = f"refused: {native.error_text(rc) or rc}"
+
+    def qjob(block_size, src, nb_alloc):
+        """A K8V8 quantize job over ``src`` with outputs allocated for ``nb_alloc`` key blocks."""
+        o = dict(k_data=torch.zeros(2, 20, 16, dtype=torch.uint8), v_data=torch.zeros(2, 20, 16, dtype=torch.uint8),
+                 k_scale=torch.zeros(2, nb_alloc, 16, dtype=torch.float16),
+                 k_zero=torch.zeros(2, nb_alloc, 16, dtype=torch.float16),
+                 v_scale=torch.zeros(2, 20, 1, dtype=torch.float16), v_zero=torch.zeros(2, 20, 1, dtype=torch.float16))
+        j = native._QJob(tag=1, src_dtype=0, H=2, D=16, block_size=block_size, v_group=16, R=20, k=src.data_ptr(),
+                         v=src.data_ptr(), k_sh=src.stride(0), k_sn=src.stride(1), v_sh=src.stride(0),
+                         v_sn=src.stride(1), rows=rows.data_ptr(), N=20)
+        for f, t in o.items():
+            setattr(j, f, t.data_ptr())
+            setattr(j, f"n_{f}", t.numel())
+        j.n_k = j.n_v = native.extent(src)
+        starts = (ctypes.c_int64 * 2)()
+        return (lambda: lib.pkv_quantize(ctypes.byref(j), 1, 1, starts)), list(o.values()), (j, o, starts)
+
+    fn, outs, keep = qjob(8, k, 3)
+    raw("control: raw quantize", fn, outs)
+    fn, outs, keep = qjob(1, k, 1)  # 2^32 + 1 as ctypes wraps it, outputs sized for one block
+    raw("raw quantize block_size 2^32+1 wrapped to 1", fn, outs)
+    fn, outs, keep = qjob(8, k0, 3)
+    raw("raw quantize inner stride 0", fn, outs)
+
+    def rjob(dst):
+        j = native._Job(tag=1, src_dtype=0, H=2, D=16, block_size=8, v_group=16, R=20, M=20)
+        for f in ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero"):
+            setattr(j, f, getattr(p, f).data_ptr())
+        dst_rows = torch.arange(20)
+        j.dst_rows, j.dst_k, j.dst_v = dst_rows.data_ptr(), dst[0].data_ptr(), dst[1].data_ptr()
+        j.dk_sh, j.dk_sr, j.dv_sh, j.dv_sr = 30 * 16, 16, 30 * 16, 16  # fp32 rows of 16, as the caller claims
+        native._set_sizes(j, p, dst_rows=30, angles=0, dst_k=dst[0], dst_v=dst[1])
+        starts = (ctypes.c_int64 * 2)()
+        return (lambda: lib.pkv_restore(ctypes.byref(j), 1, 1, starts)), list(dst), (j, dst_rows, starts)
+
+    fn, outs, keep = rjob((torch.zeros(2, 30, 16), torch.zeros(2, 30, 16)))
+    raw("control: raw restore", fn, outs)
+    fn, outs, keep = rjob((torch.zeros(2, 30, 16, dtype=torch.float16), torch.zeros(2, 30, 16, dtype=torch.float16)))
+    raw("raw restore into fp16 destination", fn, outs)
+    del keep
+    return out
 
 
 # ------------------------------------------------------------------ drivers
@@ -472,7 +584,8 @@ def run_fuzz_asan(examples: int = 2000, seed: int = 0, timeout: float = 600.0) -
 
     Returns:
         The child's summary plus ``"asan": True``, ``"returncode"``, ``"crashed"`` (killed by a signal, or no
-        summary), ``"sanitizer_reports"`` (AddressSanitizer reports in its stderr) and ``"stderr_tail"``.
+        summary), ``"sanitizer_reports"`` (AddressSanitizer reports in its stderr) and ``"stderr_tail"``; the
+        child runs :func:`native_argument_cases` first (``"native_cases"``).
 
     Raises:
         RuntimeError: AddressSanitizer is not available (the message says why).
@@ -528,13 +641,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--asan-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--native-cases", action="store_true",
+                    help="run only the native argument cases (native_argument_cases) and print their outcomes")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.examples < 1:
         ap.error("--examples must be >= 1")
     if args.asan_child:
         _asan_child_library()
-    s = run_fuzz(args.examples, args.seed)
+    cases = native_argument_cases()
+    if args.native_cases:
+        s = {"native_cases": cases, "failures": 0}
+    else:
+        s = run_fuzz(args.examples, args.seed)
+        s["native_cases"] = cases
     if args.asan_child:
         s["native"] = "native (AddressSanitizer build)"
     if args.json:

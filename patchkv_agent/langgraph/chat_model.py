@@ -350,7 +350,10 @@ class PatchKVChatModel(BaseChatModel):
             ``(trace_messages, token_ids, mode)``: trace-format messages (docs/TRACES.md) as the model saw
             them (JSON protocol included), their ids (an int64 array from the engine's memoized encoder:
             the form the resume checks in one pass), and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
-            ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids.
+            ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids. Message strings
+            (contents, roles, tool calls) and tool schemas are text: a special token's text inside them is
+            broken first (:meth:`~patchkv_agent.core.encoding.SegmentEncoder.as_text`), so the only special
+            tokens in the ids are the chat template's own (a tool output cannot forge a turn).
 
         Raises:
             ValueError: the engine has no tokenizer; a message with non-text content.
@@ -360,6 +363,7 @@ class PatchKVChatModel(BaseChatModel):
         trace = to_trace_messages(messages)
         if response_format is not None:
             trace = _with_system(trace, structured_instruction(response_format))
+        trace, tools = self.engine.encoder.as_text((trace, tools))  # message text is text, not turn markers
         if not tools:
             return trace, self.engine.encode_array(plain_messages(trace)), "plain"
         use_template = self.tool_protocol == "template" or (self.tool_protocol == "auto" and self.template_renders_tools())

@@ -3,13 +3,19 @@
 Wraps a ``BaseCheckpointSaver`` (in-memory, SQLite, Postgres, ...) and delegates everything to it.
 ``put`` adds to the checkpoint *metadata* (JSON, never graph state, never tensors)::
 
-    {"patchkv": {"threads": [{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv"}, ...]}}
+    {"patchkv": {"threads": [{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv",
+                              "kv_ids_hash"}, ...]}}
 
 one handle per registry key of the graph thread and namespace: the context version the KV belongs to,
-a hash of its token ids, and where the KV was (``resident``/``offloading``/``offloaded``). ``get_tuple``
+a hash of its token ids, where the KV was (``resident``/``offloading``/``offloaded``) and a hash of the
+tokens the KV holds. ``get_tuple``
 reads the handles back and tells the registry (:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.expect`):
 in a new process, or with a new registry, the KV is gone, so the thread's next generation is an exact
 recompute whose ``stats["fallback"]`` says so, and the version numbers continue from the checkpoint's.
+The metadata is as trusted as the database: a handle acts only for the thread and namespace of the
+checkpoint that holds it (:func:`handle_problem`), so one thread's metadata cannot drop or redirect
+another thread's KV, and a malformed handle is skipped with a warning (``get_tuple`` never raises for
+it). A store entry is used only when it holds the handle's tokens (``kv_ids_hash`` or ``ids_hash``).
 
 The wrapper has exactly the capabilities of the saver it wraps: LangGraph (and its conformance suite)
 decide what a saver can do by which methods its class overrides, so ``PatchKVCheckpointSaver(inner, reg)``
@@ -22,6 +28,7 @@ Knows LangGraph's saver interface and the registry's handles; nothing about mode
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
@@ -32,6 +39,7 @@ from ..runtime.threads import ThreadRegistry, thread_key
 from .keys import base_ns, canonical_ns
 
 META_KEY = "patchkv"
+log = logging.getLogger(__name__)
 
 
 class PatchKVCheckpointSaver(BaseCheckpointSaver):
@@ -62,9 +70,10 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         super().__init__(serde=inner.serde)
         self.serde = inner.serde
         self.inner, self.registry = inner, registry
+        self._warned: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:  # saver-specific extras (setup, conn, ...)
-        if name == "inner":
+        if name in ("inner", "_warned"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -89,10 +98,36 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         return {**metadata, META_KEY: entry} if entry else metadata
 
     def _announce(self, tup: CheckpointTuple | None) -> CheckpointTuple | None:
-        entry = (tup.metadata or {}).get(META_KEY) if tup is not None else None
-        for h in (entry or {}).get("threads", []) if isinstance(entry, Mapping) else []:
-            self.registry.expect(thread_key(h["thread_id"], h.get("checkpoint_ns", "")), h)
+        """Tell the registry about the handles in ``tup``'s metadata that belong to ``tup``'s own thread and
+        namespace; anything else in the entry (another thread's handle, a malformed one) is skipped with a
+        warning, never raised: the metadata is as trusted as the database it came from."""
+        meta = getattr(tup, "metadata", None) if tup is not None else None
+        entry = meta.get(META_KEY) if isinstance(meta, Mapping) else None
+        if entry is None:
+            return tup
+        conf = (getattr(tup, "config", None) or {}).get("configurable") or {}
+        owner = conf.get("thread_id")
+        handles = entry.get("threads") if isinstance(entry, Mapping) else entry
+        if owner is None or not isinstance(handles, (list, tuple)):
+            self._skip(owner, f"its {META_KEY!r} metadata is not {{'threads': [handle, ...]}} (found a "
+                              f"{type(handles).__name__}{'' if owner is not None else ' and no thread_id'})")
+            return tup
+        ns = canonical_ns(str(conf.get("checkpoint_ns") or ""))
+        for i, h in enumerate(handles):
+            why = handle_problem(h, str(owner), ns)
+            if why is not None:
+                self._skip(owner, f"KV handle {i} {why}")
+                continue
+            self.registry.expect(thread_key(h["thread_id"], h["checkpoint_ns"]), h)
         return tup
+
+    def _skip(self, owner: Any, why: str) -> None:
+        """One warning per (thread, reason) and saver: a hostile or damaged checkpoint is read often."""
+        text = f"checkpoint of thread {str(owner)[:80]!r}: {why}; skipped (its KV is not used)"
+        if text not in self._warned:
+            if len(self._warned) < 1024:
+                self._warned.add(text)
+            log.warning("%s", text)
 
     def _fork(self, source_thread_id: str, target_thread_id: str) -> None:
         for k in self.registry.keys():
@@ -103,6 +138,41 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         """The same wrapper around ``inner.with_allowlist(extra_allowlist)``."""
         inner = self.inner.with_allowlist(extra_allowlist)
         return self if inner is self.inner else PatchKVCheckpointSaver(inner, self.registry)
+
+
+_HANDLE_KEYS = {"thread_id": str, "checkpoint_ns": str, "version": int, "ids_hash": str}
+MAX_HANDLE_VERSION = 1 << 62
+
+
+def handle_problem(handle: Any, thread_id: str, ns: str) -> str | None:
+    """Why a KV handle read from checkpoint metadata may not act, or None when it may.
+
+    A handle acts only for the thread (and graph namespace) whose checkpoint holds it, and only when it
+    has the shape :meth:`~patchkv_agent.runtime.threads.ThreadRegistry.handle` writes.
+
+    Args:
+        handle: one element of the metadata's ``threads`` list.
+        thread_id: the thread of the checkpoint it was read from.
+        ns: that checkpoint's canonical namespace.
+
+    Returns:
+        None, or the reason in words (for the warning).
+    """
+    if not isinstance(handle, Mapping):
+        return f"is a {type(handle).__name__}, not a mapping"
+    for k, typ in _HANDLE_KEYS.items():
+        v = handle.get(k)
+        if not isinstance(v, typ) or isinstance(v, bool):
+            return f"has {k}={repr(v)[:40]} (need a {typ.__name__})"
+    if handle.get("kv_ids_hash") is not None and not isinstance(handle["kv_ids_hash"], str):
+        return f"has kv_ids_hash={repr(handle['kv_ids_hash'])[:40]} (need a str or None)"
+    if not 0 <= handle["version"] <= MAX_HANDLE_VERSION:
+        return f"has version {handle['version']} outside [0, 2^62]"
+    if handle["thread_id"] != thread_id:
+        return f"names thread {handle['thread_id'][:80]!r}, not its own"
+    if base_ns(handle["checkpoint_ns"]) != ns:
+        return f"names namespace {handle['checkpoint_ns'][:80]!r}, not its own {ns!r}"
+    return None
 
 
 class _Delegates:

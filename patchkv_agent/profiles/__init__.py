@@ -15,7 +15,12 @@ model fingerprint (exact), then by model name (the name the model was loaded by,
 same weights under another transformers version change the config part of the fingerprint).
 
 A profile file is input from outside the process: every field is type- and range-checked and a bad
-one raises ``ValueError`` naming the file and the fix; nothing in it is executed.
+one raises ``ValueError`` naming the file and the fix; nothing in it is executed. A file is read only when
+it is a regular file (a link to one is fine; a FIFO, device or directory is not opened for reading, and
+the open never blocks) of at most :data:`PROFILE_MAX_BYTES`, UTF-8 JSON nested at most
+:data:`PROFILE_MAX_DEPTH` deep. The search (``profile="auto"``) skips every other file, and every file
+whose fields are out of range, with a warning naming it, so junk in a profile folder can neither break
+nor hang building an engine; an explicit path (:func:`read_profile`) raises ``ValueError`` instead.
 
 Boundary: reads JSON files and builds settings values; knows nothing about models beyond
 ``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about how profiles are made (the
@@ -28,6 +33,7 @@ import json
 import logging
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -39,8 +45,9 @@ if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
     from ..core.settings import RecoverySettings
 
-__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "Profile", "profile_dirs", "iter_profiles",
-           "load_profile", "is_profile", "read_profile", "resolve_profile_arg"]
+__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "PROFILE_MAX_BYTES", "PROFILE_MAX_DEPTH",
+           "Profile", "profile_dirs", "iter_profiles", "load_profile", "is_profile", "read_profile",
+           "resolve_profile_arg"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,10 @@ PROFILE_SCHEMA = 1
 _REQUIRED = ("schema", "model", "fingerprint", "length_model", "kappa", "block_size")
 SHIPPED_PROFILE_DIR = Path(__file__).resolve().parent / "shipped"
 _POLICY_FIELDS = ("alpha", "tau_L", "tau_H", "g4", "tau_LL", "g4k")
+PROFILE_MAX_BYTES = 16 << 20  # a calibration profile with its labels and tables is well under 1 MiB
+PROFILE_MAX_DEPTH = 64  # nesting of JSON containers (calibrate writes < 10)
+_MAX_TOKENS = (1 << 31) - 1  # token counts (block_size, recent_window): the kernels' int32 fields
+_MAX_THRESHOLD = 1e9  # precision thresholds and bounds (risk scores are attention x residual, O(10))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,29 +116,31 @@ class Profile:
             if not isinstance(lm, dict):
                 raise ValueError("'length_model' is not an object")
             length_model = LengthModel.from_dict(lm)
+            schema = data["schema"]
+            if isinstance(schema, bool) or not isinstance(schema, int) or not 1 <= schema <= PROFILE_SCHEMA:
+                raise ValueError(f"schema={_short(schema)} (this package reads schema 1..{PROFILE_SCHEMA})")
             kappa, block = data["kappa"], data["block_size"]
-            if isinstance(kappa, bool) or not isinstance(kappa, (int, float)) or not (
-                    math.isfinite(kappa) and 0.0 <= kappa <= 1.0):
-                raise ValueError(f"kappa={kappa!r} (need a number in [0, 1])")
-            if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-                raise ValueError(f"block_size={block!r} (need an int >= 1)")
+            if not _share(kappa):
+                raise ValueError(f"kappa={_short(kappa)} (need a number in [0, 1])")
+            if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= _MAX_TOKENS:
+                raise ValueError(f"block_size={_short(block)} (need an int in [1, 2^31))")
             readers = data.get("readers")
-            if readers is not None and readers not in READERS:
-                raise ValueError(f"readers={readers!r} (need one of {list(READERS)})")
+            if readers is not None and (not isinstance(readers, str) or readers not in READERS):
+                raise ValueError(f"readers={_short(readers)} (need one of {list(READERS)})")
             recent = data.get("recent_window")
-            if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int) or recent < 0):
-                raise ValueError(f"recent_window={recent!r} (need an int >= 0)")
+            if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int)
+                                       or not 0 <= recent <= _MAX_TOKENS):
+                raise ValueError(f"recent_window={_short(recent)} (need an int in [0, 2^31))")
             small = data.get("min_restore_share")
-            if small is not None and (isinstance(small, bool) or not isinstance(small, (int, float)) or not (
-                    math.isfinite(small) and 0.0 <= small <= 1.0)):
-                raise ValueError(f"min_restore_share={small!r} (need a number in [0, 1])")
+            if small is not None and not _share(small):
+                raise ValueError(f"min_restore_share={_short(small)} (need a number in [0, 1])")
             rule = _reader_rule(data.get("reader_rule"))
             policy = _policy(data.get("precision_policy"))
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
                     raise ValueError(f"{k}={data[k]!r} (need a string)")
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"{where} is malformed: {e}; recalibrate with 'patchkv-agent calibrate'") from None
+        except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+            raise ValueError(f"{where} is malformed: {str(e)[:300]}; recalibrate with 'patchkv-agent calibrate'") from None
         return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
                    kappa=float(kappa), block_size=int(block), readers=readers, recent_window=recent,
                    min_restore_share=None if small is None else float(small),
@@ -160,6 +173,20 @@ READER_RULE_KEYS = {"min_share": "reader_min_share", "min_blocks": "reader_min_b
 """A profile's ``reader_rule`` keys and the :class:`~patchkv_agent.core.settings.RecoverySettings` fields they set."""
 
 
+def _short(v: Any) -> str:
+    """``repr(v)`` cut to 40 characters (a hostile value may be huge)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 1 << 64:
+        return f"<an int of {v.bit_length()} bits>"
+    return repr(v)[:40]
+
+
+def _share(v: Any) -> bool:
+    """A number in [0, 1] (not a bool); never converts a huge int to float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return 0 <= v <= 1 and (isinstance(v, int) or math.isfinite(v))
+
+
 def _reader_rule(rule: Any) -> dict[str, Any]:
     """A profile's ``reader_rule`` object as settings fields (absent: none), every value type- and range-checked."""
     if rule is None:
@@ -176,11 +203,11 @@ def _reader_rule(rule: Any) -> dict[str, Any]:
             continue
         if key in ("min_blocks", "attention_blocks"):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
-                raise ValueError(f"reader_rule.{key}={v!r} (need an int >= 0)")
+                raise ValueError(f"reader_rule.{key}={_short(v)} (need an int in [0, 2^20])")
             out[name] = int(v)
         else:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
-                raise ValueError(f"reader_rule.{key}={v!r} (need a number in [0, 1])")
+            if not _share(v):
+                raise ValueError(f"reader_rule.{key}={_short(v)} (need a number in [0, 1])")
             out[name] = float(v)
     return out
 
@@ -200,8 +227,9 @@ def _policy(pol: Any) -> "PrecisionPolicy | None":
         v = pol.get(k)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"precision_policy.{k}={v!r} (need a finite number)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= _MAX_THRESHOLD or (
+                isinstance(v, float) and not math.isfinite(v)):
+            raise ValueError(f"precision_policy.{k}={_short(v)} (need a number in [0, {_MAX_THRESHOLD:g}])")
         vals[k] = float(v)
     return PrecisionPolicy(**vals)
 
@@ -236,14 +264,66 @@ def read_profile(path: str | Path) -> Profile:
     Returns:
         The :class:`Profile` (``match="explicit"``).
     Raises:
-        ValueError: the file cannot be read, is not JSON, lacks the profile keys or has a malformed field.
+        ValueError: the file cannot be read, is not a regular file (a FIFO, device or directory), is larger
+            than :data:`PROFILE_MAX_BYTES`, is not UTF-8 JSON (or nests deeper than
+            :data:`PROFILE_MAX_DEPTH`), lacks the profile keys or has a field of the wrong type or range.
     """
     p = Path(path)
+    return Profile.from_dict(_read_json(p), path=p, match="explicit")
+
+
+def _read_json(p: Path) -> Any:
+    """The JSON value of profile file ``p``, read without blocking and without reading past the size cap.
+
+    Raises:
+        ValueError: naming the file, what is wrong with it and the fix.
+    """
+    fix = "pass a JSON written by 'patchkv-agent calibrate'"
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read profile {p}: {e}; pass a JSON written by 'patchkv-agent calibrate'") from e
-    return Profile.from_dict(data, path=p, match="explicit")
+        st = os.stat(p)  # follows a link: what it names must be a regular file too
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"profile {p} is not a regular file (a FIFO, device or directory); remove it or {fix}")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+        try:
+            st = os.fstat(fd)  # what was opened (the path may have been swapped since the stat)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"profile {p} is not a regular file (a FIFO, device or directory); remove it or {fix}")
+            if st.st_size > PROFILE_MAX_BYTES:
+                raise ValueError(f"profile {p} has {st.st_size} bytes, more than a profile holds "
+                                 f"({PROFILE_MAX_BYTES}); remove it or {fix}")
+            chunks, n = [], 0
+            while n <= PROFILE_MAX_BYTES and (chunk := os.read(fd, min(1 << 20, PROFILE_MAX_BYTES + 1 - n))):
+                chunks.append(chunk)
+                n += len(chunk)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ValueError(f"cannot read profile {p}: {e}; {fix}") from None
+    if n > PROFILE_MAX_BYTES:
+        raise ValueError(f"profile {p} grew past {PROFILE_MAX_BYTES} bytes while read; remove it or {fix}")
+    try:
+        data = json.loads(b"".join(chunks).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"profile {p} is not UTF-8 text ({e.reason} at byte {e.start}); {fix}") from None
+    except RecursionError:
+        raise ValueError(f"profile {p} nests deeper than JSON can be read; {fix}") from None
+    except ValueError as e:  # JSONDecodeError, an int literal of too many digits
+        raise ValueError(f"profile {p} is not JSON ({str(e)[:200]}); {fix}") from None
+    if not _shallow(data, PROFILE_MAX_DEPTH):
+        raise ValueError(f"profile {p} nests deeper than {PROFILE_MAX_DEPTH} levels; {fix}")
+    return data
+
+
+def _shallow(value: Any, limit: int) -> bool:
+    """Whether ``value``'s containers nest at most ``limit`` deep (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return False
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return True
 
 
 def resolve_profile_arg(spec: str | None) -> "str | Profile | None":
@@ -264,7 +344,12 @@ def resolve_profile_arg(spec: str | None) -> "str | Profile | None":
 
 
 def iter_profiles(dirs: Sequence[str | Path] | None = None) -> Iterator[tuple[Path, dict]]:
-    """Every readable profile in the search path, in search order (unreadable files are logged, skipped).
+    """Every readable profile in the search path, in search order.
+
+    Files that cannot be read as profiles (not regular files, larger than :data:`PROFILE_MAX_BYTES`, not
+    UTF-8 JSON, nested too deep) are skipped with a warning naming the file; JSON files that are not
+    profiles are skipped silently. The fields are checked by :meth:`Profile.from_dict` (see
+    :func:`load_profile`).
 
     Args:
         dirs: folders to search instead of :func:`profile_dirs`.
@@ -273,13 +358,18 @@ def iter_profiles(dirs: Sequence[str | Path] | None = None) -> Iterator[tuple[Pa
     """
     for d in profile_dirs() if dirs is None else dirs:
         d = Path(d)
-        if not d.is_dir():
+        try:
+            if not d.is_dir():
+                continue
+            paths = sorted(d.glob("*.json"))
+        except OSError as e:
+            log.warning("skipping profile folder %s: %s", d, e)
             continue
-        for path in sorted(d.glob("*.json")):
+        for path in paths:
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                log.warning("skipping unreadable profile %s: %s", path, e)
+                data = _read_json(path)
+            except ValueError as e:
+                log.warning("skipping profile file %s: %s", path, e)
                 continue
             if is_profile(data):
                 yield path, data
@@ -318,23 +408,34 @@ def load_profile(spec_or_fingerprint: Any, *, model_name: str | None = None,
             engine's model was loaded by, if known).
         dirs: folders to search instead of :func:`profile_dirs`.
     Returns:
-        The :class:`Profile` (``match`` is ``"fingerprint"`` or ``"name"``), or None.
-    Raises:
-        ValueError: the matching file has a malformed field (a file that is not a profile is skipped).
+        The :class:`Profile` (``match`` is ``"fingerprint"`` or ``"name"``), or None. A matching file with a
+        field of the wrong type or range is skipped with a warning naming the file and the field, and the
+        search goes on (a file that is not a profile is skipped silently).
     """
     fp, name = _key(spec_or_fingerprint)
     name = model_name or name
     found = list(iter_profiles(dirs))
+
+    def valid(path: Path, data: dict, match: str) -> Profile | None:
+        try:
+            return Profile.from_dict(data, path=path, match=match)
+        except ValueError as e:
+            log.warning("skipping profile file %s: %s", path, e)
+            return None
+
     if fp:
         for path, data in found:
-            if data.get("fingerprint") == fp:
-                return Profile.from_dict(data, path=path, match="fingerprint")
+            if data.get("fingerprint") == fp and (prof := valid(path, data, "fingerprint")) is not None:
+                return prof
     if name:
         wanted = _names(name)
         for path, data in found:
-            if _names(str(data.get("model", ""))) & wanted:
+            if isinstance(data.get("model"), str) and _names(data["model"]) & wanted:
+                prof = valid(path, data, "name")
+                if prof is None:
+                    continue
                 if fp and data.get("fingerprint") != fp:
                     log.warning("profile %s matches model name %r but not its fingerprint (%s != %s); using it",
                                 path, name, str(data.get("fingerprint"))[:24], fp[:24])
-                return Profile.from_dict(data, path=path, match="name")
+                return prof
     return None

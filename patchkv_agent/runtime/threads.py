@@ -236,8 +236,10 @@ class ThreadRegistry:
         """The KV handle of a thread's current version, JSON-serialisable (no tensors).
 
         Returns:
-            ``{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv"}`` with ``kv`` one of
-            ``"resident"``, ``"offloaded"``, ``"offloading"``, ``"none"``; None for an unknown thread.
+            ``{"thread_id", "checkpoint_ns", "version", "ids_hash", "tokens", "kv", "kv_ids_hash"}`` with
+            ``kv`` one of ``"resident"``, ``"offloaded"``, ``"offloading"``, ``"none"`` and ``kv_ids_hash``
+            the hash of the tokens the KV holds (the context and the tokens decoded after it; None without
+            KV): what :meth:`expect` binds a store entry to; None for an unknown thread.
         """
         key = self.active(key)
         th = self._thread(key, create=False)
@@ -249,8 +251,15 @@ class ThreadRegistry:
             kv = "offloaded"
         else:
             kv = "none"
+        kv_ids = None  # the tokens of the KV (what an offload of it is stored under)
+        if th.resident is not None:
+            kv_ids = ids_hash(th.resident.context_ids)
+        elif th.checkpoint is not None and th.checkpoint_version == th.version:
+            kv_ids = ids_hash(th.checkpoint.token_ids)
+        elif th.store_key is not None and th.store_version == th.version:
+            kv_ids = th.store_key.ids_hash
         return {"thread_id": key[0], "checkpoint_ns": key[1], "version": th.version,
-                "ids_hash": ids_hash(th.token_ids), "tokens": int(len(th.token_ids)), "kv": kv}
+                "ids_hash": ids_hash(th.token_ids), "tokens": int(len(th.token_ids)), "kv": kv, "kv_ids_hash": kv_ids}
 
     def handles(self, thread_id: str) -> list[dict[str, Any]]:
         """Handles of every key of ``thread_id`` (all namespaces)."""
@@ -261,13 +270,15 @@ class ThreadRegistry:
 
         When this registry holds no KV of that version (a new process or registry), the thread's version
         counter continues from the handle's. With a store holding an entry of that version of the thread
-        written by this model (a persistent tier after a restart), the next resume starts from it;
-        otherwise it is exact with ``stats["fallback"]`` saying why. A registry that already holds the
-        version (or a later one) ignores the call.
+        written by this model for the handle's tokens (its ``kv_ids_hash``, or its context's ``ids_hash``:
+        a persistent tier after a restart), the next resume starts from it; otherwise (no entry, or only
+        entries of other tokens under that thread and version) it is exact with ``stats["fallback"]``
+        saying why. A registry that already holds the version (or a later one) ignores the call.
         """
         v = int(handle.get("version", 0))
         th = self._thread(key)
-        found = self._find_stored(key, v) if self.store is not None else None
+        bound = {h for h in (handle.get("kv_ids_hash"), handle.get("ids_hash")) if isinstance(h, str)}
+        found, why = self._find_stored(key, v, bound) if self.store is not None else (None, "")
         with th.lock:
             if th.version >= v:
                 return
@@ -277,20 +288,28 @@ class ThreadRegistry:
             th.lost = None if found is not None else Fallback(
                 FallbackKind.NOT_HELD,
                 f"the graph checkpoint refers to KV of context version {v} "
-                f"(ids {handle.get('ids_hash')}) that this process does not hold (restart or new registry)"
-                + (f"; the {self.store.tier} store holds no checkpoint of it either" if self.store is not None else ""))
+                f"(ids {str(handle.get('ids_hash'))[:64]}) that this process does not hold (restart or new registry)"
+                + why)
 
-    def _find_stored(self, key: ThreadKey, version: int) -> CheckpointKey | None:
-        """The store's most recently used entry of ``version`` of thread ``key`` written by this model."""
+    def _find_stored(self, key: ThreadKey, version: int, ids: set[str]) -> tuple[CheckpointKey | None, str]:
+        """The store's most recently used entry of ``version`` of thread ``key`` written by this model for
+        tokens hashing to one of ``ids``, or ``(None, why not)``: an entry of other tokens under that thread
+        and version (planted, or left by another writer) is never picked."""
         try:
             keys = self.store.keys()
         except StoreUnavailable as e:  # one line, no traceback: the resume says so anyway
             log.warning("store unavailable while looking up thread %s version %d: %s", key, version,
                         str(e).splitlines()[0][:300])
-            return None
+            return None, f"; the {self.store.tier} store was unreachable"
         fp = self.engine.spec.fingerprint
         hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
-        return hits[-1] if hits else None
+        bound = [k for k in hits if k.ids_hash in ids]
+        if bound:
+            return bound[-1], ""
+        if hits:
+            return None, (f"; the {self.store.tier} store's entry of that version holds other tokens "
+                          f"(ids {hits[-1].ids_hash}), so it is not used")
+        return None, f"; the {self.store.tier} store holds no checkpoint of it either"
 
     def fork(self, src: ThreadKey, dst: ThreadKey) -> bool:
         """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors).
