@@ -9,7 +9,7 @@ Modules:
 - :mod:`.formats`: format names and bit widths, :class:`RunPayload`, the shared argument checks.
 - :mod:`.quantizer`: the quantizer, key / value quantization, 4-bit packing, decode primitives.
 - :mod:`.reference`: the pure-torch references (``reference_*``), the oracles of every path.
-- :mod:`.quant`: the optimised torch restore (``torch_dequantize_scatter``); re-exports the format API.
+- :mod:`.torch_restore`: the optimised torch restore (``torch_dequantize_scatter``).
 - :mod:`.residual`: the 4-bit value / key residuals of the precision policy.
 - :mod:`.rope`: the RoPE delta rotation (reference).
 - :mod:`.native` (``native.c``), ``triton_quantize_gather`` / ``triton_dequantize_scatter``: the kernels.

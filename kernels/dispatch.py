@@ -25,7 +25,7 @@ import torch
 from . import native
 from .native import ScatterCall
 from .formats import DEFAULT_BLOCK_SIZE, DEFAULT_V_GROUP, FP16, RunPayload, normalize_tag
-from .quant import torch_dequantize_scatter
+from .torch_restore import torch_dequantize_scatter
 from .reference import reference_dequantize, reference_quantize_gather
 from .residual import value_residual_4bit
 from .rope import delta_cos_sin, rope_rotate

@@ -67,7 +67,7 @@ from .formats import (
     check_scatter_args,
     effective_v_group,
 )
-from .quant import _angle_tables
+from .torch_restore import _angle_tables
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math"]

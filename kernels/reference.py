@@ -3,7 +3,7 @@
 
 Boundary: one layer's ``k, v`` ``[num_kv_heads, N, head_dim]`` and source rows in, a
 :class:`~.formats.RunPayload` out, and back (decoded, RoPE-shifted and written to destination rows).
-Written for clarity, not speed. The optimised torch restore (``quant.torch_dequantize_scatter``) and the
+Written for clarity, not speed. The optimised torch restore (``torch_restore.torch_dequantize_scatter``) and the
 native kernels of ``native.c`` must agree with these bit for bit, the Triton kernels in
 ``triton_quantize_gather.py`` / ``triton_dequantize_scatter.py`` bit-exactly on codes under the Triton
 interpreter (to tolerance on restored rows). Builds on :mod:`.formats` (layout, checks),

@@ -126,7 +126,7 @@ def dequantize_scatter_triton(
 ) -> None:
     """Decode ``payload``, rotate keys by ``delta``, write into ``dst[:, dst_rows, :]`` (Triton).
 
-    Args, Raises: as ``quant.torch_dequantize_scatter``; ``block_r``: run rows per program.
+    Args, Raises: as ``torch_restore.torch_dequantize_scatter``; ``block_r``: run rows per program.
     """
     check_scatter_args(payload, dst_k, dst_v, dst_rows, delta, inv_freq)
     r = payload.n_rows

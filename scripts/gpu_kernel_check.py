@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="CI sizes (runs under TRITON_INTERPRET=1 on CPU)")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args(argv)
-    from patchkv_agent.kernels import quant as Q
+    from patchkv_agent.kernels import formats as KF, reference as KR
     from patchkv_agent.kernels.triton_dequantize_scatter import dequantize_scatter_triton
     from patchkv_agent.kernels.triton_quantize_gather import quantize_gather_triton
 
@@ -57,12 +57,12 @@ def main(argv=None) -> int:
     inv_freq = (1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))).to(device)
     report = {"device": str(device), "small": args.small, "heads": h, "rows": n, "head_dim": d, "formats": {}}
     ok = True
-    for tag in Q.FORMATS:
+    for tag in KF.FORMATS:
         got = quantize_gather_triton(k, v, rows, tag, 32, 32)
-        want = Q.reference_quantize_gather(k, v, rows, tag, 32, 32)
+        want = KR.reference_quantize_gather(k, v, rows, tag, 32, 32)
         q_equal = all(torch.equal(got.tensors()[name], t) for name, t in want.tensors().items())
         outs = []
-        for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton):
+        for fn in (KR.reference_dequantize_scatter, dequantize_scatter_triton):
             dk = torch.zeros(h, n + 17, d, device=device)
             dv = torch.zeros(h, n + 17, d, device=device)
             fn(want, dk, dv, dst_rows, delta, inv_freq)

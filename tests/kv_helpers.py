@@ -50,7 +50,7 @@ def assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
 
 
 def assert_same_payload(a, b) -> None:
-    """Two :class:`~patchkv_agent.kernels.quant.RunPayload` s are identical: metadata, and every stored
+    """Two :class:`~patchkv_agent.kernels.formats.RunPayload` s are identical: metadata, and every stored
     tensor's shape, dtype and bytes (bit for bit, so NaN payloads and signed zeros compare too)."""
     assert (a.tag, a.n_rows, a.num_kv_heads, a.head_dim, a.block_size, a.v_group) == \
         (b.tag, b.n_rows, b.num_kv_heads, b.head_dim, b.block_size, b.v_group)

@@ -36,7 +36,7 @@ from patchkv_agent.core.precision import Tag
 from patchkv_agent.eval.entry_fuzz import editable, reseal
 from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.kernels import backend, dequantize_scatter, native
-from patchkv_agent.kernels import quant as Q
+from patchkv_agent.kernels import reference as KR
 from patchkv_agent.runtime.kvstore import CorruptCheckpoint, DiskStore, decode_checkpoint, resume_from_store
 
 HAVE_CC = shutil.which(os.environ.get("CC", "cc")) is not None
@@ -191,7 +191,7 @@ def test_the_untampered_entry_still_resumes_from_every_format(engine, base, tmp_
 def _payload(tag="K8V4", r=20, d=16):
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(2, r, d, generator=g), torch.randn(2, r, d, generator=g)
-    return Q.reference_quantize_gather(k, v, torch.arange(r), tag, 8, 32)
+    return KR.reference_quantize_gather(k, v, torch.arange(r), tag, 8, 32)
 
 
 BAD_PAYLOADS = {
@@ -221,11 +221,11 @@ def test_native_and_torch_refuse_an_inconsistent_payload_alike(case):
 _NATIVE_PROBE = r"""
 import ctypes, sys, torch
 from patchkv_agent.kernels import native
-from patchkv_agent.kernels import quant as Q
+from patchkv_agent.kernels import reference as KR
 lib = native._library()
 g = torch.Generator().manual_seed(1)
 k, v = torch.randn(2, 20, 16, generator=g), torch.randn(2, 20, 16, generator=g)
-p = Q.reference_quantize_gather(k, v, torch.arange(20), "K8V8", 8, 32)
+p = KR.reference_quantize_gather(k, v, torch.arange(20), "K8V8", 8, 32)
 dk, dv = torch.zeros(2, 30, 16), torch.zeros(2, 30, 16)
 rows = torch.arange(20)
 case = sys.argv[1]

@@ -155,7 +155,7 @@ def test_native_value_residual_matches_the_reference(d, group):
         pytest.skip(f"native kernels {native.status()}")
     vals = _values(d, d=d)
     vals[1][:, 5] = 0.0  # an all-zero token in one layer
-    ref_e, ref_r = __import__("patchkv_agent.kernels.quant", fromlist=["x"]).value_residual_sq(torch.stack(vals), group)
+    ref_e, ref_r = __import__("patchkv_agent.kernels.residual", fromlist=["x"]).value_residual_sq(torch.stack(vals), group)
     err, nrm = native.value_residual_sq_native(vals, group)
     # element errors are the reference's fp32 operations; only the summation order differs (double here)
     torch.testing.assert_close(err, ref_e, rtol=2e-6, atol=0.0)

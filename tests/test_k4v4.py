@@ -30,7 +30,7 @@ from patchkv_agent.core.precision import (  # noqa: E402
     cluster_runs,
 )
 from patchkv_agent.kernels import backend, dispatch, native  # noqa: E402
-from patchkv_agent.kernels import quant as Q  # noqa: E402
+from patchkv_agent.kernels import formats as KF, quantizer as KQ, reference as KR, residual as KRS, torch_restore as KT  # noqa: E402
 from patchkv_agent.kernels.rope import rope_delta_reference  # noqa: E402
 from patchkv_agent.runtime.kvstore import CheckpointKey, CorruptCheckpoint, decode_checkpoint, encode_checkpoint  # noqa: E402
 from patchkv_agent.runtime.kvstore.codec import meta_checksum  # noqa: E402
@@ -66,12 +66,12 @@ def _inv_freq(rot):
 
 
 def test_format_order_and_tags():
-    assert Q.FORMATS == ("K4V4", "K8V4", "K8V8", "FP16")
-    assert tuple(t.name for t in sorted(Tag)) == Q.FORMATS
+    assert KF.FORMATS == ("K4V4", "K8V4", "K8V8", "FP16")
+    assert tuple(t.name for t in sorted(Tag)) == KF.FORMATS
     assert max(Tag.K4V4, Tag.K8V4) == Tag.K8V4 and min(Tag.K4V4, Tag.FP16) == Tag.K4V4
     # stored codes of the older tags never change (checkpoints written before K4V4 still read)
     assert (int(Tag.K8V4), int(Tag.K8V8), int(Tag.FP16), int(Tag.K4V4)) == (0, 1, 2, -1)
-    assert Q.normalize_tag(Tag.K4V4) == "K4V4"
+    assert KF.normalize_tag(Tag.K4V4) == "K4V4"
 
 
 @pytest.mark.parametrize("d,bs,vg", [(64, 32, 32), (80, 32, 32), (48, 5, 32), (128, 16, 64)])
@@ -80,30 +80,30 @@ def test_reference_codes_and_packing(d, bs, vg):
     value scales: those of K8V4, byte for byte."""
     k, v = _kv(3, 70, d)
     rows = _rows(70, 45)
-    p = Q.reference_quantize_gather(k, v, rows, Q.K4V4, bs, vg)
+    p = KR.reference_quantize_gather(k, v, rows, KF.K4V4, bs, vg)
     kr = k[:, rows]
     nb = -(-45 // bs)
     mn = torch.stack([kr[:, b * bs:(b + 1) * bs].amin(1) for b in range(nb)], 1)
     mx = torch.stack([kr[:, b * bs:(b + 1) * bs].amax(1) for b in range(nb)], 1)
-    s, z = Q.scale_zero(mn, mx, 15)
+    s, z = KQ.scale_zero(mn, mx, 15)
     blk = torch.arange(45) // bs
-    q = Q.codes(kr, s[:, blk], z[:, blk], 15)
+    q = KQ.codes(kr, s[:, blk], z[:, blk], 15)
     assert int(q.max()) <= 15
     assert p.k_data.shape == (3, 45, d // 2) and p.k_data.dtype == torch.uint8
     assert torch.equal(p.k_data & 15, q[..., 0::2]) and torch.equal(p.k_data >> 4, q[..., 1::2])
     assert torch.equal(p.k_scale, s) and torch.equal(p.k_zero, z)
-    p84 = Q.reference_quantize_gather(k, v, rows, Q.K8V4, bs, vg)
+    p84 = KR.reference_quantize_gather(k, v, rows, KF.K8V4, bs, vg)
     for f in ("v_data", "v_scale", "v_zero"):
         assert torch.equal(getattr(p, f), getattr(p84, f)), f
-    k_hat, v_hat = Q.reference_dequantize(p)
+    k_hat, v_hat = KR.reference_dequantize(p)
     assert torch.equal(k_hat, q.float() * s[:, blk].float() + z[:, blk].float())
-    assert torch.equal(v_hat, Q.reference_dequantize(p84)[1])
+    assert torch.equal(v_hat, KR.reference_dequantize(p84)[1])
 
 
 def test_nbytes_is_1_25_per_pair():
     k, v = _kv(3, 64, 128, torch.float16)
-    p = Q.reference_quantize_gather(k, v, torch.arange(64), Q.K4V4)
-    fp16 = Q.reference_quantize_gather(k, v, torch.arange(64), Q.FP16)
+    p = KR.reference_quantize_gather(k, v, torch.arange(64), KF.K4V4)
+    fp16 = KR.reference_quantize_gather(k, v, torch.arange(64), KF.FP16)
     assert p.nbytes == 3 * 64 * 64 * 2 + 3 * 2 * 128 * 4 + 3 * 64 * 4 * 4  # codes + key meta + value meta
     assert p.nbytes / fp16.nbytes == 1.25 / 4
 
@@ -116,7 +116,7 @@ def test_round_trip_within_bound(path, d):
     k, v = _kv(2, 45, d)
     rows = torch.arange(45)
     with backend(path):
-        p = dispatch.quantize_gather(k, v, rows, Q.K4V4)
+        p = dispatch.quantize_gather(k, v, rows, KF.K4V4)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dispatch.dequantize_scatter(p, dk, dv, rows, torch.zeros(45, dtype=torch.int64), None)
     sk = p.k_scale[:, torch.arange(45) // p.block_size].float()
@@ -130,38 +130,38 @@ def test_round_trip_within_bound(path, d):
 def test_hard_groups_and_odd_head_dim():
     k = torch.tensor([[[1000.0, -3.0, 1e-6, 0.0], [1000.001, -3.0, -1e-6, 5.0], [999.99, -3.0, 0.0, -5.0]]])
     v = torch.tensor([[[1e4, 1e4 + 1, -2.0, 2.0], [0.0, 0.0, 0.0, 0.0], [-7.0, 1e-8, 3.0, 3.0]]])
-    p = Q.reference_quantize_gather(k, v, torch.arange(3), Q.K4V4, v_group=2)
-    k_hat, _ = Q.reference_dequantize(p)
+    p = KR.reference_quantize_gather(k, v, torch.arange(3), KF.K4V4, v_group=2)
+    k_hat, _ = KR.reference_dequantize(p)
     s = p.k_scale[:, torch.zeros(3, dtype=torch.long)].float()
     assert torch.all((k - k_hat).abs() <= s / 2 * (1 + 1e-5) + 1e-6 * k.abs())
     with pytest.raises(ValueError, match="K4V4 .*even head_dim"):
-        dispatch.quantize_gather(torch.zeros(1, 4, 63), torch.zeros(1, 4, 63), torch.arange(2), Q.K4V4)
+        dispatch.quantize_gather(torch.zeros(1, 4, 63), torch.zeros(1, 4, 63), torch.arange(2), KF.K4V4)
 
 
 def test_key_residual_matches_the_format():
     k = torch.randn(3, 2, 50, 64, generator=torch.Generator().manual_seed(1))  # [L, H, N, D]
-    ek = Q.key_residual_4bit(k, 16)
+    ek = KRS.key_residual_4bit(k, 16)
     err = ref = 0
     for layer in range(3):
-        p = Q.reference_quantize_gather(k[layer], k[layer], torch.arange(50), Q.K4V4, 16)
-        k_hat, _ = Q.reference_dequantize(p)
+        p = KR.reference_quantize_gather(k[layer], k[layer], torch.arange(50), KF.K4V4, 16)
+        k_hat, _ = KR.reference_dequantize(p)
         err = err + (k_hat - k[layer]).square().sum((0, 2))
         ref = ref + k[layer].square().sum((0, 2))
     torch.testing.assert_close(ek, (err / ref).sqrt())
     np.testing.assert_allclose(key_residual(list(k), 16), ek.numpy().astype(np.float64), rtol=1e-6)
-    assert torch.equal(Q.key_residual_4bit(torch.zeros(2, 4, 32)), torch.zeros(4))
+    assert torch.equal(KRS.key_residual_4bit(torch.zeros(2, 4, 32)), torch.zeros(4))
     with pytest.raises(ValueError, match="block_size"):
-        Q.key_residual_sq(k, 0)
+        KRS.key_residual_sq(k, 0)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "fragmented"])
 def test_torch_pieces_equal_the_oracle(monkeypatch, layout):
-    monkeypatch.setattr(Q, "_PIECE_ELEMS", 2 * 64 * 48)  # 48-row pieces
-    monkeypatch.setattr(Q, "_MIN_DIRECT_ROWS", 24)
-    monkeypatch.setattr(Q, "_MIN_COPY_ROWS", 8)
+    monkeypatch.setattr(KT, "_PIECE_ELEMS", 2 * 64 * 48)  # 48-row pieces
+    monkeypatch.setattr(KT, "_MIN_DIRECT_ROWS", 24)
+    monkeypatch.setattr(KT, "_MIN_COPY_ROWS", 8)
     h, d, r = 2, 64, 150
     k, v = _kv(h, r + 10, d, torch.float16)
-    p = Q.reference_quantize_gather(k, v, _rows(r + 10, r), Q.K4V4, 16)
+    p = KR.reference_quantize_gather(k, v, _rows(r + 10, r), KF.K4V4, 16)
     if layout == "contiguous":
         dst, delta = torch.arange(r) + 3, torch.full((r,), 29)
     else:
@@ -169,7 +169,7 @@ def test_torch_pieces_equal_the_oracle(monkeypatch, layout):
         delta = torch.randint(-20, 900, (r,), generator=torch.Generator().manual_seed(4))
     n_dst = int(dst.max()) + 2
     outs = []
-    for fn in (Q.reference_dequantize_scatter, Q.torch_dequantize_scatter):
+    for fn in (KR.reference_dequantize_scatter, KT.torch_dequantize_scatter):
         dk, dv = torch.full((h, n_dst, d), 7.0), torch.full((h, n_dst, d), -7.0)
         fn(p, dk, dv, dst, delta, _inv_freq(d))
         outs.append((dk, dv))
@@ -192,11 +192,11 @@ def test_torch_pieces_equal_the_oracle(monkeypatch, layout):
 def test_native_restore_equals_reference_bitwise(h, d, r, pdt, rot, inter, bs, vg, shifts):
     g = torch.Generator().manual_seed(r)
     k, v = _kv(h, 150, d, pdt)
-    p = Q.reference_quantize_gather(k, v, torch.randperm(150, generator=g)[:r], Q.K4V4, bs, vg)
+    p = KR.reference_quantize_gather(k, v, torch.randperm(150, generator=g)[:r], KF.K4V4, bs, vg)
     dst = torch.randperm(200, generator=g)[:r]
     delta = torch.zeros(r, dtype=torch.int64) if shifts == "zero" else torch.randint(-300, 4000, (r,), generator=g)
     want_k, want_v = torch.full((h, 200, d), 7.0), torch.full((h, 200, d), -7.0)
-    Q.reference_dequantize_scatter(p, want_k, want_v, dst, delta, _inv_freq(rot), interleaved=inter)
+    KR.reference_dequantize_scatter(p, want_k, want_v, dst, delta, _inv_freq(rot), interleaved=inter)
     got_k, got_v = torch.full((h, 200, d), 7.0), torch.full((h, 200, d), -7.0)
     with backend("native"):
         assert dispatch.dequantize_scatter(p, got_k, got_v, dst, delta, _inv_freq(rot), interleaved=inter) == "native"
@@ -206,11 +206,11 @@ def test_native_restore_equals_reference_bitwise(h, d, r, pdt, rot, inter, bs, v
 @NATIVE
 def test_native_selected_rows_and_software_half_build(tmp_path):
     k, v = _kv(3, 120, 64, torch.float16)
-    p = Q.reference_quantize_gather(k, v, torch.arange(120), Q.K4V4)
+    p = KR.reference_quantize_gather(k, v, torch.arange(120), KF.K4V4)
     g = torch.Generator().manual_seed(5)
     sel, dst = torch.randperm(120, generator=g)[:53], torch.randperm(90, generator=g)[:53]
     delta = torch.randint(-50, 900, (53,), generator=g)
-    ref_k, ref_v = Q.reference_dequantize(p)
+    ref_k, ref_v = KR.reference_dequantize(p)
     ref_k = rope_delta_reference(ref_k[:, sel], delta, _inv_freq(64))
     dk, dv = torch.zeros(3, 90, 64), torch.zeros(3, 90, 64)
     with backend("native"):
@@ -224,12 +224,12 @@ def test_native_selected_rows_and_software_half_build(tmp_path):
         for kind in ("gauss", "tiny", "large"):
             k2, v2 = _kv(3, 50, 80, torch.float16, kind=kind)
             with backend("torch"):
-                ref = dispatch.quantize_gather(k2, v2, torch.arange(3, 47), Q.K4V4, 16)
+                ref = dispatch.quantize_gather(k2, v2, torch.arange(3, 47), KF.K4V4, 16)
             with backend("native"):
-                assert_same_payload(ref, dispatch.quantize_gather(k2, v2, torch.arange(3, 47), Q.K4V4, 16))
+                assert_same_payload(ref, dispatch.quantize_gather(k2, v2, torch.arange(3, 47), KF.K4V4, 16))
             rows, delta = torch.arange(44) + 2, torch.full((44,), 21)
             want_k, want_v = torch.zeros(3, 50, 80), torch.zeros(3, 50, 80)
-            Q.reference_dequantize_scatter(ref, want_k, want_v, rows, delta, _inv_freq(80))
+            KR.reference_dequantize_scatter(ref, want_k, want_v, rows, delta, _inv_freq(80))
             got_k, got_v = torch.zeros(3, 50, 80), torch.zeros(3, 50, 80)
             with backend("native"):
                 dispatch.dequantize_scatter(ref, got_k, got_v, rows, delta, _inv_freq(80))
@@ -251,7 +251,7 @@ def test_triton_quantize_equals_reference(h, n, d, r, dtype, bs, vg):
 
     k, v = _kv(h, n, d, dtype)
     rows = _rows(n, r)
-    assert_same_payload(Q.reference_quantize_gather(k, v, rows, Q.K4V4, bs, vg), quantize_gather_triton(k, v, rows, Q.K4V4, bs, vg))
+    assert_same_payload(KR.reference_quantize_gather(k, v, rows, KF.K4V4, bs, vg), quantize_gather_triton(k, v, rows, KF.K4V4, bs, vg))
 
 
 @pytest.mark.parametrize("d,r,rot,inter,ddt", [
@@ -264,11 +264,11 @@ def test_triton_restore_equals_reference(d, r, rot, inter, ddt):
 
     h = 2
     k, v = _kv(h, 48, d)
-    p = Q.reference_quantize_gather(k, v, _rows(48, r), Q.K4V4, 16)
+    p = KR.reference_quantize_gather(k, v, _rows(48, r), KF.K4V4, 16)
     dst = _rows(70, r, seed=1)
     delta = torch.randint(-300, 4000, (r,), generator=torch.Generator().manual_seed(2))
     outs = []
-    for fn in (Q.reference_dequantize_scatter, dequantize_scatter_triton):
+    for fn in (KR.reference_dequantize_scatter, dequantize_scatter_triton):
         dk, dv = torch.full((h, 70, d), 7.0, dtype=ddt), torch.full((h, 70, d), -7.0, dtype=ddt)
         fn(p, dk, dv, dst, delta, _inv_freq(rot), interleaved=inter)
         outs.append((dk, dv))
@@ -382,7 +382,7 @@ def test_engine_restores_k4v4_blocks_as_the_reference():
     for layer in range(eng.spec.num_layers):
         rope = eng.spec.rope_for_layer(layer)
         for tag, rows in ckpt.mixed.tag_rows.items():
-            k_hat, v_hat = Q.reference_dequantize(ckpt.mixed.payloads[layer][tag])
+            k_hat, v_hat = KR.reference_dequantize(ckpt.mixed.payloads[layer][tag])
             where = {int(r): i for i, r in enumerate(rows)}
             pick = [(where[o], n) for o, n in zip(old_pos, new_pos) if int(o) in where]
             if not pick:
@@ -415,8 +415,8 @@ def test_build_mixed_assigns_k4v4_from_key_residuals():
     want = np.where(ek_max <= pol.g4k, Tag.K4V4, Tag.K8V4)  # uniform attention: r = e < tau_LL everywhere
     assert np.array_equal(m.tags, want.astype(np.int8)) and 0 < (m.tags == Tag.K4V4).sum() < 8
     rows = m.tag_rows["K4V4"]
-    k_hat, v_hat = Q.reference_dequantize(m.payloads[1]["K4V4"])
-    ref = Q.reference_quantize_gather(keys[1], values[1], torch.from_numpy(rows), Q.K4V4, 8)
-    assert torch.equal(k_hat, Q.reference_dequantize(ref)[0]) and torch.equal(v_hat, Q.reference_dequantize(ref)[1])
+    k_hat, v_hat = KR.reference_dequantize(m.payloads[1]["K4V4"])
+    ref = KR.reference_quantize_gather(keys[1], values[1], torch.from_numpy(rows), KF.K4V4, 8)
+    assert torch.equal(k_hat, KR.reference_dequantize(ref)[0]) and torch.equal(v_hat, KR.reference_dequantize(ref)[1])
     off = build_mixed(keys, values, scores, block_size=8, policy=dataclasses.replace(pol, tau_LL=0.0))
     assert Tag.K4V4 not in off.tags and "K4V4" not in off.tag_rows

@@ -10,7 +10,7 @@ import torch
 
 from patchkv_agent.kernels import ScatterCall, backend, dequantize_scatter, dequantize_scatter_many, native
 from patchkv_agent.kernels import dispatch
-from patchkv_agent.kernels import quant as Q
+from patchkv_agent.kernels import formats as KF, reference as KR, rope as KRP
 
 from kv_helpers import assert_same_payload
 
@@ -26,7 +26,7 @@ def _case(h, d, r, tag, pdt, seed=0, n_src=150, bs=32, vg=32):
     k = (torch.randn(h, n_src, d, generator=g) * torch.exp(torch.randn(d, generator=g))).to(pdt)
     v = torch.randn(h, n_src, d, generator=g).to(pdt)
     rows = torch.randperm(n_src, generator=g)[:r].sort().values
-    return Q.reference_quantize_gather(k, v, rows, tag, bs, vg), g
+    return KR.reference_quantize_gather(k, v, rows, tag, bs, vg), g
 
 
 def _scatter(name, p, n_dst, dst_rows, delta, inv, inter, src_rows=None, fill=7.0):
@@ -39,17 +39,17 @@ def _scatter(name, p, n_dst, dst_rows, delta, inv, inter, src_rows=None, fill=7.
 
 # (heads, head_dim, rows, tag, payload dtype, rotary dim, interleaved, block, value group)
 CASES = [
-    (1, 64, 32, Q.K8V4, torch.float32, 64, False, 32, 32),
-    (3, 80, 37, Q.K8V4, torch.float16, 80, False, 32, 32),  # groups 32 + 32 + 16, ends mid-block
-    (16, 128, 45, Q.K8V8, torch.bfloat16, 64, False, 32, 32),  # partial half-layout RoPE
-    (2, 256, 70, Q.K8V4, torch.float32, 256, True, 16, 16),
-    (4, 64, 0, Q.K8V4, torch.float32, 64, False, 32, 32),  # empty run
-    (3, 48, 25, Q.K8V4, torch.float32, 48, False, 32, 32),  # value groups 32 + 16
-    (2, 112, 14, Q.K8V8, torch.float16, 112, True, 5, 64),  # odd block, groups 64 + 48
-    (3, 64, 40, Q.FP16, torch.float16, 64, True, 32, 32),
-    (3, 80, 17, Q.FP16, torch.bfloat16, 40, True, 32, 32),
-    (5, 64, 33, Q.FP16, torch.float32, 64, False, 32, 32),
-    (3, 64, 30, Q.K8V8, torch.float32, 0, False, 32, 32),  # no RoPE
+    (1, 64, 32, KF.K8V4, torch.float32, 64, False, 32, 32),
+    (3, 80, 37, KF.K8V4, torch.float16, 80, False, 32, 32),  # groups 32 + 32 + 16, ends mid-block
+    (16, 128, 45, KF.K8V8, torch.bfloat16, 64, False, 32, 32),  # partial half-layout RoPE
+    (2, 256, 70, KF.K8V4, torch.float32, 256, True, 16, 16),
+    (4, 64, 0, KF.K8V4, torch.float32, 64, False, 32, 32),  # empty run
+    (3, 48, 25, KF.K8V4, torch.float32, 48, False, 32, 32),  # value groups 32 + 16
+    (2, 112, 14, KF.K8V8, torch.float16, 112, True, 5, 64),  # odd block, groups 64 + 48
+    (3, 64, 40, KF.FP16, torch.float16, 64, True, 32, 32),
+    (3, 80, 17, KF.FP16, torch.bfloat16, 40, True, 32, 32),
+    (5, 64, 33, KF.FP16, torch.float32, 64, False, 32, 32),
+    (3, 64, 30, KF.K8V8, torch.float32, 0, False, 32, 32),  # no RoPE
 ]
 
 
@@ -69,7 +69,7 @@ def test_native_equals_reference_bitwise(h, d, r, tag, pdt, rot, inter, bs, vg, 
     assert torch.all(nk[:, untouched] == 7.0) and torch.all(nv[:, untouched] == -7.0)
 
 
-@pytest.mark.parametrize("tag", Q.FORMATS)
+@pytest.mark.parametrize("tag", KF.FORMATS)
 def test_native_selected_rows_match_decode_then_select(tag):
     """``src_rows``: only some rows of a run restored, in any order, to strided destinations."""
     h, d = 3, 64
@@ -78,8 +78,8 @@ def test_native_selected_rows_match_decode_then_select(tag):
     dst_rows = torch.randperm(90, generator=g)[:53]
     delta = torch.randint(-50, 900, (53,), generator=g)
     inv = _inv_freq(d)
-    ref_k, ref_v = Q.reference_dequantize(p)
-    ref_k = Q.rope_delta_reference(ref_k[:, sel], delta, inv)
+    ref_k, ref_v = KR.reference_dequantize(p)
+    ref_k = KRP.rope_delta_reference(ref_k[:, sel], delta, inv)
     outs = {}
     for name in ("torch", "native"):
         dk = torch.zeros(1, h, 90, d)[0]  # a view of a [1, H, N, D] cache, as the engine passes
@@ -96,7 +96,7 @@ def test_native_many_calls_one_pass_equals_one_by_one():
     """Several layers and tags in one ``dequantize_scatter_many`` equal the calls made singly."""
     h, d, n_dst = 2, 64, 300
     calls_a, calls_b = [], []
-    for i, tag in enumerate([Q.K8V4, Q.K8V8, Q.FP16, Q.K8V4]):
+    for i, tag in enumerate([KF.K8V4, KF.K8V8, KF.FP16, KF.K8V4]):
         p, g = _case(h, d, 60 + 10 * i, tag, torch.float16, seed=i)
         rows = torch.arange(p.n_rows) * 2 + i % 2 + 1
         delta = torch.full((p.n_rows,), 13 * i - 5)
@@ -124,7 +124,7 @@ def _sources(h, n, d, dtype, kind, seed=0):
     return x[0][:, 3:3 + n].to(dtype), x[1][:, 2:2 + n].to(dtype)
 
 
-@pytest.mark.parametrize("tag", Q.FORMATS)
+@pytest.mark.parametrize("tag", KF.FORMATS)
 @pytest.mark.parametrize("d,h,dtype,bs,vg,kind", [
     (64, 3, torch.float32, 32, 32, "gauss"),
     (80, 2, torch.float16, 32, 32, "large"),  # value groups 32 + 32 + 16
@@ -150,19 +150,19 @@ def test_auto_quantize_uses_native_and_checks_arguments():
     k, v = _sources(2, 40, 64, torch.float32, "gauss")
     rows = torch.arange(10, 30)
     with backend("torch"):
-        ref = dispatch.quantize_gather(k, v, rows, Q.K8V4)
-    assert_same_payload(ref, dispatch.quantize_gather(k, v, rows, Q.K8V4))
+        ref = dispatch.quantize_gather(k, v, rows, KF.K8V4)
+    assert_same_payload(ref, dispatch.quantize_gather(k, v, rows, KF.K8V4))
     with backend("native"), pytest.raises(ValueError, match="outside"):
-        dispatch.quantize_gather(k, v, torch.tensor([0, 40]), Q.K8V8)
+        dispatch.quantize_gather(k, v, torch.tensor([0, 40]), KF.K8V8)
     with backend("native"), pytest.raises(RuntimeError, match="one dtype"):
-        dispatch.quantize_gather(k, v.half(), rows, Q.K8V8)
+        dispatch.quantize_gather(k, v.half(), rows, KF.K8V8)
 
 
 def test_software_half_conversion_build_is_exact(tmp_path):
     """The fallback fp16 conversions (compilers without _Float16) give the same bits, both ways."""
     lib = native.load(native.build(tmp_path, ["-DPKV_NO_FLOAT16"], native_arch=False))
-    p, g = _case(3, 80, 64, Q.K8V4, torch.float16)
-    raw, _ = _case(3, 80, 64, Q.FP16, torch.float16)
+    p, g = _case(3, 80, 64, KF.K8V4, torch.float16)
+    raw, _ = _case(3, 80, 64, KF.FP16, torch.float16)
     # every fp16 class: subnormals, zeros of both signs, normals, large values
     special = torch.tensor([0.0, -0.0, 6e-8, -3e-6, 1e-5, 0.5, -2.0, 6e4], dtype=torch.float16)
     raw = dataclasses.replace(raw, k_data=special.repeat(3 * 64 * 10).view(3, 64, 80))
@@ -177,7 +177,7 @@ def test_software_half_conversion_build_is_exact(tmp_path):
         for kind in ("gauss", "large", "tiny", "constant"):  # scales and zeros rounded to fp16 in C
             k, v = _sources(3, 50, 80, torch.float16, kind)
             rows = torch.arange(3, 47)
-            for tag in (Q.K8V8, Q.K8V4):
+            for tag in (KF.K8V8, KF.K8V4):
                 with backend("torch"):
                     ref = dispatch.quantize_gather(k, v, rows, tag, 16)
                 with backend("native"):
@@ -187,7 +187,7 @@ def test_software_half_conversion_build_is_exact(tmp_path):
 
 
 def test_auto_uses_native_on_cpu_and_torch_where_it_cannot():
-    p, _ = _case(2, 64, 20, Q.K8V4, torch.float32)
+    p, _ = _case(2, 64, 20, KF.K8V4, torch.float32)
     rows, delta = torch.arange(20), torch.full((20,), 3)
     assert _scatter("auto", p, 30, rows, delta, _inv_freq(64), False)[2] == "native"
     half = torch.zeros(2, 30, 64, dtype=torch.float16)  # fp16 destinations: the reference takes them
@@ -201,7 +201,7 @@ def test_disabled_native_falls_back_to_torch(monkeypatch):
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
     assert not native.available() and "PATCHKV_NATIVE=0" in native.status()
-    p, _ = _case(2, 64, 20, Q.K8V8, torch.float32)
+    p, _ = _case(2, 64, 20, KF.K8V8, torch.float32)
     assert _scatter("auto", p, 30, torch.arange(20), torch.full((20,), 3), _inv_freq(64), False)[2] == "torch"
     with backend("native"), pytest.raises(RuntimeError, match="PATCHKV_NATIVE=0"):
         _scatter("native", p, 30, torch.arange(20), torch.full((20,), 3), _inv_freq(64), False)
@@ -215,7 +215,7 @@ def test_missing_compiler_is_reported(monkeypatch, tmp_path):
 
 def test_native_rejects_bad_rows():
     before = dispatch.get_backend()
-    p, _ = _case(2, 64, 20, Q.K8V8, torch.float32)
+    p, _ = _case(2, 64, 20, KF.K8V8, torch.float32)
     with backend("native"), pytest.raises(ValueError, match="outside"):
         _scatter("native", p, 10, torch.arange(20), torch.zeros(20, dtype=torch.int64), None, False)
     with backend("native"), pytest.raises(ValueError, match="src_rows"):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from patchkv_agent.kernels import backend, dequantize_scatter, native
-from patchkv_agent.kernels import quant as Q
+from patchkv_agent.kernels import formats as KF, reference as KR
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
@@ -35,7 +35,7 @@ def fresh(monkeypatch, tmp_path):
 def _scatter_path():
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 20, 64, generator=g), torch.randn(2, 20, 64, generator=g)
-    p = Q.reference_quantize_gather(k, v, torch.arange(20), Q.K8V8, 32, 32)
+    p = KR.reference_quantize_gather(k, v, torch.arange(20), KF.K8V8, 32, 32)
     dk, dv = torch.zeros(2, 30, 64), torch.zeros(2, 30, 64)
     return dequantize_scatter(p, dk, dv, torch.arange(20), torch.full((20,), 3), None)
 

@@ -87,7 +87,7 @@ def key_residual(keys: list[torch.Tensor], block_size: int = DEFAULT_BLOCK_SIZE,
     """Per-token 4-bit key residual over all layers (the G4K input of ``precision.assign_tags``).
 
     Layer by layer (no stacked copy of the keys): ``sqrt(sum_l err_l / sum_l ref_l)`` with
-    ``kernels.quant.key_residual_sq`` at ``block_size``, i.e. ``key_residual_4bit`` of the stacked keys.
+    ``kernels.residual.key_residual_sq`` at ``block_size``, i.e. ``key_residual_4bit`` of the stacked keys.
 
     Args:
         keys: per layer ``[H, N, D]``.

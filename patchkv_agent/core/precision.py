@@ -2,7 +2,7 @@
 
 What it does: given per-token attention (from the capture pass) and per-token 4-bit residuals of the
 values (and, for K4V4, of the keys), it gives every suffix block one of the four transport formats,
-FP16 / K8V8 / K8V4 / K4V4 (:class:`Tag`; names and order match ``kernels.quant.FORMATS``), and groups
+FP16 / K8V8 / K8V4 / K4V4 (:class:`Tag`; names and order match ``kernels.formats.FORMATS``), and groups
 consecutive equal tags into runs (:func:`cluster_runs`). The rule in words: a block that the context
 attends to a lot *and* whose values 4 bit reconstructs poorly (high attention x residual) is kept at
 high precision, a little-read one goes to 4-bit values, and to 4-bit keys too (K4V4) only where its risk
@@ -32,7 +32,7 @@ turns it on.
 
 What it knows: numpy arrays in, tags and runs out, under the thresholds of a :class:`PrecisionPolicy`.
 What it does not know: torch, models, kernels, how the residuals are computed
-(``patchkv_agent.kernels.quant``: ``value_residual_4bit``, ``key_residual_4bit``) or the attention
+(``patchkv_agent.kernels.residual``: ``value_residual_4bit``, ``key_residual_4bit``) or the attention
 captured, and whether a threshold suits a model: the built-in defaults were picked on
 SmolLM2-135M-Instruct, and calibration replaces them per model.
 
@@ -188,7 +188,7 @@ def assign_tags(
         block_size: tokens per block (the last block may be shorter).
         policy: thresholds.
         key_resid: per-token normalized 4-bit key residual ``ek_i`` ``[N]``
-            (``kernels.quant.key_residual_4bit`` with the same ``block_size``), or ``None``: no
+            (``kernels.residual.key_residual_4bit`` with the same ``block_size``), or ``None``: no
             block becomes K4V4 (the tags of the rule without K4V4).
         keep_full: bool ``[N]``, or None: tokens no format can quantize (non-finite, or beyond
             :data:`FP16_SAFE`); every block holding one is ``FP16`` (stored in the source dtype, which holds

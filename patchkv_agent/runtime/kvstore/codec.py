@@ -291,7 +291,7 @@ _FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
 def _payload_specs(tag: str, h: int, r: int, d: int, bs: int, g: int, kv_dtype: str) -> dict[str, tuple[list, str]]:
-    """The blob (shape, dtype) of each field of a run payload with this header (``kernels.quant.RunPayload``)."""
+    """The blob (shape, dtype) of each field of a run payload with this header (``kernels.formats.RunPayload``)."""
     if tag == "FP16":
         return {"k_data": ([h, r, d], kv_dtype), "v_data": ([h, r, d], kv_dtype)}
     kdiv, vdiv = (2 if tag == "K4V4" else 1), (1 if tag == "K8V8" else 2)

@@ -1,5 +1,5 @@
 """The optimised torch restore, :func:`torch_dequantize_scatter` (the CPU path when no C compiler is
-present), and the historical home of the KV transport format API.
+present).
 
 Boundary: a :class:`~.formats.RunPayload` and destination rows in, decoded and RoPE-shifted rows written
 in place; the same result as ``reference.reference_dequantize_scatter`` bit for bit, done in cache-sized
@@ -8,15 +8,6 @@ pieces with few fused passes (:func:`_plan`, :func:`_rotate`). The RoPE angle ta
 :mod:`.quantizer`; does not know the Triton / native kernels or which path runs (:mod:`.dispatch`); knows
 nothing about models, checkpoints or precision policy. The piece sizes (``_PIECE_ELEMS``,
 ``_MIN_DIRECT_ROWS``, ``_MIN_COPY_ROWS``) are read from this module at call time (tests shrink them).
-
-The format API lives in:
-
-- :mod:`.formats`: format names, bit widths, :class:`RunPayload`, argument checks;
-- :mod:`.quantizer`: the quantizer, key / value quantization, 4-bit packing, decode primitives;
-- :mod:`.reference`: the pure-torch references (``reference_*``), the oracles of every path;
-- :mod:`.residual`: the 4-bit value / key residuals of the precision policy.
-
-Its names are re-exported here, so ``kernels.quant.<name>`` keeps working for existing callers.
 """
 
 from __future__ import annotations
@@ -26,54 +17,12 @@ import bisect
 import numpy as np
 import torch
 
-from .formats import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_V_GROUP,
-    FORMATS,
-    FP16,
-    K4V4,
-    K8V4,
-    K8V8,
-    K_BITS,
-    V_BITS,
-    RunPayload,
-    check_destination,
-    check_payload,
-    check_quantize_args,
-    check_scatter_args,
-    effective_v_group,
-    needs_rotation,
-    normalize_tag,
-)
-from .quantizer import (
-    _decode_keys,
-    _decode_values,
-    _float_meta,
-    _key_codes,
-    codes,
-    pack4,
-    quantize_keys,
-    quantize_values,
-    scale_zero,
-    unpack4,
-)
-from .reference import reference_dequantize, reference_dequantize_scatter, reference_quantize_gather
-from .residual import key_residual_4bit, key_residual_sq, value_residual_4bit, value_residual_sq
+from .formats import FP16, K4V4, RunPayload, V_BITS, check_scatter_args, normalize_tag
+from .quantizer import _decode_keys, _decode_values, _float_meta, _key_codes, codes, unpack4
+from .reference import reference_dequantize, reference_dequantize_scatter
 from .rope import delta_cos_sin, rope_delta_reference
 
-__all__ = [
-    # defined here
-    "torch_dequantize_scatter",
-    # re-exported from .formats, .quantizer, .reference, .residual and .rope
-    "DEFAULT_BLOCK_SIZE", "DEFAULT_V_GROUP", "FORMATS", "FP16", "K4V4", "K8V4", "K8V8", "K_BITS", "V_BITS",
-    "RunPayload", "check_destination", "check_payload", "check_quantize_args", "check_scatter_args",
-    "effective_v_group", "needs_rotation", "normalize_tag",
-    "codes", "pack4", "quantize_keys", "quantize_values", "scale_zero", "unpack4",
-    "reference_dequantize", "reference_dequantize_scatter", "reference_quantize_gather",
-    "key_residual_4bit", "key_residual_sq", "value_residual_4bit", "value_residual_sq",
-    "rope_delta_reference",
-]
-
+__all__ = ["torch_dequantize_scatter"]
 
 # The torch path of dequantize_scatter works piece by piece, so each piece's intermediates stay in
 # cache between its few elementwise passes and the op count per call stays small whatever the run's
