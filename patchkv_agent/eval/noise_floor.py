@@ -86,8 +86,16 @@ def _quantizing(cache, kind: str):
     def rounded(key_states, value_states, *args, **kwargs):
         return update(fake_quant(key_states, kind), fake_quant(value_states, kind), *args, **kwargs)
 
-    cache.update = rounded
+    cache.update, cache.raw_update = rounded, update
     return cache
+
+
+def _copy(cache, fresh):
+    """``fresh`` holding a copy of ``cache``'s rows (stored as they are: already rounded)."""
+    put = getattr(fresh, "raw_update", fresh.update)
+    for i, layer in enumerate(cache.layers):
+        put(layer.keys.clone(), layer.values.clone(), i)
+    return fresh
 
 
 def _bf16_model(model):
@@ -148,8 +156,7 @@ def run_floor(model, ids: np.ndarray | Sequence[int], kind: str, *, max_new_toke
     if ref_ids:
         preds = [int(logits.argmax())]
         if len(ref_ids) > 1:  # one forward of ref[:-1] over a copy of the prefilled cache
-            c2 = new_cache()
-            m(input_ids=x, cache=c2, use_cache=True, logits_to_keep=1)
+            c2 = _copy(cache, new_cache())
             feed = torch.tensor([ref_ids[:-1]], device=device)
             pos = torch.arange(n, n + len(ref_ids) - 1, device=device)[None]
             preds += m(input_ids=feed, position_ids=pos, cache=c2, use_cache=True).logits[0].argmax(-1).tolist()
