@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
+           "FLOOR_RULE", "parse_target",
            "choose_window", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
 
 DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
@@ -148,8 +149,33 @@ def _settings_record(engine) -> dict[str, Any]:
             "mixed_precision": bool(s.mixed_precision)}
 
 
+FLOOR_RULE = ("recency window W: the smallest window whose next-action agreement with exact is at least the "
+              "noise floor's (an accepted approximation of exact, e.g. a bf16 KV cache, run on the same calls) on "
+              "every agent workload, else the window closest to it on the worst workload, ties to the smaller")
+
+
+def parse_target(target: "float | str") -> "tuple[float | None, str | None]":
+    """``--agent-target``: a share in [0, 1] (``(share, None)``) or ``floor:<name>`` (``(None, name)``: the
+    agreement of that noise floor on the same calls, :mod:`patchkv_agent.eval.noise_floor`).
+
+    Raises:
+        ValueError: neither.
+    """
+    if isinstance(target, str) and target.startswith("floor:"):
+        from patchkv_agent.eval.noise_floor import parse_floors
+
+        (name,) = parse_floors(target[len("floor:"):]) or (None,)
+        if name is None:
+            raise ValueError("floor: needs a noise floor's name, e.g. floor:kv-bf16")
+        return None, name
+    try:
+        return _check_target(float(target) if isinstance(target, str) else target), None
+    except (TypeError, ValueError):
+        raise ValueError(f"target must be a share in [0, 1] or floor:<name> (e.g. floor:kv-bf16), got {target!r}") from None
+
+
 def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
-                         target: float = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
+                         target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
                          rows: list | None = None) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
@@ -165,7 +191,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             ``recent_window``).
         traces: trace dicts with two or more versions each (``token_ids``, ``messages`` or ``text``).
         windows: recency windows in tokens (ints >= 0; sorted, duplicates dropped).
-        target: the least agreement share for the rule of :func:`choose_window`.
+        target: the least agreement share for the rule of :func:`choose_window`, or ``"floor:<name>"``: per
+            workload, the agreement of that noise floor (``kv-bf16``: a bf16 KV cache) on the same scored
+            versions (:data:`FLOOR_RULE`; the result records ``floor`` and ``floor_by_workload``).
         max_new_tokens: greedy tokens per resume (48: an agent's next tool call).
         progress: a tqdm bar on stderr.
         rows: if given, one dict per scored version is appended (id, version, sizes, per-window results).
@@ -183,7 +211,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     from patchkv_agent.strategies.builtin import PatchKVStrategy
 
     ws = _check_windows(windows)
-    target = _check_target(target)
+    target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     traces = list(traces)
@@ -196,7 +224,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         for tr in traces:
             ids = [version_ids(engine, v) for v in tr["versions"]]
             for k in range(1, len(ids)):
-                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens)
+                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor)
                 bar.update(1)
                 if row is None:
                     continue
@@ -213,10 +241,23 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     workloads = sorted({str(tr.get("workload", "")) for tr in traces})
     by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], ws) for wl in workloads
                    if any(r["workload"] == wl for r in scored)}
-    chosen = choose_window_every(by_workload, target)
+    floor_by: dict[str, dict[str, Any]] = {}
+    if floor is not None:
+        for wl in by_workload:
+            rs = [r for r in scored if r["workload"] == wl]
+            a = sum(1 for r in rs if r["floor_agree"])
+            floor_by[wl] = {"agree": a, "n": len(rs), "share": a / len(rs)}
+        targets: Any = {wl: g["share"] for wl, g in floor_by.items()}
+    else:
+        targets = target
+    chosen = choose_window_every(by_workload, targets)
+    tgt = targets if isinstance(targets, dict) else dict.fromkeys(by_workload, targets)
     return {
-        "rule": RULE, "chosen": chosen, "target": target,
-        "target_met": all(_meets(g[str(chosen)]["agree"], g[str(chosen)]["n"], target) for g in by_workload.values()),
+        "rule": FLOOR_RULE if floor is not None else RULE, "chosen": chosen,
+        "target": f"floor:{floor}" if floor is not None else target,
+        "floor": floor, "floor_by_workload": floor_by or None,
+        "target_met": all(_meets(g[str(chosen)]["agree"], g[str(chosen)]["n"], tgt[wl])
+                          for wl, g in by_workload.items()),
         "by": (f"next-action agreement with exact (the first tool call, else the text, of {max_new_tokens} greedy "
                "tokens) on the agent versions whose patchkv plan at recent_window=0 restores rows, each resumed "
                "from the exact KV of the call before it"),
@@ -230,7 +271,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
 
 def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
-                   max_new_tokens: int) -> dict | None:
+                   max_new_tokens: int, floor: str | None = None) -> dict | None:
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
@@ -255,40 +296,57 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
                 "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
     del first, ckpt
+    floor_agree = None
+    if floor is not None:
+        from patchkv_agent.eval.noise_floor import run_floor
+
+        fr = run_floor(engine.model, new, floor, max_new_tokens=max_new_tokens, eos_ids=engine.eos_ids)
+        floor_agree = bool(agree_fn(list(fr.output_ids), ref))
     edit = (tr["versions"][k].get("edit") if isinstance(tr["versions"][k], dict) else None)
     return {"id": str(tr.get("id")), "workload": str(tr.get("workload", "")), "version": k,
             "edit": None if edit is None else str(edit), "old_tokens": len(ids[k - 1]), "new_tokens": len(new),
             "prefix_tokens": int(st["prefix_tokens"]), "suffix_tokens": int(st["suffix_tokens"]),
-            "prefix_recompute_tokens": len(new) - int(st["prefix_tokens"]), "results": results}
+            "prefix_recompute_tokens": len(new) - int(st["prefix_tokens"]), "results": results,
+            "floor_agree": floor_agree}
 
 
-def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]], target: float) -> int:
+def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
+                        target: "float | Mapping[str, float]") -> int:
     """:func:`choose_window` over several workloads: the smallest window whose agreement reaches ``target`` on
     *every* workload (the targets are per workload: a pooled share lets an easy workload hide a hard one);
     when none does, the window with the highest worst-workload share (ties: the smaller window).
 
     Args:
         grids: workload -> its grid (as for :func:`choose_window`); every grid must hold the same windows.
-        target: the least agreement share, in ``[0, 1]``.
+        target: the least agreement share, in ``[0, 1]``, or one per workload (e.g. a noise floor's share on
+            that workload's calls).
     Returns:
         The chosen window (tokens).
     Raises:
-        ValueError: no grids, grids over different windows, or a bad grid or target (:func:`choose_window`).
+        ValueError: no grids, grids over different windows, a workload without a target, or a bad grid or
+            target (:func:`choose_window`).
     """
-    target = _check_target(target)
     if not grids:
         raise ValueError("no workload grids: nothing to choose from")
+    if isinstance(target, Mapping):
+        missing = [wl for wl in grids if wl not in target]
+        if missing:
+            raise ValueError(f"no target for workload(s) {missing}")
+        targets = {wl: _check_target(target[wl]) for wl in grids}
+    else:
+        targets = dict.fromkeys(grids, _check_target(target))
     per: dict[str, dict[int, tuple[int, int]]] = {}
     for wl, grid in grids.items():
-        choose_window(grid, target)  # validates the grid
+        choose_window(grid, targets[wl])  # validates the grid
         per[wl] = {int(k): (row["agree"], row["n"]) for k, row in grid.items()}
     windows = set(next(iter(per.values())))
     if any(set(g) != windows for g in per.values()):
         raise ValueError(f"the workloads' grids hold different windows: {[sorted(g) for g in per.values()]}")
-    meets = [w for w in sorted(windows) if all(_meets(a, n, target) for a, n in (g[w] for g in per.values()))]
+    meets = [w for w in sorted(windows) if all(_meets(*per[wl][w], targets[wl]) for wl in per)]
     if meets:
         return meets[0]
-    return min(sorted(windows), key=lambda w: (-min(a / n for a, n in (g[w] for g in per.values())), w))
+    # none meets: the window closest to its targets on the worst workload
+    return min(sorted(windows), key=lambda w: (-min(per[wl][w][0] / per[wl][w][1] - targets[wl] for wl in per), w))
 
 
 def _grid(scored: Sequence[dict], ws: tuple[int, ...]) -> dict[str, dict[str, Any]]:

@@ -128,9 +128,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "--n; the stage takes the next --agent-n)")
     p.add_argument("--agent-windows", type=_ints, default=(0, 256, 512, 1024),
                    help="agent stage: candidate recency windows in tokens (comma-separated)")
-    p.add_argument("--agent-target", type=float, default=0.95,
-                   help="agent stage: least next-action agreement share; the smallest window reaching it wins "
-                        "(none does: the most agreeing one)")
+    p.add_argument("--agent-target", default="0.95",
+                   help="agent stage: least next-action agreement share, or floor:<name> (floor:kv-bf16: per workload, "
+                        "the agreement a bf16 KV cache reaches on the same calls); the smallest window reaching it on "
+                        "every workload wins (none does: the closest)")
     p.add_argument("--agent-target-tokens", type=int, default=4000,
                    help="agent stage: largest version of an agent episode in tokens (at least 2000 are used)")
     p.add_argument("--reader-workloads", default="",
@@ -288,8 +289,12 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     bad = [w for w in args.agent_windows if w < 0]
     if bad:
         raise UsageError(f"--agent-windows must be >= 0 (tokens; 0 turns the recency rule off), got {bad[0]}")
-    if not (math.isfinite(args.agent_target) and 0.0 <= args.agent_target <= 1.0):
-        raise UsageError(f"--agent-target must be in [0, 1] (a share of agreeing resumes), got {args.agent_target!r}")
+    from .agent_stage import parse_target
+
+    try:
+        parse_target(args.agent_target)
+    except ValueError as e:
+        raise UsageError(f"--agent-target: {e}") from None
     if args.agent_target_tokens < 1:
         raise UsageError(f"--agent-target-tokens must be >= 1, got {args.agent_target_tokens}")
 

@@ -69,6 +69,26 @@ def test_choose_window_every_needs_the_target_on_each_workload():
         choose_window_every({}, 0.95)
 
 
+def test_choose_window_every_takes_a_target_per_workload_such_as_a_noise_floor():
+    clear = _grid((0, 9, 15), (512, 13, 15), (1024, 15, 15))
+    offload = _grid((0, 8, 10), (512, 10, 10), (1024, 10, 10))
+    # a bf16 KV cache agrees on 13/15 and 8/10 of the same calls: 512 is as good as serving in bf16
+    assert choose_window_every({"c": clear, "o": offload}, {"c": 13 / 15, "o": 0.8}) == 512
+    assert choose_window_every({"c": clear, "o": offload}, {"c": 0.5, "o": 0.8}) == 0
+    with pytest.raises(ValueError, match="no target for workload"):
+        choose_window_every({"c": clear, "o": offload}, {"c": 0.5})
+
+
+def test_parse_target():
+    from patchkv_agent.calibration.agent_stage import parse_target
+
+    assert parse_target(0.9) == (0.9, None) and parse_target("0.95") == (0.95, None)
+    assert parse_target("floor:kv-bf16") == (None, "kv-bf16")
+    for bad in ("floor:", "floor:fp4", "x", 2):
+        with pytest.raises(ValueError):
+            parse_target(bad)
+
+
 @pytest.mark.parametrize("grid,target,match", [
     ({}, 0.9, "empty"),
     (_grid((0, 0, 0)), 0.9, "need n >= 1"),
@@ -154,6 +174,21 @@ def test_stage_scores_w0_as_exact_says_and_a_whole_suffix_window_agrees_always(e
     assert out["target_met"] == (out["grid"][str(out["chosen"])]["share"] >= 0.95)
     assert out["workloads"] == ["agent-clear"] and out["episodes"] == [t["id"] for t in traces]
     assert out["settings"]["block_size"] == engine.settings.block_size and out["max_new_tokens"] == TOKENS
+
+
+def test_stage_with_a_noise_floor_target_scores_the_floor_on_the_same_calls(engine):
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    rows: list[dict] = []
+    out = select_recent_window(engine, traces, windows=(0, 16, 4096), target="floor:kv-fp8",
+                               max_new_tokens=TOKENS, progress=False, rows=rows)
+    json.dumps(out)
+    fl = out["floor_by_workload"]["agent-clear"]
+    assert out["floor"] == "kv-fp8" and out["target"] == "floor:kv-fp8" and fl["n"] == out["n_scored"]
+    assert fl["agree"] == sum(1 for r in rows if r["floor_agree"])
+    grid = out["grid_by_workload"]["agent-clear"]
+    meets = [int(w) for w, g in grid.items() if g["agree"] >= fl["agree"]]
+    assert out["chosen"] == min(meets) and out["target_met"]  # the whole-suffix window always meets it
 
 
 def test_stage_decodes_the_next_action_with_a_tokenizer():
@@ -267,9 +302,10 @@ BAD = [
     (["--agent-windows", "0,-256"], r"--agent-windows must be >= 0 .*got -256"),
     (["--agent-windows", "0,1.5"], r"--agent-windows: expected comma-separated integers"),
     (["--agent-windows", ","], r"--agent-windows: expected one or more"),
-    (["--agent-target", "1.5"], r"--agent-target must be in \[0, 1\]"),
-    (["--agent-target", "nan"], r"--agent-target must be in \[0, 1\]"),
-    (["--agent-target", "high"], r"--agent-target: invalid float value"),
+    (["--agent-target", "1.5"], r"--agent-target: target must be a share in \[0, 1\] or floor:<name>"),
+    (["--agent-target", "nan"], r"--agent-target: target must be a share in \[0, 1\]"),
+    (["--agent-target", "high"], r"--agent-target: target must be a share in \[0, 1\] or floor:<name>"),
+    (["--agent-target", "floor:kv-int3"], r"--agent-target: unknown noise floors \['kv-int3'\]"),
     (["--agent-target-tokens", "0"], r"--agent-target-tokens must be >= 1"),
     (["--agent-n", "x"], r"--agent-n: invalid int value"),
 ]
@@ -294,7 +330,7 @@ def test_agent_options_default_to_a_skipped_stage():
     check_calibrate_args(args)
     assert _agent_workloads(args.agent_workloads) == [] and _agent_workloads("none") == []
     assert (args.agent_n, args.agent_skip, args.agent_windows, args.agent_target, args.agent_target_tokens) == (
-        6, 20, DEFAULT_WINDOWS, 0.95, 4000)
+        6, 20, DEFAULT_WINDOWS, "0.95", 4000)
     assert _agent_workloads(" agent-clear,agent-offload,agent-clear ") == ["agent-clear", "agent-offload"]
     with pytest.raises(SystemExit) as e:  # the stand-alone entry point checks them too
         calibrate_cli_main(["--agent-n", "0"])
