@@ -1,8 +1,9 @@
 """Decoding a resumed thread version token by token: :class:`TokenStream` and :func:`run_stream`.
 
-Boundary: draws tokens with the engine's model under the registry's forward lock and hands the decoded
-state back to the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` that opened the stream
-(``registry._commit``) when it ends; knows nothing about stores or LangGraph.
+Boundary: draws tokens with the engine's model under its forward lock and, when it ends, hands the decoded
+state to the commit handle it was given (the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` that
+opened it passes one bound to the thread version; the stream never calls back into the registry); knows
+nothing about stores or LangGraph.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..core.sampling import Sampler
 from ..results import ResumeResult
 
 if TYPE_CHECKING:
-    from .threads import ThreadRegistry, ThreadState
+    from ..engine import PatchKVEngine
 
 __all__ = ["TokenStream", "run_stream"]
 
@@ -27,15 +28,22 @@ class TokenStream:
     grows as tokens are drawn, each chosen by ``sampler`` (a :class:`~patchkv_agent.core.sampling.Sampler`:
     greedy by default; sampling parameters and a logits processor such as a grammar). The stream ends at
     ``max_new_tokens``, after an EOS token (included) or when the sampler's processor is done;
-    :meth:`close` (or exhaustion) commits the decoded tokens' KV as the thread's resident state. Each
-    decode step takes the registry's forward lock; the thread lock is not held between steps. Until it is
-    closed (or exhausted) the stream pins its thread's resident KV against eviction, so close streams you
-    stop reading: ``with registry.stream(...) as s:`` does.
+    :meth:`close` (or exhaustion) hands the decoded tokens' KV to ``commit`` (the registry's: it becomes
+    the thread's resident state). Each decode step takes the engine's forward lock; the thread lock is not
+    held between steps. Until it is closed (or exhausted) the stream pins its thread's resident KV against
+    eviction, so close streams you stop reading: ``with registry.stream(...) as s:`` does.
+
+    Args:
+        engine: the engine whose model decodes.
+        result: the resume's result (its ``cache`` holds the context's K/V).
+        max_new_tokens: tokens to draw at most.
+        sampler: how each token is chosen (None: greedy).
+        commit: ``commit(result, cache)``, called once when the stream ends (None: nothing is kept).
     """
 
-    def __init__(self, registry: "ThreadRegistry", th: "ThreadState | None", version: int, result: ResumeResult,
-                 max_new_tokens: int, sampler: Sampler | None = None):
-        self._registry, self._th, self._version = registry, th, version
+    def __init__(self, engine: "PatchKVEngine", result: ResumeResult, max_new_tokens: int,
+                 sampler: Sampler | None = None, commit: Callable[[ResumeResult, Any], None] | None = None):
+        self._engine, self._commit = engine, commit
         self._sampler = sampler if sampler is not None else Sampler()
         self.result = result
         self.max_new_tokens = max_new_tokens
@@ -56,7 +64,7 @@ class TokenStream:
 
     def __next__(self) -> int:
         out = self.result.output_ids
-        eos = self._registry.engine.eos_ids
+        eos = self._engine.eos_ids
         if self._done or len(out) >= self.max_new_tokens or (out and out[-1] in eos) or (out and self._sampler.done):
             self.close()
             raise StopIteration
@@ -64,8 +72,8 @@ class TokenStream:
         if not out:
             tok = self._sampler(self.result.logits)
         else:
-            with self._registry.forward_lock:
-                logits = decode_step(self._registry.engine.model, self._cache, out[-1], self._pos)
+            with self._engine.forward_lock:
+                logits = decode_step(self._engine.model, self._cache, out[-1], self._pos)
             self._pos += 1
             tok = self._sampler(logits)
         self._decode_s += time.perf_counter() - t0
@@ -85,8 +93,8 @@ class TokenStream:
         self._done = True
         self.result.stats.decode_s = self._decode_s
         self.result.stats.output_tokens = len(self.result.output_ids)
-        if self._th is not None:
-            self._registry._commit(self._th, self._version, self.result, self._cache)
+        if self._commit is not None:
+            self._commit(self.result, self._cache)
 
 
 def run_stream(stream: TokenStream, on_token: Callable[[int], bool | None] | None = None) -> ResumeResult:

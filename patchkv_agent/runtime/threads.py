@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -601,7 +602,7 @@ class ThreadRegistry:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
             res.stats = res.stats.extend(RuntimeStats, base="none", requested_strategy=strategy, offload_wait_s=0.0)
-            return TokenStream(self, None, 0, res, max_new_tokens, sampler)
+            return TokenStream(self.engine, res, max_new_tokens, sampler)
         primary, key = key, self._choose_context(key, ids)
         with self._lock:
             self._active[primary] = key
@@ -661,7 +662,8 @@ class ThreadRegistry:
         if res.stats.fallback is None and fallback is not None:
             res.stats.fallback = fallback
         self._enforce_resident_budget(keep=key)
-        return TokenStream(self, th, version, res, max_new_tokens, sampler)
+        return TokenStream(self.engine, res, max_new_tokens, sampler,
+                           commit=functools.partial(self._commit, th, version))
 
     def generate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
                  max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
