@@ -1,0 +1,228 @@
+"""The tool wait does the edit: a thread's predicted next context, computed exactly while its tools run.
+
+:class:`PreparationMixin` holds the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` methods of the
+preparation (:meth:`~PreparationMixin.prepare_async`, :meth:`~PreparationMixin.wait_prepared`,
+:meth:`~PreparationMixin.phase`, and the job and hand-over the registry's ``stream`` calls): a predictor
+runs in the registry's worker, ``engine.prepare`` computes the prediction's K/V in chunks that give way to
+foreground forwards (:mod:`patchkv_agent.core.prepare`), and the next resume takes the result as its base
+when the call's context continues it. A preparation is a :class:`~patchkv_agent.runtime.state.Preparation`
+on the thread's record; its stages (queued, predicting, computing, done) change under the thread lock.
+
+Boundary: mixed into the registry (uses its tables, its worker, its engine); knows the engine's public
+``prepare`` and ``validate_ids``, nothing about LangChain (predictors come from the caller).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import numpy as np
+
+from ..results import ResumeResult
+from .keys import ThreadKey
+from .state import Phase, Prediction, Preparation, ThreadState, shared_prefix
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreparationMixin"]
+
+
+class PreparationMixin:
+    """The preparation methods of :class:`~patchkv_agent.runtime.threads.ThreadRegistry` (see the module
+    docstring); not used on its own."""
+
+    def prepare_async(self, key: ThreadKey | None, predict: Callable[[], "Prediction | Any"], *,
+                      chunk_tokens: int | None = None) -> Future | None:
+        """Compute the thread's predicted next context exactly in the background worker, while its tools run.
+
+        ``predict`` runs in the worker and returns the next call's context up to what is not known yet
+        (a :class:`~patchkv_agent.runtime.state.Prediction`, or token ids, or None). Its K/V are computed
+        exactly from the thread's resident version (its leading exact rows copied, the rest recomputed in
+        chunks of ``chunk_tokens`` rows, each giving way to foreground forwards). The next resume of the
+        thread whose ids start with the prepared ones appends only what follows (``base`` ``"prepared"``,
+        ``prepared`` ``"hit"``): exact, at the cost of the appended tokens. A call that diverges from the
+        prediction, or comes before it is finished, starts from the prepared rows where they match and
+        reach further than the resident ones (``"partial"``), else as without a preparation (``"miss"``,
+        ``"unfinished"``); a running chunk is the most it waits for. The heal stage of the thread's
+        offload is skipped while a preparation of the version exists (the preparation recomputes from the
+        first approximate row the next context uses).
+
+        Args:
+            key: the thread key (its active context).
+            predict: the predictor (called once, in the worker; exceptions become ``prepared_reason``).
+            chunk_tokens: rows per background forward (default: the registry's ``prepare_chunk_tokens``).
+
+        Returns:
+            The job's future (one per thread version: a second call for the same version returns the
+            first one's), or None for an unknown thread or one without a context version.
+
+        Raises:
+            ValueError: ``chunk_tokens`` < 1.
+        """
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
+        if key is None:
+            return None
+        th = self._thread(self.active(key), create=False)
+        if th is None:
+            return None
+        with th.lock:
+            if th.token_ids is None:
+                return None
+            old = th.preparation
+            if old is not None and old.version == th.version:
+                return old.future
+            if old is not None:
+                old.stop.set()
+            prep = Preparation(version=th.version, predict=predict,
+                               chunk_tokens=chunk_tokens or self.prepare_chunk_tokens)
+            th.preparation = prep
+            prep.future = self._executor.submit(self._prepare_job, th, prep)
+            return prep.future
+
+    def wait_prepared(self, key: ThreadKey | None, timeout: float | None = None) -> float:
+        """Wait until the preparation of ``key``'s current version is over (done, failed or stopped).
+
+        Args:
+            key: the thread key (its active context).
+            timeout: seconds at most (None: no limit).
+
+        Returns:
+            The seconds waited (0.0 when nothing is being prepared).
+        """
+        th = self._peek(self.active(key)) if key is not None else None
+        prep = th.preparation if th is not None else None
+        if prep is None or prep.future is None or prep.future.done():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            prep.future.result(timeout)
+        except TimeoutError:
+            pass
+        except Exception:  # the job records its own failure
+            log.exception("preparation of thread %s failed", th.key)
+        return time.perf_counter() - t0
+
+    def _prepare_job(self, th: ThreadState, prep: Preparation) -> float | None:
+        """Predict, then compute the prediction's KV in chunks (see :meth:`prepare_async`)."""
+
+        def current() -> bool:
+            return not prep.stop.is_set() and th.version == prep.version and th.preparation is prep
+
+        def finish(reason: str | None) -> None:
+            with th.lock:
+                prep.reason = prep.reason or reason
+                prep.stage = "done"
+
+        if not current():
+            return finish("superseded before it started")
+        prep.stage = "predicting"
+        t0 = time.perf_counter()
+        try:
+            pred = prep.predict()
+        except Exception as e:  # a predictor's fault never reaches the caller: the next resume says so
+            log.warning("prediction for thread %s failed: %s", th.key, e)
+            pred = Prediction(reason=f"the prediction raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                              if str(e) else f"the prediction raised {type(e).__name__}")
+        prep.predict_s = time.perf_counter() - t0
+        if not isinstance(pred, Prediction):
+            pred = Prediction(token_ids=pred, reason=None if pred is not None else "no prediction")
+        prep.info = dict(pred.info)
+        if pred.token_ids is None:
+            return finish(pred.reason or "no prediction")
+        try:
+            ids = self.engine.validate_ids(pred.token_ids, "predicted token_ids")
+        except ValueError as e:
+            return finish(f"the prediction is not a valid context: {e}")
+        with th.lock:
+            if not current():
+                prep.stage = "done"
+                prep.reason = prep.reason or "superseded while predicting"
+                return None
+            prep.ids, prep.reason = ids, pred.reason
+            base, prep.stage = th.resident, "computing"
+        try:
+            res = self.engine.prepare(base, ids, chunk_tokens=prep.chunk_tokens, should_stop=lambda: not current())
+        except Exception as e:
+            log.exception("preparing thread %s failed", th.key)
+            return finish(f"the preparation failed: {type(e).__name__}: {e}")
+        with th.lock:
+            prep.result, prep.stage = res, "done"
+        self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
+                            "computed": res.stats.extras.get("computed_rows"),
+                            "stopped": res.stats.extras.get("stopped"), "prepare_s": res.stats.ttft_s})
+        self._enforce_resident_budget(keep=th.key)
+        return prep.predict_s + res.stats.ttft_s
+
+    def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool) -> tuple[ResumeResult | None, dict]:
+        """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, stats)``.
+
+        A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
+        predicting is abandoned."""
+        with th.lock:
+            prep, th.preparation = th.preparation, None
+            if prep is None:
+                return None, {}
+            prep.stop.set()
+            version, stage, prev = th.version, prep.stage, th.token_ids
+        if prep.version != version:
+            return None, {}
+        if stage == "computing" and prep.future is not None:
+            try:
+                prep.future.result()
+            except Exception:  # the job records its own failure
+                log.exception("preparation of thread %s failed", th.key)
+        out: dict[str, Any] = {"prepared_info": prep.info or None}
+        res = prep.result
+        if res is None:
+            kind = "failed" if stage == "done" and prep.reason else "unfinished"
+            out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage} when the call came")
+            return None, out
+        done, reused = len(res.context_ids), int(res.stats.extras.get("reused_rows", 0))
+        computed = int(res.stats.extras.get("computed_rows", 0))
+        sp = shared_prefix(res.context_ids, ids)
+        sr = shared_prefix(prev, ids) if prev is not None else 0
+        full = prep.ids is not None and done == len(prep.ids)
+        out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)),
+                   _shared_resident=sr)
+        if not use:
+            out.update(prepared="miss", prepared_reason="the call asked for the exact strategy")
+        elif sp == done and full:
+            out.update(prepared="hit", prepared_reason=prep.reason)
+            return res, out
+        elif sp >= sr and sp > 0:
+            why = (f"the call's context differs from the prediction at token {sp} of {len(prep.ids)}" if full
+                   else f"stopped after {done} of {len(prep.ids)} tokens when the call came")
+            out.update(prepared="partial", prepared_reason=why)
+            return res, out
+        else:
+            out.update(prepared="miss", prepared_reason=f"the call's context differs from the prediction at token "
+                       f"{sp} of {len(prep.ids)}; the resident context shares {sr}")
+        return None, out
+
+    def phase(self, key: ThreadKey | None) -> Phase:
+        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.state.Phase`)."""
+        th = self._peek(self.active(key)) if key is not None else None
+        if th is None or th.token_ids is None:
+            return Phase.LOST if th is not None and th.lost is not None else Phase.NONE
+        with th.lock:
+            prep, pending = th.preparation, th.pending
+            if th.streams:
+                return Phase.STREAMING
+            if prep is not None and prep.version == th.version:
+                if prep.stage != "done":
+                    return Phase.PREPARING
+                if prep.result is not None:
+                    return Phase.PREPARED
+            if pending is not None and not pending.done():
+                healing = th.healing is not None and not th.healing.is_set()
+                return Phase.HEALING if healing else Phase.OFFLOADING
+            if th.resident is not None:
+                return Phase.RESIDENT
+            if self._offloaded(th):
+                return Phase.OFFLOADED
+            return Phase.LOST if th.lost is not None else Phase.NONE
