@@ -65,9 +65,7 @@ class PreparationMixin:
         if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                          or chunk_tokens < 1):
             raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
-        if key is None:
-            return None
-        th = self._thread(self.active(key), create=False)
+        th = self._known(key)
         if th is None:
             return None
         with th.lock:

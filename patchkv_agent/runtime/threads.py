@@ -159,6 +159,10 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 th.last_used = time.monotonic()
             return th
 
+    def _known(self, key: ThreadKey | None) -> ThreadState | None:
+        """The record of ``key``'s active context (touched as used), or None for None or an unknown key."""
+        return self._thread(self.active(key), create=False) if key is not None else None
+
     def _peek(self, key: ThreadKey) -> ThreadState | None:
         with self._lock:
             return self._threads.get(key)
@@ -554,9 +558,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             The offload's future (its result: the offload seconds, or None when there was nothing to do),
             or None when nothing was started.
         """
-        if key is None:
-            return None
-        th = self._thread(self.active(key), create=False)
+        th = self._known(key)
         if th is None:
             return None
         with th.lock:
