@@ -466,9 +466,11 @@ def plot_agreement(groups: dict[str, dict], path: str | Path | None = None, *, t
         if g.get("floor"):
             ax.axhline(y, ls="--", lw=1, color=f"C{i % 10}", label=f"{name} (floor) {y:.2f}")
         elif name != "exact":
-            ax.scatter([g.get("recompute_ratio_mean") or 0.0], [y], s=40, color=f"C{i % 10}", label=f"{name} {y:.2f}")
+            ax.scatter([g.get("recompute_ratio_mean") or 0.0], [y], s=70 - 12 * i, color=f"C{i % 10}",
+                       label=f"{name} {y:.2f}", zorder=3)  # shrinking markers: coinciding points stay visible
     ax.set_xlabel("recomputed share of the suffix (mean)")
     ax.set_ylabel("next action = exact's" if key == "next_action" else "teacher-forced top-1 agreement")
+    ax.set_xlim(-0.02, 1.05)  # the whole range: a strategy is placed by what it recomputes, prefix at 1.0
     ax.set_ylim(0, 1.05)
     ax.set_title(title or "agreement with exact vs recompute")
     ax.legend(fontsize=7, loc="lower right")
