@@ -23,7 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--windows", default="0,512,768,1024")
-    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--target", default="0.95", help="a share, or floor:<name> (floor:kv-bf16: the agreement a bf16 KV "
+                    "cache reaches on the same calls, per workload)")
     ap.add_argument("--target-tokens", type=int, default=4000)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True)
