@@ -429,6 +429,7 @@ def _group(rows: list[dict]) -> dict[str, Any]:
         "prediction_correct_rate": (sum(correct) / len(rows)) if rows else None,
         "ttft_hit_s_median": _median(r["e2e_prepared_s"] for r in hits),
         "ttft_prepared_s_median": _median(r["e2e_prepared_s"] for r in rows),
+        "ttft_not_hit_s_median": _median(r["e2e_prepared_s"] for r in rest),
         "ttft_floor_s_median": _median(r.get("e2e_floor_s") for r in rows),
         "ttft_prefix_s_median": _median(r["e2e_prefix_s"] for r in rows),
         "ttft_patchkv_s_median": _median(r["e2e_patchkv_s"] for r in rows),
@@ -500,14 +501,15 @@ def markdown_prepared(summary: dict[str, Any], command: str | None = None) -> st
         out += [f"Model {st.get('model') or '-'}; tool latency {st.get('tool_latency')}"
                 + (" (each tool lasts until its thread's background work is over)" if st.get("cover") else "")
                 + f"; next action against {st.get('reference')}; {summary.get('n_calls')} calls.", ""]
-    head = ("| workload | kind | calls | hit rate | prediction right | TTFT hit ms | floor ms | prefix ms | "
+    head = ("| workload | kind | calls | hit rate | prediction right | TTFT hit ms | not hit ms | floor ms | prefix ms | "
             "patchkv ms | hit / floor | prefix / hit | not hit / patchkv | next action (prepared) | "
             "next action (patchkv) | hidden share | prepared rows | wasted rows | prepare s | tokens |")
-    out += [head, "|---|---|" + "---:|" * 17]
+    out += [head, "|---|---|" + "---:|" * 18]
 
     def line(w, k, g):
         return (f"| {w} | {k} | {g['calls']} | {_f(g['hit_rate'])} | {_f(g['prediction_correct_rate'])} | "
-                f"{_f(_ms(g['ttft_hit_s_median']), '.0f')} | {_f(_ms(g['ttft_floor_s_median']), '.0f')} | "
+                f"{_f(_ms(g['ttft_hit_s_median']), '.0f')} | {_f(_ms(g['ttft_not_hit_s_median']), '.0f')} | "
+                f"{_f(_ms(g['ttft_floor_s_median']), '.0f')} | "
                 f"{_f(_ms(g['ttft_prefix_s_median']), '.0f')} | {_f(_ms(g['ttft_patchkv_s_median']), '.0f')} | "
                 f"{_f(g['hit_vs_floor'])} | {_f(g['prefix_over_hit'], '.2f', 'x')} | "
                 f"{_f(g['miss_vs_patchkv'])} ({g['misses']}) | {_f(g['next_action_prepared'])} | "
@@ -545,8 +547,8 @@ def _mark(v, target, le: bool) -> str:
 
 
 def plot_prepared(summary: dict[str, Any], path: str | Path | None = None):
-    """Median e2e TTFT per call kind: a prepared hit, the no-edit floor, prefix, ``patchkv`` without the
-    preparation (grouped bars, one group per workload x call kind; log scale).
+    """Median e2e TTFT per call kind: a prepared hit, a prepared call that was not a hit, the no-edit floor,
+    prefix, ``patchkv`` without the preparation (grouped bars, one group per workload x call kind; log scale).
 
     Args:
         summary: :func:`summarize_prepared`'s output.
@@ -560,23 +562,26 @@ def plot_prepared(summary: dict[str, Any], path: str | Path | None = None):
     groups = [(w, k, g) for w, kinds in (summary.get("by_kind") or {}).items() for k, g in kinds.items()]
     fig = Figure(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.4), layout="constrained")
     ax = fig.subplots()
-    series = (("prepared hit", "ttft_hit_s_median"), ("no-edit floor", "ttft_floor_s_median"),
-              ("prefix", "ttft_prefix_s_median"), ("patchkv without preparation", "ttft_patchkv_s_median"))
+    series = (("prepared: hit", "ttft_hit_s_median", "C0", None),
+              ("prepared: not a hit", "ttft_not_hit_s_median", "C0", "//"),
+              ("no-edit floor", "ttft_floor_s_median", "C1", None), ("prefix", "ttft_prefix_s_median", "C2", None),
+              ("patchkv without preparation", "ttft_patchkv_s_median", "C3", None))
     width = 0.8 / len(series)
-    for j, (label, key) in enumerate(series):
+    for j, (label, key, color, hatch) in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
         ys = [g.get(key) or 0.0 for _, _, g in groups]
-        ax.bar(xs, ys, width=width, color=f"C{j}", label=label)
+        ax.bar(xs, ys, width=width, color="white" if hatch else color, edgecolor=color, hatch=hatch, label=label)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{w}\n{k} ({g['calls']} calls, hits {g['outcomes'].get('hit', 0)})" for w, k, g in groups],
                        fontsize=8)
-    if any(g.get(key) for _, _, g in groups for _, key in series):
+    if any(g.get(key) for _, _, g in groups for _, key, _, _ in series):
         ax.set_yscale("log")
     ax.set_ylabel("median TTFT the caller waits (s)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     st = summary.get("settings") or {}
-    fig.suptitle(f"agent loop, tool latency {st.get('tool_latency', '?')}: TTFT per call kind")
+    cover = " (each tool lasting until its preparation is over)" if st.get("cover") else ""
+    fig.suptitle(f"agent loop, tool latency {st.get('tool_latency', '?')}{cover}: TTFT per call kind")
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
