@@ -268,7 +268,8 @@ def cmd_bench(args) -> int:
         traces = []
         for wl in args.workloads.split(","):
             traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
-                                            n_versions=args.versions, seed=args.seed, count_tokens=count)
+                                            n_versions=args.versions, seed=args.seed, count_tokens=count,
+                                            context=args.context)
         i, k = _shard(args.shard)
         traces = [t for j, t in enumerate(traces) if j % k == i]
         heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]
@@ -324,18 +325,17 @@ def _summary_rows(files: list[str]) -> list[dict]:
 
 
 def cmd_bench_loop(args) -> int:
+    """``patchkv-agent bench-loop``: the tool-latency sweep (``--tool-latencies``), or with ``--tool-latency``
+    the agent loop with the tool-wait preparation (:mod:`patchkv_agent.eval.prepared_bench`)."""
     import json
     from pathlib import Path
 
+    if args.tool_latency is not None:
+        return _bench_loop_prepared(args)
     from .eval.bench import build_workload_traces
     from .eval.loop_bench import format_loop, plot_loop, run_loop_bench
 
-    try:
-        lats = [float(x) for x in args.tool_latencies.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--tool-latencies takes comma-separated seconds, got {args.tool_latencies!r}") from None
-    if not lats or not all(0 <= x < float("inf") for x in lats) or args.versions < 2:
-        raise UsageError("need --tool-latencies >= 0 (comma-separated seconds) and --versions >= 2")
+    lats = _sweep(args.tool_latencies)
     strategies = _check_strategies(args.strategies)
     out = Path(args.out_dir)
     try:
@@ -348,7 +348,8 @@ def cmd_bench_loop(args) -> int:
     traces = []
     for wl in args.workloads.split(","):
         traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
-                                        n_versions=args.versions, seed=args.seed, count_tokens=count)
+                                        n_versions=args.versions, seed=args.seed, count_tokens=count,
+                                        context=args.context)
     summary = run_loop_bench(eng, traces, strategies=strategies, tool_latencies=lats,
                              max_new_tokens=args.max_new_tokens, threads=args.agents,
                              threads_tool_s=args.agents_tool_s)
@@ -357,6 +358,73 @@ def cmd_bench_loop(args) -> int:
     plot_loop(summary, out / "loop_ttft.png")
     print(format_loop(summary))
     print(f"wrote {out / 'loop.json'}, {out / 'loop_ttft.png'}", file=sys.stderr)
+    return 0
+
+
+DEFAULT_TOOL_LATENCIES = "0,0.1,0.5,1.5"
+
+
+def _sweep(spec: str | None) -> list[float]:
+    """``--tool-latencies``: comma-separated seconds, each >= 0 and finite."""
+    spec = DEFAULT_TOOL_LATENCIES if spec is None else spec
+    try:
+        lats = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--tool-latencies takes comma-separated seconds, got {spec!r}") from None
+    if not lats or not all(0 <= x < float("inf") for x in lats):
+        raise UsageError("need --tool-latencies >= 0 (comma-separated seconds) and --versions >= 2")
+    return lats
+
+
+def _tool_latency(spec: str):
+    """``--tool-latency``: a :class:`~patchkv_agent.eval.prepared_bench.ToolLatency`, or a UsageError."""
+    from .eval.prepared_bench import ToolLatency
+
+    try:
+        return ToolLatency.parse(spec)
+    except ValueError as e:
+        raise UsageError(f"--tool-latency: {e}") from None
+
+
+def _bench_loop_prepared(args) -> int:
+    """The agent loop with the tool-wait preparation: episodes with their tool waits, the four threads per
+    call, ``loop_prepared.json`` / ``.md`` / ``.png`` (the command line recorded in both)."""
+    import shlex
+
+    from .eval.bench import agent_loop_episodes
+    from .eval.prepared_bench import markdown_prepared, run_prepared_bench, write_prepared
+
+    latency = _tool_latency(args.tool_latency)
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "loop_prepared.json").touch()
+    except OSError as e:
+        raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
+    eng = _engine(args)
+    count = _count_tokens(eng)
+    episodes = []
+    for wl in args.workloads.split(","):
+        got = agent_loop_episodes(wl, n=args.n, target_tokens=args.target_tokens, n_versions=args.versions,
+                                  seed=args.seed, count_tokens=count, context=args.context, progress=True)
+        if not got:
+            print(f"{wl}: no episode in range (try a larger --context or --target-tokens)", file=sys.stderr)
+        episodes += got
+    if not episodes:
+        raise UsageError("no agent episode fits the window; pass a larger --context or --target-tokens")
+    from .eval.metrics import NEXT_ACTION_TOKENS
+
+    # the next action needs the whole next call (decoding stops after it): as replay, at least 48 tokens
+    summary = run_prepared_bench(eng, episodes, latency, cover=args.cover_preparation,
+                                 max_new_tokens=max(args.max_new_tokens, NEXT_ACTION_TOKENS),
+                                 chunk_tokens=args.prepare_chunk,
+                                 exact_reference=args.exact_reference, model_name=args.model)
+    command = "patchkv-agent " + shlex.join(getattr(args, "argv", None) or [])
+    files = write_prepared(summary, out, command)
+    for e in summary["errors"]:
+        print(f"skipped {e['id']}: {e['error']}", file=sys.stderr)
+    print(markdown_prepared(summary, command))
+    print("wrote " + ", ".join(files), file=sys.stderr)
     return 0
 
 
@@ -390,6 +458,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_max_new_tokens, default=16,
                    help="greedy tokens per resume (a non-negative int; clipped to the model's positions)")
     p.add_argument("--strategies", default="exact,prefix,direct,patchkv")
+
+
+_CONTEXT_HELP = ("agent workloads: build episodes up to this many tokens (a model's window, e.g. 8000 for SmolLM2): "
+                 "views from half of it, middleware triggers scaled to it, every unedited twin within it; "
+                 "default: --target-tokens as before")
+
+
+def _workload_names() -> str:
+    """Every workload name (QA, edit-following, held-out and agent ones), for the ``--workloads`` help."""
+    from .eval import workloads as wl
+    from .eval.agent_workloads import AGENT_WORKLOADS
+    from .eval.follow import FOLLOW_WORKLOADS, HELDOUT_WORKLOADS
+
+    return ", ".join(list(dict.fromkeys([*wl.WORKLOADS, *FOLLOW_WORKLOADS, *HELDOUT_WORKLOADS, *AGENT_WORKLOADS])))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -427,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="replay the workloads' eval episodes under every strategy; summary + plots")
     _common(p)
     p.set_defaults(strategies=None)  # resolved by _bench_defaults: DEFAULT_STRATEGIES, or with --follow ...
-    p.add_argument("--workloads", default=None, help=f"default: {','.join(DEFAULT_WORKLOADS)}; with --follow the "
-                                                       "four follow-* workloads")
+    p.add_argument("--workloads", default=None, help=f"comma-separated, from: {_workload_names()} (default: "
+                                                       f"{','.join(DEFAULT_WORKLOADS)}; with --follow the four "
+                                                       "follow-* workloads)")
     p.add_argument("--follow", action="store_true",
                    help="the edit-following benchmark: the follow-* workloads under "
                         f"{','.join(FOLLOW_STRATEGIES)} unless --workloads / --strategies say otherwise "
@@ -440,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the strategies: 'default', 'all', or names")
     p.add_argument("--n", type=int, default=30, help="episodes per workload")
     p.add_argument("--target-tokens", type=int, default=3000)
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS", help=_CONTEXT_HELP)
     p.add_argument("--versions", type=_at_least_two, default=None,
                    help="context versions per episode, >= 2 (default: 2 for QA and follow workloads, 5 for the "
                         "agent workloads: the call before the first edit and the calls after it)")
@@ -460,12 +544,31 @@ def build_parser() -> argparse.ArgumentParser:
                                           "patchkv vs prefix (JSON + plot)")
     _common(p)
     p.set_defaults(strategies="patchkv,prefix")
-    p.add_argument("--workloads", default="hotpotqa-e")
+    p.add_argument("--workloads", default="hotpotqa-e", help=f"comma-separated, from: {_workload_names()}; with "
+                                                            "--tool-latency only the agent-* ones")
     p.add_argument("--edit", default="all", help="edit kind, or 'all' (kinds in rotation)")
     p.add_argument("--n", type=_non_negative, default=3, help="episodes per workload")
     p.add_argument("--versions", type=int, default=3, help="context versions per episode (model calls per loop)")
     p.add_argument("--target-tokens", type=int, default=1200)
-    p.add_argument("--tool-latencies", default="0,0.1,0.5,1.5", help="comma-separated tool seconds L")
+    p.add_argument("--context", type=int, default=None, metavar="TOKENS", help=_CONTEXT_HELP)
+    p.add_argument("--tool-latencies", default=None,
+                   help=f"the sweep: comma-separated tool seconds L (default {DEFAULT_TOOL_LATENCIES}); every "
+                        "(strategy, L) pass over the episodes")
+    p.add_argument("--tool-latency", default=None, metavar="SPEC",
+                   help="instead of the sweep, the agent loop with the tool-wait preparation (agent workloads): "
+                        "each call's tools take SPEC seconds: fixed ('2') or per tool name ('search=1.5,bash=4', "
+                        "'*=2' for the others; tools called together run in parallel); per call: the prepared "
+                        "call, today's patchkv resume, prefix and the no-edit floor (loop_prepared.json, .md, "
+                        ".png)")
+    p.add_argument("--cover-preparation", action="store_true",
+                   help="with --tool-latency: each tool lasts at least until its thread's background work "
+                        "(preparation, offload) is over, however slow the machine")
+    p.add_argument("--prepare-chunk", type=int, default=None, metavar="ROWS",
+                   help="with --tool-latency: rows per background forward of a preparation (default: the "
+                        "registry's, 256)")
+    p.add_argument("--exact-reference", action="store_true",
+                   help="with --tool-latency: the next action's reference is a full prefill of each version "
+                        "(default: the prefix resume, which is exact, at no extra cost)")
     p.add_argument("--agents", type=_non_negative, default=0,
                    help="also run this many agent threads concurrently (throughput, p50/p95 end-to-end TTFT)")
     p.add_argument("--agents-tool-s", type=float, default=0.1, help="tool latency of the concurrent phase")
@@ -544,6 +647,28 @@ def _check_workloads(flag: str, spec: str) -> list[str]:
     return names
 
 
+def _check_bench_loop(args) -> None:
+    """``bench-loop``: the sweep or the latency model (not both); the prepared loop runs agent workloads only."""
+    from .eval.agent_workloads import AGENT_WORKLOADS
+
+    if args.tool_latency is None:
+        _sweep(args.tool_latencies)
+        extra = [f for f, v in (("--cover-preparation", args.cover_preparation), ("--exact-reference",
+                                args.exact_reference), ("--prepare-chunk", args.prepare_chunk is not None)) if v]
+        if extra:
+            raise UsageError(f"{extra[0]} applies to the prepared loop; pass --tool-latency SPEC too")
+        return
+    if args.tool_latencies is not None:
+        raise UsageError("pass --tool-latencies (the sweep) or --tool-latency (the prepared loop), not both")
+    if args.agents:
+        raise UsageError("--agents runs with the sweep (--tool-latencies), not with --tool-latency")
+    _tool_latency(args.tool_latency)
+    other = [w for w in _check_workloads("--workloads", args.workloads) if w not in AGENT_WORKLOADS]
+    if other:
+        raise UsageError(f"--tool-latency: the prepared loop predicts with an agent workload's editor; {other} "
+                         f"have none: choose from {list(AGENT_WORKLOADS)} (or use --tool-latencies)")
+
+
 def _check_edit(args) -> None:
     from .eval.workloads import EDITS
 
@@ -604,6 +729,7 @@ def _check_command(args) -> None:
         _check_out_dir("--out-dir", args.out_dir)
     if cmd == "bench-loop":
         _check_out_dir("--out-dir", args.out_dir)
+        _check_bench_loop(args)
     if cmd in ("demo", "bench-transport"):
         _check_out_file("--out", args.out)
     if cmd == "stress":
@@ -661,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     raw = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(raw)
+    args.argv = raw  # recorded by commands that write a summary
     if args.command == "calibrate":  # the options typed after it: a bare `calibrate` only shows its plan
         args._argv = raw[raw.index("calibrate") + 1:] if "calibrate" in raw else raw
     prog = f"patchkv-agent {args.command}"

@@ -55,6 +55,8 @@ RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "n": (1, _INF, True, True),
     "versions": (2, _INF, True, True),
     "target_tokens": (1, _INF, True, True),
+    "context": (1000, _INF, True, True),
+    "prepare_chunk": (1, _INF, True, True),
     "seed": (0, 2**32 - 1, True, True),
     "tokens": (1, _INF, True, True),
     "repeats": (1, _INF, True, True),
