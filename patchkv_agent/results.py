@@ -195,6 +195,8 @@ class RuntimeStats(ResumeStats):
         prepared_hidden_share: the share of this call's recompute (rows from the first token it changed
             against the thread's previous context) done during the tool wait.
         prepared_info: the prediction's own notes (editors applied, assumptions made).
+        prepared_predict_s, prepared_compute_s: the preparation's prediction (editors, renders, a summary
+            made during the wait) and its chunked forward, both in the background.
     """
 
     requested_strategy: str | None = None
@@ -220,6 +222,8 @@ class RuntimeStats(ResumeStats):
     prepared_wasted: int | None = None
     prepared_hidden_share: float | None = None
     prepared_info: dict | None = None
+    prepared_predict_s: float | None = None
+    prepared_compute_s: float | None = None
 
 
 @dataclass(eq=False)

@@ -242,3 +242,33 @@ def test_a_real_call_waits_for_its_twin_in_flight_in_a_prediction():
         waiter.start()
     waiter.join(10)
     assert not waiter.is_alive() and got["q"] is None and not cache._in_flight
+
+
+def test_a_summary_a_larger_result_would_trigger_is_the_outcome_prepared(model):
+    from langchain.agents.middleware import SummarizationMiddleware
+    from langchain_core.language_models.fake_chat_models import FakeListChatModel
+    from langchain_core.messages.utils import count_tokens_approximately
+
+    from patchkv_agent.langgraph.predict import _apply_update
+
+    history = _history(4)
+    history[2] = ToolMessage(_result(0, 1200), tool_call_id="call_0", name="search")  # search has run large
+    call = {"name": "search", "args": {"query": "topic 4"}, "id": "call_4", "type": "tool_call"}
+    response = AIMessage("", tool_calls=[call])
+    base = count_tokens_approximately(history + [response])
+    # a result of the usual size (300 characters) stays under the trigger; one as large as the largest crosses it
+    summ = SummarizationMiddleware(model=FakeListChatModel(responses=["The town's river and market."] * 4),
+                                   trigger=("tokens", base + 200), keep=("messages", 3),
+                                   token_counter=count_tokens_approximately)
+    req = _request(model, history, [search])
+    pred = predict_agent_context(model, req, response, [summ])
+    assert pred.info.get("SummarizationMiddleware_depends_on_result_size") is True, pred.info
+    real_state = history + [response, ToolMessage(_result(4, 1200), tool_call_id="call_4", name="search")]
+    upd = summ.before_model({"messages": real_state}, None)
+    assert upd is not None  # the large real result did trigger the summary
+    msgs = _apply_update(real_state, upd["messages"])
+    from patchkv_agent.langgraph.tools import tool_schemas
+
+    ids = model.render([SystemMessage(SYSTEM)] + msgs, tool_schemas([search]), None)[1]
+    assert np.array_equal(ids[: len(pred.token_ids)], pred.token_ids)
+    assert "river and market" in model.engine.tokenizer.decode(pred.token_ids)

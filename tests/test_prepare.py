@@ -119,6 +119,7 @@ def test_a_hit_appends_only_the_tool_results_and_equals_exact(reg, one_torch_thr
     assert st.recompute_tokens == 25 and st.approx_rows == 0 and st.prepared_wasted == 0
     shared = int(np.flatnonzero(ctx[: len(predicted)] != predicted)[0])  # 80, or more where tokens repeat
     assert st.prepared_tokens == len(predicted) - shared and st.prepared_hidden_share > 0.85
+    assert st.prepared_predict_s >= 0 and st.prepared_compute_s > 0
     ref = reg.engine.resume(None, new, strategy="exact", max_new_tokens=3)
     assert float((res.logits - ref.logits).abs().max()) < TOL and res.output_ids == ref.output_ids
     assert _rows_equal(res, ref) < TOL

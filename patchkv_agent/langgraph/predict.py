@@ -12,7 +12,9 @@ ids the two renderings share are the prediction (:class:`~patchkv_agent.runtime.
 - A placeholder's size is the median size of earlier results of the same tool (of any tool, else 400
   characters). When the edit's trigger depends on that size (an empty result and a huge one give
   different edits), the likelier outcome is predicted and ``info["trigger_depends_on_result_size"]``
-  says so.
+  says so; for a ``before_model`` editor (a summary) that a result as large as the largest earlier one
+  would trigger, the summarized outcome is prepared (``info["<Editor>_depends_on_result_size"]``): a summary prepared in vain costs
+  only the wait, a summary missed costs the whole summarized context's prefill.
 - A summarizer call whose input is known before the tools return (the messages to summarize hold no
   placeholder) is made during the wait; its response is stored in :class:`PreparedCalls`, a LangChain
   ``BaseCache`` set on the summarizer's model, and served to the real call when its prompt and model
@@ -200,10 +202,13 @@ def _overrides(editor: Any, hook: str) -> bool:
     return mine is not None and mine is not getattr(AgentMiddleware, hook, None)
 
 
-def _result_chars(history: Sequence[BaseMessage], name: str) -> int:
+def _result_chars(history: Sequence[BaseMessage], name: str, largest: bool = False) -> int:
+    """The median (or largest) size of earlier results of tool ``name`` (of any tool; else the default)."""
     sizes = [len(str(m.content)) for m in history if isinstance(m, ToolMessage) and m.name == name]
     sizes = sizes or [len(str(m.content)) for m in history if isinstance(m, ToolMessage)]
-    return int(statistics.median(sizes)) if sizes else DEFAULT_RESULT_CHARS
+    if not sizes:
+        return DEFAULT_RESULT_CHARS
+    return max(sizes) if largest else int(statistics.median(sizes))
 
 
 def _placeholder(marker: str, chars: int) -> str:
@@ -255,6 +260,8 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
     # two markers that differ from their first character on: the renderings share only what precedes them
     markers = tuple(f"{c}{PENDING} {uuid.uuid4().hex[:12]}" for c in "[(")
     sizes = [_result_chars(history, c["name"]) for c in calls]
+    # how much larger a result of these tools has been: the "larger result" a summary trigger is tried with
+    larger = max(_result_chars(history, c["name"], largest=True) / max(1, n) for c, n in zip(calls, sizes))
 
     def with_results(marker: str, scale: float) -> list:
         return history + [ToolMessage(content=_placeholder(f"{marker}{i}", int(n * scale)), tool_call_id=c["id"],
@@ -268,14 +275,25 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
         for ed in editors:
             if not _overrides(ed, "before_model"):
                 continue
+            name = type(ed).__name__
             try:
                 upd = ed.before_model({**state, "messages": msgs}, runtime)
+                if not (upd and upd.get("messages")) and larger > 1.0:
+                    # would a result as large as the largest earlier one trigger it? Then prepare that outcome:
+                    # a summary prepared in vain costs the wait, a summary missed the summarized prefill
+                    big = _swap_sizes(msgs, markers[0], larger)
+                    upd = ed.before_model({**state, "messages": big}, runtime)
+                    if upd and upd.get("messages"):
+                        info[f"{name}_depends_on_result_size"] = True
+                        msgs = _swap_sizes(_apply_update(big, upd["messages"]), markers[0], 1 / larger)
+                        info[name] = "applied (a result larger than the assumed size triggers it)"
+                        continue
             except PendingToolResult:
-                return Prediction(reason=f"{type(ed).__name__} needs the pending tool results (it would "
-                                  "summarize them)", info=info)
+                return Prediction(reason=f"{name} needs the pending tool results (it would summarize them)",
+                                  info=info)
             if upd and upd.get("messages"):
                 msgs = _apply_update(msgs, upd["messages"])
-                info[f"{type(ed).__name__}"] = "applied"
+                info[name] = "applied"
         req = _edited(request, editors, msgs)
         if any(_overrides(e, "wrap_model_call") for e in editors):
             # does the pending results' size decide the edit? (an empty and a huge result)

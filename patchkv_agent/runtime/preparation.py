@@ -174,8 +174,10 @@ class PreparationMixin:
                 prep.future.result()
             except Exception:  # the job records its own failure
                 log.exception("preparation of thread %s failed", th.key)
-        out: dict[str, Any] = {"prepared_info": prep.info or None}
+        out: dict[str, Any] = {"prepared_info": prep.info or None, "prepared_predict_s": prep.predict_s}
         res = prep.result
+        if res is not None:
+            out["prepared_compute_s"] = res.stats.ttft_s
         if res is None:
             kind = "failed" if stage == "done" and prep.reason else "unfinished"
             out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage} when the call came")

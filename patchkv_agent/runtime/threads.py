@@ -320,14 +320,15 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         return None, f"; the {self.store.tier} store holds no checkpoint of it either"
 
     def fork(self, src: ThreadKey, dst: ThreadKey) -> bool:
-        """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors).
+        """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors): the context
+        ``src``'s last call used (:meth:`active`).
 
         ``dst``'s previous state, if any, is replaced. A pending offload of ``src`` is waited for.
 
         Returns:
             False when ``src`` has no context version.
         """
-        s = self._thread(src, create=False)
+        s = self._known(src)  # the context src's last call used (a summarizer's lane is another context)
         if s is None:
             return False
         self._wait_pending(s)
