@@ -315,11 +315,7 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
         tools = tool_schemas(req.tools)
     final = system + list(req.messages)
     ids_a = model.render(final, tools, None)[1]
-    ids_b = model.render(_swap_marker(final, markers[0], markers[1]), tools, None)[1]
-    m = min(len(ids_a), len(ids_b))
-    neq = (ids_a[:m] != ids_b[:m]).nonzero()[0]
-    n = int(neq[0]) if len(neq) else m
-    n = max(0, n - SAFETY_TOKENS)
+    n = _known_tokens(ids_a, model.render(_swap_marker(final, markers[0], markers[1]), tools, None)[1])
     if n < 1:
         return Prediction(reason="the rendered context differs from its first token on", info=info)
     info["prepared_tokens"] = n
@@ -345,11 +341,15 @@ def known_prefix_ids(model: Any, messages: Sequence[BaseMessage], tools: Sequenc
 
     schemas = tool_schemas(tools) if tools else []
     a = model.render(list(messages) + [HumanMessage("[a")], schemas, None)[1]
-    b = model.render(list(messages) + [HumanMessage("(b")], schemas, None)[1]
+    return a[:_known_tokens(a, model.render(list(messages) + [HumanMessage("(b")], schemas, None)[1])]
+
+
+def _known_tokens(a, b) -> int:
+    """How many leading ids two renderings that differ only in what is unknown share, less
+    :data:`SAFETY_TOKENS` (the tokenizer may merge the last known characters with the unknown ones)."""
     m = min(len(a), len(b))
     neq = (a[:m] != b[:m]).nonzero()[0]
-    n = max(0, (int(neq[0]) if len(neq) else m) - SAFETY_TOKENS)
-    return a[:n]
+    return max(0, (int(neq[0]) if len(neq) else m) - SAFETY_TOKENS)
 
 
 def _swap_sizes(msgs: list, marker: str, scale: float) -> list:
