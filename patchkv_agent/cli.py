@@ -328,7 +328,6 @@ def cmd_bench_loop(args) -> int:
     """``patchkv-agent bench-loop``: the tool-latency sweep (``--tool-latencies``), or with ``--tool-latency``
     the agent loop with the tool-wait preparation (:mod:`patchkv_agent.eval.prepared_bench`)."""
     import json
-    from pathlib import Path
 
     if args.tool_latency is not None:
         return _bench_loop_prepared(args)
@@ -337,14 +336,7 @@ def cmd_bench_loop(args) -> int:
 
     lats = _sweep(args.tool_latencies)
     strategies = _check_strategies(args.strategies)
-    out = Path(args.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "loop.json").touch()
-    except OSError as e:
-        raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
-    eng = _engine(args)
-    count = _count_tokens(eng)
+    out, eng, count = _loop_setup(args, "loop.json")
     traces = []
     for wl in args.workloads.split(","):
         traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
@@ -359,6 +351,21 @@ def cmd_bench_loop(args) -> int:
     print(format_loop(summary))
     print(f"wrote {out / 'loop.json'}, {out / 'loop_ttft.png'}", file=sys.stderr)
     return 0
+
+
+def _loop_setup(args, result_name: str):
+    """``(out_dir, engine, token counter)`` of a bench-loop run: the result file is checked writable before the
+    model loads."""
+    from pathlib import Path
+
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / result_name).touch()
+    except OSError as e:
+        raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
+    eng = _engine(args)
+    return out, eng, _count_tokens(eng)
 
 
 DEFAULT_TOOL_LATENCIES = "0,0.1,0.5,1.5"
@@ -395,14 +402,7 @@ def _bench_loop_prepared(args) -> int:
     from .eval.prepared_bench import markdown_prepared, run_prepared_bench, write_prepared
 
     latency = _tool_latency(args.tool_latency)
-    out = Path(args.out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "loop_prepared.json").touch()
-    except OSError as e:
-        raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
-    eng = _engine(args)
-    count = _count_tokens(eng)
+    out, eng, count = _loop_setup(args, "loop_prepared.json")
     episodes = []
     for wl in args.workloads.split(","):
         got = agent_loop_episodes(wl, n=args.n, target_tokens=args.target_tokens, n_versions=args.versions,
