@@ -599,6 +599,27 @@ class PatchKVEngine:
                             keys=prep.keys, values=prep.values, fingerprint=self.spec.fingerprint,
                             scores=prep.scores, exact_rows=done)
 
+    def planned_recompute(self, base: Checkpoint | ResumeResult, new_token_ids,
+                          strategy: str | Strategy = "patchkv") -> int:
+        """How many rows a resume of ``new_token_ids`` from ``base`` would recompute (its diff and plan only).
+
+        Args:
+            base: a checkpoint, or a resident :class:`ResumeResult` of this engine.
+            new_token_ids: the ids to resume.
+            strategy: as for :meth:`resume`.
+
+        Returns:
+            The plan's recomputed rows.
+
+        Raises:
+            InvalidInput, ValueError: as :meth:`resume`.
+        """
+        new = self.validate_ids(new_token_ids, "new_token_ids")
+        strat = get_strategy(strategy)
+        ckpt = self.as_checkpoint(base) if isinstance(base, ResumeResult) else base
+        edit = diff_versions(ckpt.token_ids, new, words=self.words, old_words=ckpt.words)
+        return int(len(strat.plan(self.settings, ckpt, edit).recompute_positions))
+
     def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
         """A zero-copy checkpoint view of a resident result (full precision, no mixed-precision runs).
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -98,7 +99,7 @@ def reg():
 
 
 def _first_call(reg, name: str, n: int = 300):
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))  # str hash() changes per process
     k = thread_key(name)
     first = rng.integers(0, reg.engine.spec.vocab_size, n)
     r = reg.generate(k, first, max_new_tokens=4)
@@ -142,6 +143,26 @@ def test_a_partial_prediction_is_a_base_where_it_reaches_further(reg, one_torch_
     res = reg.generate(k, new, max_new_tokens=0)
     assert res.stats.base == "prepared" and res.stats.prepared == "partial" and res.stats.fallback is None
     assert "at token 200" in res.stats.prepared_reason
+
+
+def test_a_barely_started_preparation_gives_way_to_a_resident_base_that_recomputes_less(reg, one_torch_thread):
+    from patchkv_agent.runtime.state import Preparation
+
+    k, ctx, rng = _first_call(reg, "barely")
+    predicted = np.concatenate([ctx[:100], ctx[150:]])
+    th = reg._peek(reg.active(k))
+    stopped = reg.engine.prepare(th.resident, predicted, chunk_tokens=8, should_stop=lambda: True)
+    assert len(stopped.context_ids) == stopped.stats.extras["reused_rows"]  # no chunk ran
+    with th.lock:  # what a preparation stopped before its first chunk leaves behind
+        th.preparation = Preparation(version=th.version, predict=None, chunk_tokens=8, stage="done",
+                                     ids=predicted, result=stopped)
+    new = np.concatenate([predicted, rng.integers(0, reg.engine.spec.vocab_size, 5)])
+    theirs = reg.engine.planned_recompute(th.resident, new)
+    mine = reg.engine.planned_recompute(stopped, new)
+    assert theirs < mine  # the resident base restores what follows the edit; the stopped one cannot
+    st = reg.generate(k, new, max_new_tokens=0).stats
+    assert st.base == "resident" and st.prepared == "miss" and "recomputes fewer rows" in st.prepared_reason
+    assert st.recompute_tokens == theirs
 
 
 def test_an_unfinished_or_failed_prediction_never_delays_the_call(reg, one_torch_thread):

@@ -156,7 +156,8 @@ class PreparationMixin:
         self._enforce_resident_budget(keep=th.key)
         return prep.predict_s + res.stats.ttft_s
 
-    def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool) -> tuple[ResumeResult | None, dict]:
+    def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool,
+                          strategy: Any = "patchkv") -> tuple[ResumeResult | None, dict]:
         """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, stats)``.
 
         A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
@@ -166,7 +167,7 @@ class PreparationMixin:
             if prep is None:
                 return None, {}
             prep.stop.set()
-            version, stage, prev = th.version, prep.stage, th.token_ids
+            version, stage, prev, resident = th.version, prep.stage, th.token_ids, th.resident
         if prep.version != version:
             return None, {}
         if stage == "computing" and prep.future is not None:
@@ -197,6 +198,14 @@ class PreparationMixin:
         elif sp >= sr and sp > 0:
             why = (f"the call's context differs from the prediction at token {sp} of {len(prep.ids)}" if full
                    else f"stopped after {done} of {len(prep.ids)} tokens when the call came")
+            # the prepared rows reach further, but the resident base may restore more of what follows: take the
+            # base whose plan recomputes less (plans only, no forward; this runs on partial calls alone)
+            mine = self.engine.planned_recompute(res, ids, strategy)
+            theirs = self.engine.planned_recompute(resident, ids, strategy) if resident is not None else mine + 1
+            if theirs < mine:
+                out.update(prepared="miss", prepared_reason=f"{why}; the resident base recomputes fewer rows "
+                           f"({theirs} vs {mine})")
+                return None, out
             out.update(prepared="partial", prepared_reason=why)
             return res, out
         else:

@@ -420,7 +420,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         with self._lock:
             self._active[primary] = key
         th = self._thread(key)
-        prepared, prep_stats = self._take_preparation(th, ids, use=strategy != "exact")
+        prepared, prep_stats = self._take_preparation(th, ids, use=strategy != "exact", strategy=strat)
         # a heal in progress gives the exact base this resume wants (a prepared base is exact already)
         heal_wait_s = 0.0 if prepared is not None else self._wait_heal(th)
         with th.lock:
