@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +45,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..runtime.threads import ThreadRegistry, thread_key
+from .bench import _mean  # the summaries' shared aggregates (None-skipping)
+from .loop_bench import _median
 from .metrics import NEXT_ACTION_TOKENS, next_action_agree
 from .traces import plain_messages, version_ids
 
@@ -405,16 +406,6 @@ def run_prepared_bench(engine, episodes: Sequence, latency: ToolLatency, *, cove
 
 
 # ------------------------------------------------------------------------------------------ summary
-
-def _median(xs) -> float | None:
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def _mean(xs) -> float | None:
-    xs = [float(x) for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else None
-
 
 def _group(rows: list[dict]) -> dict[str, Any]:
     hits = [r for r in rows if r.get("prepared") == "hit"]
