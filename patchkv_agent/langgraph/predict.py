@@ -262,14 +262,10 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
     sizes = [_result_chars(history, c["name"]) for c in calls]
     # how much larger a result of these tools has been: the "larger result" a summary trigger is tried with
     larger = max(_result_chars(history, c["name"], largest=True) / max(1, n) for c, n in zip(calls, sizes))
-
-    def with_results(marker: str, scale: float) -> list:
-        return history + [ToolMessage(content=_placeholder(f"{marker}{i}", int(n * scale)), tool_call_id=c["id"],
-                                      name=c["name"]) for i, (c, n) in enumerate(zip(calls, sizes))]
-
     info: dict[str, Any] = {"editors": [type(e).__name__ for e in editors], "tool_calls": len(calls),
                             "assumed_result_chars": sizes}
-    msgs = with_results(markers[0], 1.0)
+    msgs = history + [ToolMessage(content=_placeholder(f"{markers[0]}{i}", n), tool_call_id=c["id"], name=c["name"])
+                      for i, (c, n) in enumerate(zip(calls, sizes))]  # the pending results, of the assumed sizes
     runtime = getattr(request, "runtime", None)
     with recording_calls(markers):
         for ed in editors:
