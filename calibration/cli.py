@@ -324,7 +324,7 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     Raises:
         UsageError: (exit status 2) the first bad argument, in one line naming the fix.
     """
-    from patchkv_agent.core.plan import READERS
+    from patchkv_agent.core.readers import READERS
     from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
     from patchkv_agent.eval.workloads import EDITS
     from patchkv_agent.usage import UsageError, check_ranges
@@ -495,7 +495,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     agent = _build_agent_traces(args, count)  # before the long stages: a bad --agent-skip fails now
     reader_names = _reader_workloads(args.reader_workloads)
     readers = tuple(r.strip() for r in args.readers.split(",") if r.strip())
-    from patchkv_agent.core.plan import READERS
+    from patchkv_agent.core.readers import READERS
 
     if not readers or set(readers) - set(READERS):
         raise SystemExit(f"--readers must list some of {READERS}, got {args.readers!r}")

@@ -40,7 +40,7 @@ RULE = ("reader rule: the cheapest candidate (mean recomputed tokens over every 
         "workload, the target is the best worst-workload follow rate any candidate reaches; when none of those meets "
         "the agreement floor, the most agreeing of them, then the cheaper. 'off' is the plan without reader blocks")
 BUILTIN = "s0.1-b3-a2-g0.25"
-"""The built-in rule's name (:data:`patchkv_agent.core.plan.READER_MIN_SHARE` and the other defaults): the
+"""The built-in rule's name (:data:`patchkv_agent.core.readers.READER_MIN_SHARE` and the other defaults): the
 agreement floor of :func:`choose_rule`. Checked against the defaults in the tests."""
 _SETTINGS = READER_RULE_KEYS  # a rule's constants (the profile's reader_rule keys) -> the settings they set
 _KEYS = tuple(_SETTINGS)

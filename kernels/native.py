@@ -234,7 +234,7 @@ def reader_scan_native(words: np.ndarray, changed: np.ndarray, ctx_block: int, s
                        ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The lexical reader signal's occurrence scan in one native pass (``pkv_reader_scan``).
 
-    The twin of ``patchkv_agent.core.plan._reader_scan_numpy``, which it equals (``tests/test_native.py``).
+    The twin of ``patchkv_agent.core.readers._reader_scan_numpy``, which it equals (``tests/test_native.py``).
 
     Args:
         words: int64 ``[n]`` word id per position of the new context.

@@ -729,6 +729,8 @@ class PatchKVEngine:
                 out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
         ttft = time.perf_counter() - t1
+        if out.plan is not None:  # the executor changed the plan (the measured tail rule): report what ran
+            plan = out.plan
         scores = None
         if cap is not None and cap.n_records:
             scores = cap.scores()

@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from patchkv_agent.core import plan as new_plan
     from patchkv_agent.core.diff import diff_versions
+    from patchkv_agent.core.settings import RecoverySettings
     from patchkv_agent.eval.host_bench import _checkpoint, _versions, host_engine
 
     spec = importlib.util.spec_from_file_location("patchkv_agent.core._plan_baseline", args.baseline)
@@ -45,13 +46,17 @@ def main(argv: list[str] | None = None) -> int:
         edit = diff_versions(ckpt.token_ids, new, words=eng.words, old_words=ckpt.words)
         edit.new_words()
         kw = dict(length_model=eng.settings.length_model, block_size=eng.settings.block_size, readers="lexical")
+        settings = RecoverySettings(**kw)
         times: dict[str, list[float]] = {"baseline": [], "this tree": []}
         for _ in range(args.calls):
             for name, mod in (("baseline", old_plan), ("this tree", new_plan)):
                 if args.evict_mb:
                     dst.copy_(big)
                 t = time.perf_counter()
-                mod.plan_repair(edit, ckpt.scores, **kw)
+                if hasattr(mod, "PlanDraft"):  # plan_repair(edit, scores, settings)
+                    mod.plan_repair(edit, ckpt.scores, settings)
+                else:  # a baseline from before the settings object
+                    mod.plan_repair(edit, ckpt.scores, **kw)
                 times[name].append(time.perf_counter() - t)
         print(n, "  ".join(f"{k} {statistics.median(v) * 1e6:.0f} us" for k, v in times.items()))
     return 0

@@ -87,3 +87,11 @@ def start_redis() -> RedisProcess:
         return RedisProcess(startup_s=10)
     except RuntimeError as e:
         pytest.skip(f"{e}: Redis tier tests skipped")
+
+
+def plan_settings(**fields):
+    """RecoverySettings for planner tests: the given fields over the defaults, with the reader rule off unless
+    asked for (a plan's readers need the edit's words, which most hand-made edits lack)."""
+    from patchkv_agent.core.settings import RecoverySettings
+
+    return RecoverySettings(**{"readers": "none", **fields})

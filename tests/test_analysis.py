@@ -30,6 +30,7 @@ from patchkv_agent.calibration.analysis import (
     write_outputs,
 )
 from patchkv_agent.core.plan import LengthModel, _prep, plan_repair
+from kv_helpers import plan_settings
 
 VOCAB = 211
 
@@ -123,7 +124,7 @@ def test_drift_summary_is_the_median_over_the_spans_reaching_each_bin():
 def test_selectors_pick_the_blocks_they_promise(engine, shifted):
     e, scores = shifted.edit, shifted.ckpt.scores
     sel = selection_masks(e, scores, window=16, block_size=16, budget_blocks=3, seed=5)
-    base = plan_repair(e, None, length_model=LengthModel.fixed(16), kappa=0.0, block_size=16)
+    base = plan_repair(e, None, plan_settings(length_model=LengthModel.fixed(16), kappa=0.0, block_size=16))
     d = np.zeros(sel["n_blocks"], dtype=bool)
     d[base.repair_blocks] = True
     assert np.array_equal(sel["masks"]["D-only"], d) and sel["budget_blocks"] == 3
@@ -139,7 +140,7 @@ def test_selectors_pick_the_blocks_they_promise(engine, shifted):
     # distance: the three blocks right after D (one edited span)
     assert sel["extra"]["distance"] == [int(b) for b in cand[:3]]
     # readers: highest lexical reader score first, then the nearest
-    from patchkv_agent.core.plan import lexical_reader_scores
+    from patchkv_agent.core.readers import lexical_reader_scores
 
     lex = lexical_reader_scores(e, blocks)
     dist = {b: blocks.distance[blocks.token_block == b].min() for b in cand}
@@ -159,7 +160,7 @@ def test_d_only_matches_plan_repair_and_a_full_budget_is_exact(engine, shifted):
     e = shifted.edit
     rows = evaluate_selection(engine, shifted, window=16, block_size=16, budget_blocks=2, max_new_tokens=8)
     assert [r["selector"] for r in rows] == list(SELECTORS)
-    base = plan_repair(e, None, length_model=LengthModel.fixed(16), kappa=0.0, block_size=16)
+    base = plan_repair(e, None, plan_settings(length_model=LengthModel.fixed(16), kappa=0.0, block_size=16))
     d_only = rows[0]
     assert d_only["recompute_tokens"] == base.n_recompute
     assert all(r["recompute_tokens"] > base.n_recompute for r in rows[1:])
@@ -230,7 +231,8 @@ def test_kappa_zero_rows_are_the_fixed_window_plan(engine, shifted):
     sel = {r["selector"]: r for r in evaluate_selection(engine, shifted, window=16, block_size=16, max_new_tokens=8)}
     for r in rows:
         base = plan_repair(shifted.edit, shifted.ckpt.scores if r["kappa"] else None,
-                           length_model=LengthModel.fixed(16), kappa=r["kappa"], block_size=r["block_size"])
+                           plan_settings(length_model=LengthModel.fixed(16), kappa=r["kappa"],
+                                         block_size=r["block_size"]))
         assert r["recompute_tokens"] == base.n_recompute
     k0_16 = rows[0]
     assert k0_16["first_token_kl"] == sel["D-only"]["first_token_kl"]  # the same plan, the same numbers

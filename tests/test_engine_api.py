@@ -19,6 +19,7 @@ from patchkv_agent.runtime.kvstore import CheckpointMissing, ForeignCheckpoint, 
 from patchkv_agent.runtime.kvstore import load_for_resume, resume_from_store
 from patchkv_agent.strategies import PatchKVStrategy, get_strategy
 from patchkv_agent.eval.tiny import tiny_engine, tiny_model
+from kv_helpers import plan_settings
 from test_recovery import edited_pair
 
 TOL = 1e-4
@@ -109,20 +110,22 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
     s = RecoverySettings(block_size=4, length_model=LengthModel.fixed(12), kappa=0.05)
     got = get_strategy("patchkv").plan(s, ckpt, edit)
-    ref = plan_repair(edit, ckpt.scores, length_model=LengthModel.fixed(12), kappa=0.05, block_size=4,
-                      readers="lexical", reader_budget=s.reader_budget)  # the settings' reader defaults
+    # the settings' reader defaults
+    ref = plan_repair(edit, ckpt.scores, plan_settings(length_model=LengthModel.fixed(12), kappa=0.05, block_size=4,
+                                                       readers="lexical", reader_budget=s.reader_budget))
     assert np.array_equal(got.recompute_positions, ref.recompute_positions)
     off = get_strategy("patchkv", {"readers": "none"}).plan(s, ckpt, edit)
-    assert off.n_readers == 0 and np.array_equal(off.recompute_positions, plan_repair(
-        edit, ckpt.scores, length_model=LengthModel.fixed(12), kappa=0.05, block_size=4).recompute_positions)
+    no_readers = plan_repair(edit, ckpt.scores, plan_settings(length_model=LengthModel.fixed(12), kappa=0.05,
+                                                              block_size=4))
+    assert off.n_readers == 0 and np.array_equal(off.recompute_positions, no_readers.recompute_positions)
     assert np.array_equal(got.restore_old_positions, ref.restore_old_positions)
     # options are overrides of the settings
     strat = PatchKVStrategy(dirty_window=20, block_size=16, precision="fp16")
     r = strat.resolve(s)
     assert (r.length_model, r.block_size, r.kappa, r.restore_precision) == (LengthModel.fixed(20), 16, 0.05, "fp16")
     got = strat.plan(s, ckpt, edit)
-    ref = plan_repair(edit, ckpt.scores, length_model=LengthModel.fixed(20), kappa=0.05, block_size=16,
-                      readers=r.readers, reader_budget=r.reader_budget)
+    ref = plan_repair(edit, ckpt.scores, plan_settings(length_model=LengthModel.fixed(20), kappa=0.05, block_size=16,
+                                                       readers=r.readers, reader_budget=r.reader_budget))
     assert np.array_equal(got.recompute_positions, ref.recompute_positions)
     with pytest.raises(ValueError, match="precision"):
         PatchKVStrategy(precision="int4")

@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 
 from patchkv_agent.core.diff import diff_versions
-from patchkv_agent.core.plan import (READER_MIN_BLOCKS, LengthModel, lexical_reader_scores, plan_repair,
-                                     plan_suffix_blocks)
+from patchkv_agent.core.plan import LengthModel, plan_repair, plan_suffix_blocks
+from patchkv_agent.core.readers import READER_MIN_BLOCKS, lexical_reader_scores
 from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.eval.bench import summarize
 from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, HELDOUT_WORKLOADS, build_follow_traces
 from patchkv_agent.eval.metrics import answer_match
 from patchkv_agent.eval.traces import validate_trace
 from patchkv_agent.eval.workloads import build_traces
+from kv_helpers import plan_settings
 
 
 @pytest.mark.parametrize("workload", sorted(FOLLOW_WORKLOADS) + sorted(HELDOUT_WORKLOADS))
@@ -122,8 +123,9 @@ def test_lexical_readers_find_the_blocks_that_mention_the_edit():
     scores = lexical_reader_scores(edit, blocks)
     reader = np.searchsorted(blocks.starts, 5 * 4 + 2, side="right") - 1
     assert scores[reader] > 0 and np.count_nonzero(scores) == 1
-    plan0 = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="none")
-    plan1 = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical", reader_budget=1.0)
+    plan0 = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="none"))
+    plan1 = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
+                                                  reader_budget=1.0))
     assert reader not in plan0.repair_blocks and reader in plan1.repair_blocks and plan1.n_readers == 1
     assert set(plan1.recompute_positions) - set(plan0.recompute_positions) == set(range(blocks.starts[reader],
                                                                                           blocks.ends[reader]))
@@ -150,17 +152,17 @@ def test_lexical_readers_budget_common_tokens_and_missing_ids():
     edit = diff_versions(old, new, min_match=2)
     blocks = plan_suffix_blocks(edit, block_size=4)
     assert np.count_nonzero(lexical_reader_scores(edit, blocks)) == 4
-    base = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4)
+    base = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4))
     for budget in (0.25, 1.0):
-        plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
-                           reader_budget=budget)
+        plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4,
+                                                     readers="lexical", reader_budget=budget))
         # reader blocks add at most `budget` of the other recompute (in blocks, rounded up) or
         # READER_MIN_BLOCKS blocks, whichever is more
         want = min(4, max(READER_MIN_BLOCKS, int(np.ceil(budget * base.n_recompute / 4))))
         assert plan.n_readers == want and plan.n_recompute - base.n_recompute == 4 * plan.n_readers
     assert READER_MIN_BLOCKS < 4  # the floor, not the candidates, bounded the first case
-    assert plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
-                       reader_budget=0.0).n_readers == 0
+    assert plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="lexical",
+                                                 reader_budget=0.0)).n_readers == 0
     # a token in more than max_df of the blocks (and more than READER_MIN_DF blocks) is not rare
     for b in (10, 12, 14, 16, 18):
         old[b * 4 + 3] = 900
@@ -174,9 +176,9 @@ def test_lexical_readers_budget_common_tokens_and_missing_ids():
     with pytest.raises(ValueError, match="max_df"):
         lexical_reader_scores(edit, blocks, max_df=0.0)
     with pytest.raises(ValueError, match="readers"):
-        plan_repair(edit, length_model=LengthModel.fixed(0), readers="semantic")
+        plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), readers="semantic"))
     with pytest.raises(ValueError, match="reader_budget"):
-        plan_repair(edit, length_model=LengthModel.fixed(0), reader_budget=1.5)
+        plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), reader_budget=1.5))
 
 
 def test_settings_validate_reader_fields():
@@ -208,20 +210,21 @@ def test_a_block_sharing_one_word_with_a_replaced_passage_is_not_a_reader():
     blocks = plan_suffix_blocks(edit, block_size=4)
     scores = lexical_reader_scores(edit, blocks)
     assert 0 < scores.max() < 0.1  # the shared token is 1 of ~40 rare changed tokens
-    plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="lexical"))
     assert plan.n_readers == 0
 
 
 def test_an_edit_with_readers_also_refreshes_the_top_attention_blocks():
-    from patchkv_agent.core.plan import READER_ATTENTION_BLOCKS
+    from patchkv_agent.core.readers import READER_ATTENTION_BLOCKS
 
     old, new = _context(n_blocks=20)
     edit = diff_versions(old, new, min_match=2)
     blocks = plan_suffix_blocks(edit, block_size=4)
     scores = np.zeros(len(old), dtype=np.float32)
     scores[[9 * 4 + 1, 13 * 4 + 2, 16 * 4]] = [0.3, 0.5, 0.2]  # old positions in blocks 9, 13, 16
-    base = plan_repair(edit, scores, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
-    no_scores = plan_repair(edit, None, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    base = plan_repair(edit, scores, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="lexical"))
+    no_scores = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4,
+                                                      readers="lexical"))
     assert base.n_readers == no_scores.n_readers + READER_ATTENTION_BLOCKS
     added = set(base.recompute_positions) - set(no_scores.recompute_positions)
     top = {int(blocks.token_block[np.searchsorted(blocks.old_positions, p)]) for p in (13 * 4 + 2, 9 * 4 + 1)}
@@ -234,7 +237,7 @@ def test_an_edit_with_readers_also_refreshes_the_top_attention_blocks():
     lone_new = lone_old.copy()
     lone_new[5] = 999
     e2 = diff_versions(lone_old, lone_new, min_match=2)
-    p2 = plan_repair(e2, scores, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+    p2 = plan_repair(e2, scores, plan_settings(length_model=LengthModel.fixed(0), block_size=4, readers="lexical"))
     assert p2.n_readers == 0
 
 
@@ -293,7 +296,8 @@ def test_lexical_readers_compare_words_so_a_name_respelled_later_is_found():
             assert hit == want
             w1, w2 = edit.words(), edit.words()
             assert not w1[1].flags.writeable and w1[0] is w2[0] and w1[1] is w2[1]  # computed once
-            plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=4, readers="lexical")
+            plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=4,
+                                                         readers="lexical"))
             assert plan.n_readers == len(want)
     with pytest.raises(ValueError, match="one (word id per position|per position)"):
         diff_versions(old, new, words=lambda ids: np.zeros(3, dtype=np.int64)).words()

@@ -10,6 +10,7 @@ import torch
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.inputs import InvalidInput, as_token_ids
 from patchkv_agent.core.lexicon import WordIndex
+from kv_helpers import plan_settings
 
 PIECES = ["Ġfoo", "bar", ".", "Ġ", "1", "Ċ", "ab", "Ġx", "Sof", "ia", "Ġ(", ")", "Ġthe", "ĠS", "of", "-", "Z"]
 
@@ -92,7 +93,7 @@ def test_sampled_anchors_give_the_full_density_diff(seed, monkeypatch):
 
 
 def test_member_positions_are_isin_with_ranks():
-    from patchkv_agent.core.plan import _member_positions
+    from patchkv_agent.core.readers import _member_positions
 
     rng = np.random.default_rng(0)
     x = rng.integers(-5, 2**62, 50000)
@@ -312,7 +313,8 @@ def _lexical_reference(edit, blocks, max_df=0.1, min_df=3):
 @pytest.mark.parametrize("scan", ["native", "numpy"])
 @pytest.mark.parametrize("seed", range(30))
 def test_vectorized_reader_scores_and_block_attention_match_their_oracles(seed, scan, monkeypatch):
-    from patchkv_agent.core.plan import block_attention, lexical_reader_scores, suffix_blocks
+    from patchkv_agent.core.blocks import block_attention, suffix_blocks
+    from patchkv_agent.core.readers import lexical_reader_scores
     from patchkv_agent.kernels import native
 
     if scan == "native" and not native.available():
@@ -371,7 +373,8 @@ def _plan_reference(edit, scores, *, d, kappa, block_size, readers, recent_windo
     """plan_repair spelled out per suffix token with the Edit's own per-token arrays (no block-level shortcuts)."""
     import math
 
-    from patchkv_agent.core.plan import lexical_reader_scores, suffix_blocks
+    from patchkv_agent.core.blocks import suffix_blocks
+    from patchkv_agent.core.readers import lexical_reader_scores
 
     prefix_len = min(edit.prefix_len, edit.new_len - 1)
     blocks = suffix_blocks(edit, block_size=block_size, keep_from=prefix_len)
@@ -440,9 +443,9 @@ def test_block_level_plan_equals_the_per_token_rules(seed):
                   reader_attention_blocks=int(rng.choice([0, 1, 4])), reader_budget=float(rng.choice([0.0, 0.1, 1.0])))
     rules = {k: kw[k] for k in ("reader_min_share", "reader_min_blocks", "reader_attention_blocks", "reader_budget")
              if k in kw}
-    plan = plan_repair(edit, scores, length_model=LengthModel.fixed(kw["d"]), kappa=kw["kappa"],
-                       block_size=kw["block_size"], readers=kw["readers"], rewrite_share=1.0,
-                       recent_window=kw["recent_window"], min_restore_share=kw["min_restore_share"], **rules)
+    plan = plan_repair(edit, scores, plan_settings(
+        length_model=LengthModel.fixed(kw["d"]), kappa=kw["kappa"], block_size=kw["block_size"], readers=kw["readers"],
+        rewrite_share=1.0, recent_window=kw["recent_window"], min_restore_share=kw["min_restore_share"], **rules))
     rec, rnew, rold, rep = _plan_reference(edit, scores, **kw)
     assert np.array_equal(plan.recompute_positions, rec)
     assert np.array_equal(plan.restore_new_positions, rnew) and np.array_equal(plan.restore_old_positions, rold)
@@ -526,7 +529,7 @@ def test_strategy_resolve_is_memoized_per_settings_object():
 @pytest.mark.parametrize("seed", range(30))
 def test_few_segment_blocks_equal_the_vectorized_cut(seed, monkeypatch):
     """A few suffix segments are cut segment by segment (fewer numpy calls); the blocks equal the vectorized cut's."""
-    import patchkv_agent.core.plan as P
+    import patchkv_agent.core.blocks as P
 
     rng = np.random.default_rng(seed)
     got = _random_edit(rng, _index(), 2, 400)
@@ -590,19 +593,19 @@ def test_the_planner_never_builds_the_native_library_and_plans_the_same_without_
     old, _, edit = got
     kw = dict(length_model=LengthModel.fixed(8), readers="lexical", block_size=8)
     scores = rng.random(len(old))
-    with_lib = plan_repair(edit, scores, **kw)
+    with_lib = plan_repair(edit, scores, plan_settings(**kw))
 
     def refuse():
         raise AssertionError("the planner tried to build or load the native library")
 
-    import patchkv_agent.core.plan as P
+    import patchkv_agent.core.readers as P
 
     calls = []
     twin = P._reader_scan_numpy
     monkeypatch.setattr(P, "_reader_scan_numpy", lambda *a: calls.append(1) or twin(*a))
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_library", refuse)
-    without = plan_repair(edit, scores, **kw)
+    without = plan_repair(edit, scores, plan_settings(**kw))
     assert calls  # the scan ran, through the twin
     for f in ("recompute_positions", "restore_new_positions", "restore_old_positions", "repair_blocks"):
         assert np.array_equal(getattr(with_lib, f), getattr(without, f)), f

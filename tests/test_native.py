@@ -265,7 +265,8 @@ def _scan_case(rng):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_reader_scan_native_equals_the_numpy_twin(seed):
-    from patchkv_agent.core.plan import SuffixBlocks, _reader_scan_numpy
+    from patchkv_agent.core.blocks import SuffixBlocks
+    from patchkv_agent.core.readers import _reader_scan_numpy
 
     rng = np.random.default_rng(seed)
     words, changed, starts, ends = _scan_case(rng)

@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.settings import RecoverySettings
+from kv_helpers import plan_settings
 from patchkv_agent.core.plan import (
     plan_blocks,
     plan_suffix_blocks,
     LengthModel,
     RepairPlan,
-    block_round,
     plan_direct,
     plan_full,
     plan_repair,
-    suffix_blocks,
 )
+from patchkv_agent.core.blocks import block_round, suffix_blocks
 
 OLD = np.arange(1000, 1200, dtype=np.int64)  # 200 distinct tokens
 
@@ -57,7 +57,7 @@ def check_partition(plan: RepairPlan, edit) -> None:
 def test_edit_at_start_empty_prefix():
     new = np.concatenate([marks(10), OLD[5:100]])  # span old[0,5) -> new[0,10); segment new[10,105)
     edit = diff_versions(OLD[:100], new)
-    plan = plan_repair(edit, length_model=LengthModel.fixed(20), block_size=32)
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(20), block_size=32))
     assert plan.prefix_len == 0
     assert plan.block_starts.tolist() == [10, 42, 74] and plan.block_ends.tolist() == [42, 74, 105]
     assert plan.repair_blocks.tolist() == [0, 2]  # dirty window [10,30) and the last-token block
@@ -85,7 +85,7 @@ def test_plan_blocks_recomputes_exactly_the_chosen_blocks():
 
 def test_edit_at_end_empty_suffix():
     edit = diff_versions(OLD[:100], np.concatenate([OLD[:90], marks(7)]))
-    plan = plan_repair(edit, length_model=LengthModel.fixed(32))
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(32)))
     assert plan.prefix_len == 90
     assert plan.recompute_positions.tolist() == rng(90, 97)
     assert plan.restore_new_positions.size == 0 and plan.block_starts.size == 0
@@ -96,14 +96,15 @@ def test_edit_at_end_empty_suffix():
 def test_deletion_at_end_recomputes_last_prefix_token():
     edit = diff_versions(OLD[:100], OLD[:90])
     assert edit.prefix_len == 90
-    plan = plan_repair(edit, length_model=LengthModel.fixed(32))
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(32)))
     assert plan.prefix_len == 89 and plan.recompute_positions.tolist() == [89]
     check_partition(plan, edit)
 
 
 def test_identical_versions_recompute_only_last_token():
     edit = diff_versions(OLD[:50], OLD[:50])
-    for plan in (plan_repair(edit, length_model=LengthModel.fixed(32)), plan_full(edit), plan_direct(edit)):
+    for plan in (plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(32))), plan_full(edit),
+                                                       plan_direct(edit)):
         assert plan.prefix_len == 49
         assert plan.recompute_positions.tolist() == [49]
         assert plan.restore_new_positions.size == 0 and plan.repair_blocks.size == 0
@@ -121,7 +122,7 @@ def _two_span_edit():
 
 def test_several_spans():
     edit = _two_span_edit()
-    plan = plan_repair(edit, length_model=LengthModel.fixed(20), block_size=16)
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(20), block_size=16))
     assert plan.block_starts.tolist() == [24, 40, 56, 72, 88, 94, 110, 126, 142, 158, 174]
     assert plan.block_ends.tolist() == [40, 56, 72, 88, 94, 110, 126, 142, 158, 174, 184]
     assert plan.repair_blocks.tolist() == [0, 1, 5, 6, 10]  # window after each span + last-token block
@@ -161,7 +162,7 @@ def test_baseline_plans_on_several_spans():
 def test_suffix_shorter_than_a_block(tail):
     new = np.concatenate([OLD[:30], marks(4), OLD[40 - tail : 40]])
     edit = diff_versions(OLD[:40], new)
-    plan = plan_repair(edit, length_model=LengthModel.fixed(0), block_size=32)
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0), block_size=32))
     assert plan.block_starts.tolist() == [34] and plan.block_ends.tolist() == [34 + tail]
     assert plan.repair_blocks.tolist() == [0]  # the only block holds the last token
     assert plan.recompute_positions.tolist() == rng(30, 34 + tail)
@@ -182,35 +183,35 @@ def test_kappa_picks_high_attention_blocks():
     scores[14] = 0.9  # new 16: inside the dirty window, never counts for H
     lm = LengthModel.fixed(8)
     n_out = 190 - 8
-    top1 = plan_repair(edit, scores, length_model=lm, kappa=1 / n_out)
+    top1 = plan_repair(edit, scores, plan_settings(length_model=lm, kappa=1 / n_out))
     assert top1.block_starts.tolist() == [12, 44, 76, 108, 140, 172]
     assert top1.repair_blocks.tolist() == [0, 2, 5] and top1.n_high == 1
-    top2 = plan_repair(edit, scores, length_model=lm, kappa=2 / n_out)
+    top2 = plan_repair(edit, scores, plan_settings(length_model=lm, kappa=2 / n_out))
     assert top2.repair_blocks.tolist() == [0, 2, 4, 5] and top2.n_high == 2
     assert top2.restore_blocks.tolist() == [1, 3]
     check_partition(top2, edit)
-    none = plan_repair(edit, None, length_model=lm, kappa=0.5)
+    none = plan_repair(edit, None, plan_settings(length_model=lm, kappa=0.5))
     assert none.repair_blocks.tolist() == [0, 5] and none.n_high == 0
-    everything = plan_repair(edit, scores, length_model=lm, kappa=1.0)
+    everything = plan_repair(edit, scores, plan_settings(length_model=lm, kappa=1.0))
     assert everything.restore_new_positions.size == 0
 
 
 def test_kappa_ties_break_by_position():
     edit = _insertion_edit()
     scores = np.ones(200)
-    plan = plan_repair(edit, scores, length_model=LengthModel.fixed(8), kappa=1 / 182)
+    plan = plan_repair(edit, scores, plan_settings(length_model=LengthModel.fixed(8), kappa=1 / 182))
     assert plan.n_high == 1 and plan.repair_blocks.tolist() == [0, 5]  # first token outside D: new 20, block 0
 
 
 def test_last_token_block_always_recomputed():
     edit = _insertion_edit()
-    plan = plan_repair(edit, length_model=LengthModel.fixed(0))
+    plan = plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(0)))
     assert plan.repair_blocks.tolist() == [5] and plan.n_dirty == 0
     assert plan.recompute_positions.tolist() == [10, 11] + rng(172, 202)
 
 
 def test_plan_arrays_are_read_only():
-    plan = plan_repair(_insertion_edit(), length_model=LengthModel.fixed(8))
+    plan = plan_repair(_insertion_edit(), None, plan_settings(length_model=LengthModel.fixed(8)))
     with pytest.raises(ValueError):
         plan.recompute_positions[0] = 1
 
@@ -218,13 +219,13 @@ def test_plan_arrays_are_read_only():
 def test_bad_arguments():
     edit = _insertion_edit()
     with pytest.raises(ValueError, match="kappa"):
-        plan_repair(edit, length_model=LengthModel.fixed(8), kappa=1.5)
+        plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(8), kappa=1.5))
     with pytest.raises(ValueError, match="old position"):
-        plan_repair(edit, np.ones(5), length_model=LengthModel.fixed(8), kappa=0.1)
+        plan_repair(edit, np.ones(5), plan_settings(length_model=LengthModel.fixed(8), kappa=0.1))
     with pytest.raises(ValueError, match="block_size"):
-        plan_repair(edit, length_model=LengthModel.fixed(8), block_size=0)
+        plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(8), block_size=0))
     with pytest.raises(ValueError, match="empty"):
-        plan_repair(diff_versions([1, 2], []), length_model=LengthModel.fixed(8))
+        plan_repair(diff_versions([1, 2], []), None, plan_settings(length_model=LengthModel.fixed(8)))
 
 
 # --- length model ---------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_length_model_uses_per_span_features():
     edit = _two_span_edit()
     # d = exp(c) - 1 with c = log(1 + S_k): the window covers the whole segment after each span
     lm = LengthModel(weights=(0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0))
-    plan = plan_repair(edit, length_model=lm, block_size=16)
+    plan = plan_repair(edit, None, plan_settings(length_model=lm, block_size=16))
     assert plan.d_hat.tolist() == [70, 90]
     assert plan.restore_new_positions.size == 0
 
@@ -295,7 +296,7 @@ def test_plan_partitions_new_context(n_old, ops, kappa, d, block_size, seed):
     edit = diff_versions(old, new)
     scores = np.random.default_rng(seed).random(n_old)
     plans = [
-        plan_repair(edit, scores, length_model=LengthModel.fixed(d), kappa=kappa, block_size=block_size),
+        plan_repair(edit, scores, plan_settings(length_model=LengthModel.fixed(d), kappa=kappa, block_size=block_size)),
         plan_full(edit, block_size=block_size),
         plan_direct(edit, block_size=block_size),
     ]
@@ -331,8 +332,8 @@ def test_recency_window_recomputes_the_last_restored_tokens_blocks(seed, window)
     restores (by new position), and recompute their whole blocks; nothing else changes."""
     r, edit, scores = _random_edit(seed)
     kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 40))), kappa=0.05, block_size=16)
-    base = plan_repair(edit, scores, **kw)
-    got = plan_repair(edit, scores, recent_window=window, **kw)
+    base = plan_repair(edit, scores, plan_settings(**kw))
+    got = plan_repair(edit, scores, plan_settings(recent_window=window, **kw))
     check_partition(got, edit)
     blocks_of = np.searchsorted(base.block_ends, base.restore_new_positions, side="right")
     want = set(base.repair_blocks.tolist()) | set(blocks_of[-window:].tolist())
@@ -341,14 +342,15 @@ def test_recency_window_recomputes_the_last_restored_tokens_blocks(seed, window)
     assert set(base.recompute_positions.tolist()) <= set(got.recompute_positions.tolist())
     if window >= len(base.restore_new_positions):
         assert got.n_restore == 0  # the whole suffix is recomputed
-    assert plan_repair(edit, scores, recent_window=0, **kw).repair_blocks.tolist() == base.repair_blocks.tolist()
+    assert plan_repair(edit, scores, plan_settings(recent_window=0,
+                                                   **kw)).repair_blocks.tolist() == base.repair_blocks.tolist()
 
 
 def test_recency_window_is_validated():
     edit = diff_versions(np.arange(50), np.concatenate([np.arange(20), marks(3), np.arange(25, 50)]))
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="recent_window"):
-            plan_repair(edit, None, length_model=LengthModel.fixed(4), recent_window=bad)
+            plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(4), recent_window=bad))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -360,8 +362,8 @@ def test_small_restore_rule_recomputes_the_suffix_when_little_would_be_restored(
     r, edit, scores = _random_edit(seed)
     kw = dict(length_model=LengthModel.fixed(int(r.integers(0, 120))), kappa=float(r.choice([0.0, 0.3])),
               block_size=16, recent_window=int(r.choice([0, 64])))
-    base = plan_repair(edit, scores, **kw)
-    got = plan_repair(edit, scores, min_restore_share=share, **kw)
+    base = plan_repair(edit, scores, plan_settings(**kw))
+    got = plan_repair(edit, scores, plan_settings(min_restore_share=share, **kw))
     check_partition(got, edit)
     if base.n_restore < share * base.n_suffix:
         full = plan_full(edit, block_size=16)
@@ -377,6 +379,6 @@ def test_small_restore_share_is_validated():
     edit = diff_versions(np.arange(50), np.concatenate([np.arange(20), marks(3), np.arange(25, 50)]))
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="min_restore_share"):
-            plan_repair(edit, None, length_model=LengthModel.fixed(4), min_restore_share=bad)
+            plan_repair(edit, None, plan_settings(length_model=LengthModel.fixed(4), min_restore_share=bad))
     with pytest.raises(ValueError, match="min_restore_share"):
         RecoverySettings(min_restore_share=2.0)

@@ -5,7 +5,7 @@
 token always recomputed). Each selector adds the same budget of ``B`` blocks outside ``D``:
 ``attention`` (highest stored score per block: its maximum token score, i.e. the blocks the top tokens
 of ``H`` hit first), ``readers`` (the edit's reader blocks: highest
-:func:`~patchkv_agent.core.plan.lexical_reader_scores`, then the nearest), ``distance`` (the blocks nearest
+:func:`~patchkv_agent.core.readers.lexical_reader_scores`, then the nearest), ``distance`` (the blocks nearest
 to an edit after ``D``), ``random`` (seeded), ``low-attention`` (lowest score); ``D-only`` is the
 reference. Scored against exact: exact continuation (greedy tokens equal), teacher-forced agreement,
 first-token KL, and on edit-following contexts whether the answer follows the edit or stays stale. The block sets plug into the engine
@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from patchkv_agent.core.diff import Edit
-from patchkv_agent.core.plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, RepairPlan, SuffixBlocks,
-                                     block_attention, lexical_reader_scores, plan_blocks, plan_repair,
+from patchkv_agent.core.blocks import DEFAULT_BLOCK_SIZE, SuffixBlocks, block_attention
+from patchkv_agent.core.plan import (DEFAULT_DIRTY_WINDOW, LengthModel, RepairPlan, plan_blocks, plan_repair,
                                      plan_suffix_blocks)
+from patchkv_agent.core.readers import lexical_reader_scores
+from patchkv_agent.core.settings import RecoverySettings
 from patchkv_agent.strategies import Strategy
 
 from .inputs import SELECTORS, PreparedContext, _mean, _score
@@ -30,7 +32,7 @@ from .inputs import SELECTORS, PreparedContext, _mean, _score
 class BlockSetStrategy(Strategy):
     """Recompute the new tokens, the given suffix blocks and the block of the last token; restore the rest.
 
-    Blocks are those of :func:`patchkv_agent.core.plan.suffix_blocks` at ``block_size`` (the planner's layout);
+    Blocks are those of :func:`patchkv_agent.core.blocks.suffix_blocks` at ``block_size`` (the planner's layout);
     the plan is assembled as :func:`patchkv_agent.core.plan.plan_repair` assembles its own. Not registered:
     pass an instance to ``engine.resume(ckpt, ids, strategy=BlockSetStrategy(...))``.
 
@@ -77,7 +79,7 @@ def block_scores(blocks: SuffixBlocks, scores: np.ndarray) -> np.ndarray:
 
     Ranking blocks by it is what :func:`patchkv_agent.core.plan.plan_repair`'s ``H`` does when its top tokens
     are taken one at a time until ``B`` distinct blocks are hit; it is the planner's own
-    :func:`~patchkv_agent.core.plan.block_attention`.
+    :func:`~patchkv_agent.core.blocks.block_attention`.
 
     Args:
         blocks: the suffix blocks.
@@ -113,7 +115,8 @@ def selection_masks(edit: Edit, scores: np.ndarray | None, *, window: int, block
     Raises:
         ValueError: ``scores`` is None or of the wrong length; bad window or block size.
     """
-    base = plan_repair(edit, None, length_model=LengthModel.fixed(window), kappa=0.0, block_size=block_size)
+    base = plan_repair(edit, None, RecoverySettings(length_model=LengthModel.fixed(window), block_size=block_size,
+                                                    readers="none"))
     blocks = plan_suffix_blocks(edit, block_size=block_size)
     n = blocks.n_blocks
     d_mask = np.zeros(n, dtype=bool)

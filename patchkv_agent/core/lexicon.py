@@ -2,7 +2,7 @@
 
 A tokenizer spells one word differently by where it stands: byte-level BPE gives ``" Sofia"`` one token
 after a space and ``"S" "of" "ia"`` at the start of a line or inside a JSON string; SentencePiece marks the
-space with ``"▁"``. :func:`~patchkv_agent.core.plan.lexical_reader_scores` asks which later blocks
+space with ``"▁"``. :func:`~patchkv_agent.core.readers.lexical_reader_scores` asks which later blocks
 mention what an edit changed, so it compares *words*: maximal runs of alphanumeric characters across
 token boundaries, case-folded, with the tokenizer's space markers (``Ġ``, ``▁``, ``Ċ``) read as spaces.
 A word's id is the 63-bit xxh64 of its text (deterministic across processes); every position of the

@@ -169,12 +169,16 @@ class RecoveryStats:
 
 @dataclass(kw_only=True)
 class RecoveryOutput:
-    """Result of :func:`execute`: first-token logits, the full K/V of ``C_new`` and what it cost."""
+    """Result of :func:`execute`: first-token logits, the full K/V of ``C_new`` and what it cost.
+
+    ``plan`` is the plan that ran when an executor changed the one it was given (the measured tail rule moves
+    the blocks it kept to the recompute rows; :mod:`patchkv_agent.core.layerwise`), else None."""
 
     logits: torch.Tensor  # [vocab], float32
     keys: list[torch.Tensor]  # per layer [1, H, N_new, D]
     values: list[torch.Tensor]
     stats: RecoveryStats
+    plan: Any = None
 
 
 def restore_rows(
@@ -365,6 +369,29 @@ class RecoveryBuffers:
         return read
 
 
+def start_restore(buf: RecoveryBuffers, src_k: list[torch.Tensor] | None, src_v: list[torch.Tensor] | None,
+                  mixed: "MixedKV | None" = None) -> list[Any] | None:
+    """Fill ``buf``'s prefix and restored rows. On CUDA the restore runs layer by layer on a side stream and the
+    per-layer events are returned (a layer's attention waits for its event, so the restore of deeper layers
+    overlaps the forward of shallower ones: set them as the :class:`ScatterLayer` ``ready`` events); elsewhere it
+    runs now and None is returned.
+
+    Raises:
+        CorruptCheckpoint: a mixed run failed its checksum.
+    """
+    if buf.device.type != "cuda" or not buf.restores_anything:
+        buf.restore(src_k, src_v, mixed)
+        return None
+    side = torch.cuda.Stream(buf.device)
+    side.wait_stream(torch.cuda.current_stream(buf.device))
+    events = [torch.cuda.Event() for _ in range(buf.spec.num_layers)]
+    with torch.cuda.stream(side):
+        for layer in range(buf.spec.num_layers):
+            buf.restore(src_k, src_v, mixed, [layer])
+            events[layer].record(side)
+    return events
+
+
 @torch.no_grad()
 def execute(
     model,
@@ -396,19 +423,7 @@ def execute(
     t0 = time.perf_counter()
     buf = RecoveryBuffers(model, spec, new_ids, plan)
     device = buf.device
-    events = None
-    if device.type == "cuda" and buf.restores_anything:
-        # Restore layer by layer on a side stream; layer l's attention waits only for layer l's rows,
-        # so the restore of deeper layers overlaps the recompute forward of shallower ones.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        events = [torch.cuda.Event() for _ in range(spec.num_layers)]
-        with torch.cuda.stream(side):
-            for layer in range(spec.num_layers):
-                buf.restore(src_k, src_v, mixed, [layer])
-                events[layer].record(side)
-    else:
-        buf.restore(src_k, src_v, mixed)
+    events = start_restore(buf, src_k, src_v, mixed)
     t1 = time.perf_counter()
 
     q_pos = torch.from_numpy(buf.recompute).to(device)

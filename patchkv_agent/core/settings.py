@@ -17,9 +17,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .plan import (DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_READER_BUDGET,
-                   DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE, READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS,
-                   READER_MIN_SHARE, READERS, LengthModel)
+from .blocks import DEFAULT_BLOCK_SIZE
+from .length_model import LengthModel
+from .plan import (DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE,
+                   DEFAULT_TAIL_CHECK_LAYER)
+from .readers import DEFAULT_READER_BUDGET, READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS, READER_MIN_SHARE, READERS
 from .precision import PrecisionPolicy
 
 __all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS", "MAX_TOKENS"]
@@ -49,7 +51,7 @@ class RecoverySettings:
         capture_window: final query positions the checkpoint pass records attention from, ``>= 1``.
         mixed_precision: checkpoints also carry mixed-precision runs (needed for ``"mixed"`` restores).
         readers: the reader-block signal of the planner (``"lexical"``: suffix blocks that mention what an
-            edit changed are recomputed, see :func:`~patchkv_agent.core.plan.lexical_reader_scores`;
+            edit changed are recomputed, see :func:`~patchkv_agent.core.readers.lexical_reader_scores`;
             ``"none"``).
         reader_budget: reader blocks add at most this share of the plan's other recompute (in blocks,
             rounded up), in ``[0, 1]``.
@@ -67,6 +69,12 @@ class RecoverySettings:
         min_restore_share: a plan that would restore less than this share of the suffix recomputes all
             of it (exact: the saving no longer pays for an approximation; see
             :func:`~patchkv_agent.core.plan.plan_repair`), in ``[0, 1]`` (0: off).
+        tail_threshold: the measured tail rule: ``0`` recomputes the whole recency window; ``> 0`` probes it
+            instead: its blocks are recomputed up to ``tail_check_layer``, and past it only those whose
+            relative K/V deviation from the restored rows there is at least this (a finite number ``>= 0``; see
+            :func:`~patchkv_agent.core.plan.rule_recency` and :mod:`patchkv_agent.core.layerwise`).
+        tail_check_layer: the layer the measured tail rule compares at, ``>= 1`` (layer 0's rows depend on the
+            token alone); a model with no layer after it recomputes the probed blocks whole.
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -87,11 +95,13 @@ class RecoverySettings:
     rewrite_share: float = DEFAULT_REWRITE_SHARE
     recent_window: int = DEFAULT_RECENT_WINDOW
     min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
+    tail_threshold: float = 0.0
+    tail_check_layer: int = DEFAULT_TAIL_CHECK_LAYER
 
     def __post_init__(self) -> None:
         # token counts: ints below 2^31 (a block size of 2^32 would wrap to 0 in the kernels' int32 fields)
         for name, lo in (("block_size", 1), ("recent_window", 0), ("reader_min_blocks", 0),
-                         ("reader_attention_blocks", 0), ("capture_window", 1)):
+                         ("reader_attention_blocks", 0), ("capture_window", 1), ("tail_check_layer", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TOKENS:
                 raise ValueError(f"{name} must be an int in [{lo}, 2^31), got {str(v)[:40]}")
@@ -100,6 +110,10 @@ class RecoverySettings:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0.0 <= v <= 1.0):
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
             object.__setattr__(self, name, float(v))
+        v = self.tail_threshold
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"tail_threshold must be a finite number >= 0, got {v!r}")
+        object.__setattr__(self, "tail_threshold", float(v))
         if not isinstance(self.length_model, LengthModel):
             raise ValueError(f"length_model must be a LengthModel, got {type(self.length_model).__name__}")
         if not isinstance(self.precision_policy, PrecisionPolicy):

@@ -427,6 +427,7 @@ def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, se
     """
     from ..core.diff import diff_versions
     from ..core.plan import DEFAULT_BLOCK_SIZE, LengthModel, plan_repair
+    from ..core.settings import RecoverySettings
 
     rng = np.random.default_rng(seed)
     old = np.arange(n_tokens, dtype=np.int64) + 1000
@@ -441,11 +442,12 @@ def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, se
     edit = diff_versions(old, np.concatenate(new))
     scores = rng.random(n_tokens).astype(np.float32)
     model = LengthModel(weights=(1.0, 0.1, 0.2, 0.1, 0.0, 0.0, 0.0), d_min=16)
+    settings = RecoverySettings(length_model=model, kappa=0.05, block_size=DEFAULT_BLOCK_SIZE, readers="none")
     times = []
     plan = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan = plan_repair(edit, scores, length_model=model, kappa=0.05, block_size=DEFAULT_BLOCK_SIZE)
+        plan = plan_repair(edit, scores, settings)
         times.append((time.perf_counter() - t0) * 1e3)
     return {"n_tokens": float(n_tokens), "n_spans": float(n_spans), "median_ms": float(np.median(times)),
             "min_ms": float(np.min(times)), "n_recompute": float(plan.n_recompute if plan else 0)}

@@ -39,7 +39,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from ..core.plan import READERS, LengthModel
+from ..core.length_model import LengthModel
+from ..core.readers import READERS
 
 if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy

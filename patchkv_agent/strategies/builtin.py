@@ -4,14 +4,16 @@ plan that :func:`patchkv_agent.core.recovery.execute` runs.
 - ``exact``: full prefill of ``C_new`` (the oracle); ignores the checkpoint.
 - ``prefix``: reuse ``P``, recompute all of ``M_new + S`` (the Prefix Cache baseline; exact).
 - ``direct``: recompute ``X`` and the last token, restore all of ``S`` RoPE-corrected (stale history).
-- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L ∪ W`` (``L``: the edit's reader blocks, ``W``: the recency window) and the last
-  block; restore ``F``.
+- ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L ∪ W`` (``L``: the edit's reader blocks, ``W``: the
+  recency window, or with ``tail_threshold > 0`` the part of it whose K/V deviation at a check layer says so:
+  :mod:`patchkv_agent.core.layerwise`) and the last block; restore ``F``.
 
 Knows plans and the recovery settings, not models or LangGraph.
 """
 
 from __future__ import annotations
 
+from ..core.layerwise import execute_probed, layerwise_supported
 from ..core.plan import LengthModel, plan_direct, plan_full, plan_repair
 from ..core.recovery import FullRecompute
 from .base import Strategy, register_strategy, run_plan
@@ -71,6 +73,9 @@ class PatchKVStrategy(Strategy):
         recent_window: the recency rule's window in tokens (0: off; default: the settings').
         min_restore_share: the small-restore rule's threshold, a share of the suffix (0: off; default: the
             settings').
+        tail_threshold: the measured tail rule's K/V deviation threshold (0: the recency window is recomputed
+            whole; default: the settings').
+        tail_check_layer: the layer the measured tail rule compares at (default: the settings').
 
     Raises:
         ValueError: an option outside its range.
@@ -83,25 +88,30 @@ class PatchKVStrategy(Strategy):
                  reader_budget: float | None = None, reader_min_share: float | None = None,
                  reader_min_blocks: int | None = None, reader_attention_blocks: int | None = None,
                  rewrite_share: float | None = None, recent_window: int | None = None,
-                 min_restore_share: float | None = None):
+                 min_restore_share: float | None = None, tail_threshold: float | None = None,
+                 tail_check_layer: int | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
                            reader_budget=reader_budget, reader_min_share=reader_min_share,
                            reader_min_blocks=reader_min_blocks, reader_attention_blocks=reader_attention_blocks,
                            rewrite_share=rewrite_share, recent_window=recent_window,
-                           min_restore_share=min_restore_share)
+                           min_restore_share=min_restore_share, tail_threshold=tail_threshold,
+                           tail_check_layer=tail_check_layer)
 
     def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
         if s.restore_precision == "mixed" and ckpt is not None and ckpt.mixed is None:
             s = s.replace(restore_precision="fp16")  # checkpoint written without mixed runs
+        if getattr(plan, "probe_blocks", None) is not None and plan.probe_blocks.size:
+            why = layerwise_supported(model, spec, plan.tail_check_layer)
+            if why is None:
+                return execute_probed(model, spec, s, ckpt, plan, new_ids)
+            # no layer-wise forward for this model: the recency window is recomputed whole (the rule's 0 setting)
+            out = run_plan(model, spec, s, ckpt, plan_repair(edit, ckpt.scores, s.replace(tail_threshold=0.0)),
+                           new_ids)
+            out.stats.extras["tail_probe"] = f"off: {why}"
+            return out
         return run_plan(model, spec, s, ckpt, plan, new_ids)
 
     def plan(self, settings, ckpt, edit):
-        s = self.resolve(settings)
-        scores = ckpt.scores if ckpt is not None else None
-        return plan_repair(edit, scores, length_model=s.length_model, kappa=s.kappa, block_size=s.block_size,
-                           readers=s.readers, reader_budget=s.reader_budget, reader_min_share=s.reader_min_share,
-                           reader_min_blocks=s.reader_min_blocks, reader_attention_blocks=s.reader_attention_blocks,
-                           rewrite_share=s.rewrite_share, recent_window=s.recent_window,
-                           min_restore_share=s.min_restore_share)
+        return plan_repair(edit, ckpt.scores if ckpt is not None else None, self.resolve(settings))

@@ -41,16 +41,15 @@ Knows models, plans and the recovery helpers; nothing about planning policy or L
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..core.models import text_config
+from ..core.layerwise import LAYERWISE_MODEL_TYPES, LayerwiseForward, layerwise_supported
 from ..core.plan import plan_direct
-from ..core.recovery import RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks
+from ..core.recovery import RecoveryBuffers, RecoveryOutput, RecoveryStats
 from .base import Strategy, register_strategy
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ if TYPE_CHECKING:
     from ..core.models import ModelSpec
     from ..core.settings import RecoverySettings
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "glm", "gemma3_text"})
+SUPPORTED_MODEL_TYPES = LAYERWISE_MODEL_TYPES
 
 
 def select_top_deviation(deviation: np.ndarray, ratio: float) -> np.ndarray:
@@ -94,14 +93,11 @@ def check_supported(model) -> None:
     Raises:
         ValueError: unsupported family or layout (the message names the strategies that work).
     """
-    mt = str(getattr(text_config(model), "model_type", ""))
-    base = getattr(model, "model", None)
-    ok = mt in SUPPORTED_MODEL_TYPES and all(
-        hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) and hasattr(model, "lm_head")
-    if not ok:
+    why = layerwise_supported(model)
+    if why is not None:
         raise ValueError(
             f"the cacheblend strategy drives decoder layers by hand and supports model types "
-            f"{sorted(SUPPORTED_MODEL_TYPES)} (as *ForCausalLM), not {mt!r}; use 'direct', 'patchkv', "
+            f"{sorted(SUPPORTED_MODEL_TYPES)} (as *ForCausalLM): {why}; use 'direct', 'patchkv', "
             "'prefix' or 'exact' with this model")
 
 
@@ -158,69 +154,34 @@ class CacheBlendStrategy(Strategy):
         # ---- restore: exact prefix rows, RoPE-corrected suffix rows (the `direct` starting point)
         t0 = time.perf_counter()
         buf = RecoveryBuffers(model, spec, new_ids, plan)
-        keys, values, device, dtype = buf.keys, buf.values, buf.device, buf.dtype
+        keys, values, device = buf.keys, buf.values, buf.device
         n, n_prefix, always, rest_new = buf.n_new, buf.prefix_len, buf.recompute, buf.restore_new
         buf.restore(ckpt.keys, ckpt.values)  # full-precision rows (CacheBlend does not quantize)
         payload = buf.payload_bytes
         t1 = time.perf_counter()
 
-        # ---- layer-wise recompute
-        base = model.model
-        active = np.arange(n_prefix, n, dtype=np.int64)  # every non-prefix token, sorted
-        ids = new_ids.to(device)
-        pos_t = torch.from_numpy(active).to(device)
-        hidden = base.embed_tokens(ids[pos_t][None])
-        cache = ScatterCache(keys, values)
-        layer_types = list(spec.layer_types)
-        per_type_rope = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
-        rest_new_t = torch.from_numpy(rest_new).to(device)
-        selected = rest_new  # with no layer after the check layer, everything stays recomputed
-
-        def prepare(pos: torch.Tensor):
-            cache.set_targets(pos)
-            masks = build_masks(spec, model, pos, n, dtype)
-            if per_type_rope:
-                rope = {lt: base.rotary_emb(hidden, pos[None], lt) for lt in set(layer_types)}
-            else:
-                rope = base.rotary_emb(hidden, pos[None])
-            return masks, rope
-
-        masks, rope = prepare(pos_t)
+        # ---- layer-wise recompute: every non-prefix token up to the check layer, then the selection
+        fwd = LayerwiseForward(model, spec, buf, new_ids, np.arange(n_prefix, n, dtype=np.int64))
         full_layers = min(self.check_layer + 1, spec.num_layers)
-        full_tokens = len(active)
-        for i, decoder_layer in enumerate(base.layers[: spec.num_layers]):
-            lt = layer_types[i]
-            check = i == self.check_layer and i + 1 < spec.num_layers
-            if check:  # the restored (stale) values of the suffix rows, before this layer overwrites them
-                v_cached = values[i][0].index_select(1, rest_new_t).float()
-            hidden = decoder_layer(
-                hidden,
-                attention_mask=masks[lt] if isinstance(masks, dict) else masks,
-                position_embeddings=rope[lt] if per_type_rope else rope,
-                position_ids=pos_t[None],
-                cache=cache,
-                use_cache=True,
-            )
-            if check:
-                v_fresh = values[i][0].index_select(1, rest_new_t).float()
-                # [H, S, D] -> [S]: L2 over heads and channels
-                dev = (v_fresh - v_cached).pow(2).sum(dim=(0, 2)).sqrt().cpu().numpy()
-                selected = rest_new[select_top_deviation(dev, self.ratio)]
-                keep = np.sort(np.concatenate([selected, always]))
-                idx = torch.from_numpy(np.searchsorted(active, keep)).to(device)
-                hidden = hidden.index_select(1, idx)
-                active = keep
-                pos_t = torch.from_numpy(active).to(device)
-                masks, rope = prepare(pos_t)
-        hidden = base.norm(hidden[:, -1:])
-        logits = model.lm_head(hidden)[0, -1].float()
-        cap = getattr(text_config(model), "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        full_tokens = len(fwd.active)
+        selected = rest_new  # with no layer after the check layer, everything stays recomputed
+        if self.check_layer + 1 < spec.num_layers:
+            fwd.run(self.check_layer)
+            rest_new_t = torch.from_numpy(rest_new).to(device)
+            # the restored (stale) values of the suffix rows, before the check layer overwrites them
+            v_cached = values[self.check_layer][0].index_select(1, rest_new_t).float()
+            fwd.run(self.check_layer + 1)
+            v_fresh = values[self.check_layer][0].index_select(1, rest_new_t).float()
+            # [H, S, D] -> [S]: L2 over heads and channels
+            dev = (v_fresh - v_cached).pow(2).sum(dim=(0, 2)).sqrt().cpu().numpy()
+            selected = rest_new[select_top_deviation(dev, self.ratio)]
+            fwd.narrow(np.sort(np.concatenate([selected, always])))
+        fwd.run(spec.num_layers)
+        logits = fwd.logits()
         t2 = time.perf_counter()
         return RecoveryOutput(
             logits=logits, keys=keys, values=values,
-            stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(active),
+            stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(fwd.active),
                                 payload_bytes=payload, extras={
                 "cacheblend_full_layers": full_layers,
                 "cacheblend_full_tokens": full_tokens,
