@@ -136,9 +136,15 @@ def _reason(e: Exception) -> str:
 
 
 def _check_strategies(names: str) -> list[str]:
-    from .strategies import STRATEGIES
+    from .strategies import STRATEGIES, register_spec
 
     strategies = [s.strip() for s in names.split(",") if s.strip()]
+    for s in strategies:
+        if ":" in s:  # name:key=value...: a strategy with options
+            try:
+                register_spec(s)
+            except ValueError as e:
+                raise UsageError(f"--strategies: {e}") from None
     unknown = [s for s in strategies if s not in STRATEGIES]
     if not strategies or unknown:
         raise UsageError(f"--strategies: unknown {unknown or names!r}; choose from {sorted(STRATEGIES)}")

@@ -84,8 +84,8 @@ def test_an_engine_with_profile_auto_skips_hostile_files_and_uses_the_valid_one(
     assert (eng.settings.block_size, eng.settings.kappa) == (24, 0.05)
     for name in hostile:
         assert name in caplog.text, name  # each skipped file is named in a warning
-    for needle in ("not UTF-8", "nests deeper", "d_min=inf", "d_max=1e+30", "block_size=4294967296",
-                   "recent_window=2147483648", "weights", "tau_H=inf", "schema=99"):
+    for needle in ("not UTF-8", "nests deeper", "d_min=inf", "d_max=1e+30", "block_size must be an int in [1, 2^31), got 4294967296",
+                   "recent_window must be an int in [0, 2^31), got 2147483648", "weights", "tau_H=inf", "schema=99"):
         assert needle in caplog.text, needle
     with caplog.at_level(logging.WARNING, logger="patchkv_agent.profiles"):  # junk alone: no profile, no error
         monkeypatch.setenv("PATCHKV_PROFILE_DIR", str(tmp_path / "junk"))

@@ -181,7 +181,8 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
         :class:`RecoveryOutput` whose ``plan`` is the plan that ran (the kept probed blocks moved to the recompute
         rows); ``stats.recompute_tokens`` counts rows run through every layer, and ``extras`` hold
         ``tail_probe_blocks``, ``tail_probe_tokens`` (rows run up to the check layer), ``tail_recomputed_blocks``,
-        ``tail_recomputed_tokens`` and ``tail_deviation_max``.
+        ``tail_recomputed_tokens``, ``tail_deviation_max`` and ``tail_block_deviation`` (float32, per probed block in
+        order: what a threshold is calibrated on).
 
     Raises:
         ValueError: the model has no layer-wise forward, or a plan that does not recompute the last token.
@@ -234,6 +235,7 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
                                 "tail_recomputed_blocks": int(chosen.sum()),
                                 "tail_recomputed_tokens": int(selected.size),
                                 "tail_deviation_max": float(block_dev.max()) if block_dev.size else 0.0,
+                                "tail_block_deviation": block_dev.astype(np.float32),
                             }),
     )
 

@@ -200,8 +200,9 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     from tqdm import tqdm
 
     from .replay import replay_episode
-    from ..strategies import STRATEGIES
+    from ..strategies import STRATEGIES, register_spec
 
+    strategies = [register_spec(s) for s in strategies]  # name:key=value... specs: strategies with options
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")

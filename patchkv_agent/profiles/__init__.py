@@ -40,7 +40,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ..core.length_model import LengthModel
-from ..core.readers import READERS
 
 if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
@@ -76,6 +75,8 @@ class Profile:
         recent_window: the recency rule's window (None: an older profile; the base settings' own is kept).
         min_restore_share: the small-restore rule's share (None: an older profile; the base settings' own
             is kept).
+        tail_threshold, tail_check_layer: the measured tail rule (None: an older profile; the base settings'
+            own are kept).
         reader_rule: the reader rule's constants as settings fields (``reader_min_share``,
             ``reader_min_blocks``, ``reader_attention_blocks``, ``reader_budget``), read from the profile's
             ``reader_rule`` object (keys ``min_share``, ``min_blocks``, ``attention_blocks``, ``budget``;
@@ -94,6 +95,8 @@ class Profile:
     readers: str | None = None
     recent_window: int | None = None
     min_restore_share: float | None = None
+    tail_threshold: float | None = None
+    tail_check_layer: int | None = None
     reader_rule: Mapping[str, Any] = field(default_factory=dict)
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
@@ -120,43 +123,29 @@ class Profile:
             schema = data["schema"]
             if isinstance(schema, bool) or not isinstance(schema, int) or not 1 <= schema <= PROFILE_SCHEMA:
                 raise ValueError(f"schema={_short(schema)} (this package reads schema 1..{PROFILE_SCHEMA})")
-            kappa, block = data["kappa"], data["block_size"]
-            if not _share(kappa):
-                raise ValueError(f"kappa={_short(kappa)} (need a number in [0, 1])")
-            if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= _MAX_TOKENS:
-                raise ValueError(f"block_size={_short(block)} (need an int in [1, 2^31))")
-            readers = data.get("readers")
-            if readers is not None and (not isinstance(readers, str) or readers not in READERS):
-                raise ValueError(f"readers={_short(readers)} (need one of {list(READERS)})")
-            recent = data.get("recent_window")
-            if recent is not None and (isinstance(recent, bool) or not isinstance(recent, int)
-                                       or not 0 <= recent <= _MAX_TOKENS):
-                raise ValueError(f"recent_window={_short(recent)} (need an int in [0, 2^31))")
-            small = data.get("min_restore_share")
-            if small is not None and not _share(small):
-                raise ValueError(f"min_restore_share={_short(small)} (need a number in [0, 1])")
-            rule = _reader_rule(data.get("reader_rule"))
-            policy = _policy(data.get("precision_policy"))
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
-                    raise ValueError(f"{k}={data[k]!r} (need a string)")
+                    raise ValueError(f"{k}={_short(data[k])} (need a string)")
+            fields = {"length_model": length_model, "kappa": data["kappa"], "block_size": data["block_size"]}
+            fields.update({k: data[k] for k in _OPTIONAL_FIELDS if data.get(k) is not None})
+            fields.update(_reader_rule(data.get("reader_rule")))
+            policy = _policy(data.get("precision_policy"))
+            checked = _settings_type()().replace(**fields)  # the one type and range check of every field
         except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
             raise ValueError(f"{where} is malformed: {str(e)[:300]}; recalibrate with 'patchkv-agent calibrate'") from None
+        opt = {k: getattr(checked, k) for k in _OPTIONAL_FIELDS if k in fields}
+        rule = {k: getattr(checked, k) for k in READER_RULE_KEYS.values() if k in fields}
         return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
-                   kappa=float(kappa), block_size=int(block), readers=readers, recent_window=recent,
-                   min_restore_share=None if small is None else float(small),
+                   kappa=checked.kappa, block_size=checked.block_size, **opt,
                    reader_rule=MappingProxyType(rule), precision_policy=policy,
                    path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
 
     def fields(self) -> dict[str, Any]:
         """The :class:`~patchkv_agent.core.settings.RecoverySettings` fields this profile sets."""
         out: dict[str, Any] = {"length_model": self.length_model, "kappa": self.kappa, "block_size": self.block_size}
-        if self.readers is not None:
-            out["readers"] = self.readers
-        if self.recent_window is not None:
-            out["recent_window"] = self.recent_window
-        if self.min_restore_share is not None:
-            out["min_restore_share"] = self.min_restore_share
+        for k in _OPTIONAL_FIELDS:
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         out.update(self.reader_rule)
         if self.precision_policy is not None:
             out["precision_policy"] = self.precision_policy
@@ -167,6 +156,16 @@ class Profile:
         from ..core.settings import RecoverySettings
 
         return (base if base is not None else RecoverySettings()).replace(**self.fields())
+
+
+_OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer")
+"""Settings fields a profile may set at its top level (absent in older profiles: the base settings' own are kept)."""
+
+
+def _settings_type():
+    from ..core.settings import RecoverySettings  # (the settings import the planner; profiles stay light to import)
+
+    return RecoverySettings
 
 
 READER_RULE_KEYS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
@@ -189,7 +188,7 @@ def _share(v: Any) -> bool:
 
 
 def _reader_rule(rule: Any) -> dict[str, Any]:
-    """A profile's ``reader_rule`` object as settings fields (absent: none), every value type- and range-checked."""
+    """A profile's ``reader_rule`` object as settings fields (absent: none; the settings check their values)."""
     if rule is None:
         return {}
     if not isinstance(rule, dict):
@@ -197,20 +196,7 @@ def _reader_rule(rule: Any) -> dict[str, Any]:
     unknown = sorted(set(rule) - set(READER_RULE_KEYS))
     if unknown:
         raise ValueError(f"reader_rule has unknown keys {unknown} (known: {sorted(READER_RULE_KEYS)})")
-    out: dict[str, Any] = {}
-    for key, name in READER_RULE_KEYS.items():
-        v = rule.get(key)
-        if v is None:
-            continue
-        if key in ("min_blocks", "attention_blocks"):
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
-                raise ValueError(f"reader_rule.{key}={_short(v)} (need an int in [0, 2^20])")
-            out[name] = int(v)
-        else:
-            if not _share(v):
-                raise ValueError(f"reader_rule.{key}={_short(v)} (need a number in [0, 1])")
-            out[name] = float(v)
-    return out
+    return {name: rule[key] for key, name in READER_RULE_KEYS.items() if rule.get(key) is not None}
 
 
 def _policy(pol: Any) -> "PrecisionPolicy | None":

@@ -11,9 +11,9 @@ Importing this package registers all five; nothing below imports it back.
 
 from __future__ import annotations
 
-from .base import STRATEGIES, RecoverySettings, Strategy, get_strategy, register_strategy, run_plan
+from .base import STRATEGIES, RecoverySettings, Strategy, get_strategy, register_spec, register_strategy, run_plan
 from .builtin import DirectStrategy, ExactStrategy, PatchKVStrategy, PrefixStrategy
 from .cacheblend import CacheBlendStrategy
 
-__all__ = ["STRATEGIES", "Strategy", "RecoverySettings", "get_strategy", "register_strategy", "run_plan",
+__all__ = ["STRATEGIES", "Strategy", "RecoverySettings", "get_strategy", "register_spec", "register_strategy", "run_plan",
            "ExactStrategy", "PrefixStrategy", "DirectStrategy", "PatchKVStrategy", "CacheBlendStrategy"]

@@ -170,3 +170,47 @@ def get_strategy(strategy: "str | Strategy", options: "Mapping[str, Any] | None"
     if bad:
         raise ValueError(f"strategy {strategy!r} takes no option {bad}; its options: {takes or 'none'}")
     return cls(**opts)
+
+
+def _option_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def register_spec(spec: str) -> str:
+    """Register a strategy with options, named by its spec ``name:key=value[:key=value...]`` (e.g.
+    ``patchkv:tail_threshold=0.02:recent_window=2048``), so a benchmark can list it beside the plain ones
+    (``--strategies exact,prefix,patchkv:tail_threshold=0.02``); a spec without ``:`` is returned as it is.
+    Values read as an int, else a float, else a string. Idempotent.
+
+    Args:
+        spec: the spec.
+
+    Returns:
+        The registered name (the spec itself).
+
+    Raises:
+        ValueError: an unknown base strategy or option, a value out of range, or a malformed ``key=value``.
+    """
+    if ":" not in spec or spec in STRATEGIES:
+        return spec
+    base, *pairs = spec.split(":")
+    opts = {}
+    for p in pairs:
+        key, eq, value = p.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"strategy spec {spec!r}: {p!r} is not key=value")
+        opts[key.strip()] = _option_value(value.strip())
+    get_strategy(base.strip(), opts)  # validates the base name, the option names and their ranges
+    parent = STRATEGIES[base.strip()]
+
+    def __init__(self):
+        parent.__init__(self, **opts)
+
+    register_strategy(type(f"Spec_{len(STRATEGIES)}", (parent,), {"name": spec, "__init__": __init__,
+                                                                    "__doc__": f"{base} with {opts}"}))
+    return spec
