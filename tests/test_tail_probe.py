@@ -142,3 +142,18 @@ def test_engine_resume_reports_what_ran_and_a_model_without_layerwise_forward_re
     assert out.stats.extras["tail_probe"].startswith("off: model type 'llama'")
     assert out.stats.recompute_tokens == fixed_plan.n_recompute
     assert (out.logits - fixed.logits).abs().max().item() <= TOL
+
+
+def test_the_small_restore_rule_applies_to_what_the_probe_left_restored():
+    eng = make_engine()
+    old, new = edited_pair(eng.spec.vocab_size)
+    ckpt = eng.checkpoint(old)
+    # every probed block kept: fewer rows stay restored than half the suffix, so the suffix is recomputed (exact)
+    plan, out = run(eng, ckpt, new, tail_threshold=1e-12, min_restore_share=0.5, recent_window=10_000)
+    assert not plan.small_restore and plan.probe_blocks.size  # the plan counted the probed blocks as restored
+    assert out.plan.small_restore and out.plan.n_restore == 0 and out.stats.extras["tail_small_restore"]
+    ref = eng.resume(None, new, strategy="exact", max_new_tokens=0)
+    assert (out.logits - ref.logits).abs().max().item() <= TOL
+    # none kept: the rows stay restored
+    _, kept_none = run(eng, ckpt, new, tail_threshold=1e9, min_restore_share=0.5, recent_window=10_000)
+    assert "tail_small_restore" not in kept_none.stats.extras and kept_none.plan.n_restore > 0

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from .models import ModelSpec, text_config
-from .recovery import RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks, start_restore
+from .recovery import (RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks, execute,
+                       start_restore)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -167,7 +168,9 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
     Restores the plan's ``F`` rows (probed blocks included) as :func:`~patchkv_agent.core.recovery.execute` does,
     runs the plan's recompute rows and the probed rows up to ``plan.tail_check_layer``, keeps the probed blocks
     whose largest row deviation there (:func:`row_deviation`) is at least ``plan.tail_threshold``, and runs the
-    recompute rows plus those blocks through the remaining layers.
+    recompute rows plus those blocks through the remaining layers. When the rows left restored would be fewer than
+    ``settings.min_restore_share`` of the suffix (the small-restore rule, applied to what the probe decided), the
+    suffix is recomputed whole instead (exact; ``tail_small_restore`` in the extras, the probe's time counted).
 
     Args:
         model: the HF causal LM (:func:`layerwise_supported` for ``plan.tail_check_layer`` must hold).
@@ -210,6 +213,25 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
     block_dev = np.maximum.reduceat(dev, first) if probe.size else np.zeros(0)
     chosen = block_dev >= float(plan.tail_threshold)
     selected = probe[np.repeat(chosen, np.diff(np.append(first, probe.size)))]
+    probe_stats = {"tail_probe_blocks": int(blocks.size), "tail_probe_tokens": int(probe.size),
+                   "tail_recomputed_blocks": int(chosen.sum()), "tail_recomputed_tokens": int(selected.size),
+                   "tail_deviation_max": float(block_dev.max()) if block_dev.size else 0.0,
+                   "tail_block_deviation": block_dev.astype(np.float32)}
+    left = len(buf.restore_new) - int(selected.size)
+    if settings.min_restore_share > 0 and left < settings.min_restore_share * plan.n_suffix:
+        # the small-restore rule on what the probe left restored: too little to pay for an approximation, so the
+        # suffix is recomputed whole (exact), from the first layer; the probe's layers are the price of asking
+        full = dataclasses.replace(plan, recompute_positions=_frozen(np.arange(plan.prefix_len, buf.n_new)),
+                                   restore_new_positions=_frozen(np.zeros(0)), restore_old_positions=_frozen(np.zeros(0)),
+                                   repair_blocks=_frozen(np.arange(len(plan.block_starts))),
+                                   restore_blocks=_frozen(np.zeros(0)), small_restore=True)
+        probed_s = time.perf_counter() - t1
+        out = execute(model, spec, new_ids, full, ckpt.keys, ckpt.values)
+        out.stats.restore_s += t1 - t0
+        out.stats.recompute_s += probed_s
+        out.stats.extras.update(probe_stats, tail_small_restore=True)
+        out.plan = full
+        return out
     keep = np.union1d(buf.recompute, selected)
     fwd.narrow(keep)
     fwd.run(spec.num_layers)
@@ -228,15 +250,8 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
     return RecoveryOutput(
         logits=logits, keys=buf.keys, values=buf.values, plan=ran,
         stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(keep),
-                            payload_bytes=buf.payload_bytes, extras={
-                                "restore_kernel": buf.kernel,
-                                "tail_probe_blocks": int(blocks.size),
-                                "tail_probe_tokens": int(probe.size),
-                                "tail_recomputed_blocks": int(chosen.sum()),
-                                "tail_recomputed_tokens": int(selected.size),
-                                "tail_deviation_max": float(block_dev.max()) if block_dev.size else 0.0,
-                                "tail_block_deviation": block_dev.astype(np.float32),
-                            }),
+                            payload_bytes=buf.payload_bytes,
+                            extras={"restore_kernel": buf.kernel, **probe_stats}),
     )
 
 
