@@ -28,8 +28,8 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
-           "FLOOR_RULE", "parse_target",
-           "choose_window", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
+           "FLOOR_RULE", "PLAN_RULE", "parse_target",
+           "choose_window", "choose_plan_every", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
 
 DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
 DEFAULT_TARGET = 0.95
@@ -176,7 +176,7 @@ def parse_target(target: "float | str") -> "tuple[float | None, str | None]":
 
 def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
                          target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
-                         rows: list | None = None) -> dict[str, Any]:
+                         rows: list | None = None, thresholds: Sequence[float] = ()) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
     For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
@@ -197,8 +197,12 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         max_new_tokens: greedy tokens per resume (48: an agent's next tool call).
         progress: a tqdm bar on stderr.
         rows: if given, one dict per scored version is appended (id, version, sizes, per-window results).
+        thresholds: measured tail rule candidates (``tail_threshold`` values > 0): each also runs at the largest
+            window (key ``"<window>@<threshold>"`` in the grids). With any, the choice is the candidate of fewest
+            recomputed rows (pooled mean) that meets the target on every workload (:func:`choose_plan_every`),
+            and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
     Returns:
-        ``{"rule", "chosen", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
+        ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
         "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
         "n_scored", "workloads", "episodes", "settings", "max_new_tokens"}`` (JSON-safe).
     Raises:
@@ -211,6 +215,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     from patchkv_agent.strategies.builtin import PatchKVStrategy
 
     ws = _check_windows(windows)
+    taus = _check_thresholds(thresholds)
+    keys = [str(w) for w in ws] + [_key(ws[-1], t) for t in taus]
     target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -224,22 +230,22 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         for tr in traces:
             ids = [version_ids(engine, v) for v in tr["versions"]]
             for k in range(1, len(ids)):
-                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor)
+                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor, taus)
                 bar.update(1)
                 if row is None:
                     continue
                 scored.append(row)
                 if rows is not None:
                     rows.append(row)
-                bar.set_postfix_str(" ".join(f"{w}:{sum(r['results'][str(w)]['agree'] for r in scored)}"
-                                             f"/{len(scored)}" for w in ws))
+                bar.set_postfix_str(" ".join(f"{c}:{sum(r['results'][c]['agree'] for r in scored)}"
+                                             f"/{len(scored)}" for c in keys))
     if not scored:
         raise ValueError(f"none of the {n_versions} versions of {len(traces)} agent traces restores rows at "
                          "recent_window=0 (each resume is exact at every window): nothing to choose the window "
                          "by; use more or longer episodes")
-    grid = _grid(scored, ws)
+    grid = _grid(scored, keys)
     workloads = sorted({str(tr.get("workload", "")) for tr in traces})
-    by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], ws) for wl in workloads
+    by_workload = {wl: _grid([r for r in scored if r["workload"] == wl], keys) for wl in workloads
                    if any(r["workload"] == wl for r in scored)}
     floor_by: dict[str, dict[str, Any]] = {}
     if floor is not None:
@@ -250,14 +256,19 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         targets: Any = {wl: g["share"] for wl, g in floor_by.items()}
     else:
         targets = target
-    chosen = choose_window_every(by_workload, targets)
+    if taus:
+        key = choose_plan_every(by_workload, targets, grid)
+        chosen, tau = _parse_key(key)
+    else:
+        chosen, tau = choose_window_every(by_workload, targets), 0.0
+        key = str(chosen)
     tgt = targets if isinstance(targets, dict) else dict.fromkeys(by_workload, targets)
     return {
-        "rule": FLOOR_RULE if floor is not None else RULE, "chosen": chosen,
+        "rule": (PLAN_RULE if taus else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
+        "chosen_tail_threshold": tau, "thresholds": list(taus),
         "target": f"floor:{floor}" if floor is not None else target,
         "floor": floor, "floor_by_workload": floor_by or None,
-        "target_met": all(_meets(g[str(chosen)]["agree"], g[str(chosen)]["n"], tgt[wl])
-                          for wl, g in by_workload.items()),
+        "target_met": all(_meets(g[key]["agree"], g[key]["n"], tgt[wl]) for wl, g in by_workload.items()),
         "by": (f"next-action agreement with exact (the first tool call, else the text, of {max_new_tokens} greedy "
                "tokens) on the agent versions whose patchkv plan at recent_window=0 restores rows, each resumed "
                "from the exact KV of the call before it"),
@@ -271,7 +282,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
 
 def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
-                   max_new_tokens: int, floor: str | None = None) -> dict | None:
+                   max_new_tokens: int, floor: str | None = None, taus: tuple[float, ...] = ()) -> dict | None:
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
@@ -295,6 +306,13 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
         prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),
                 "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
+    for t in taus:  # the measured tail rule at the largest window
+        res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=ws[-1], tail_threshold=t),
+                            max_new_tokens=max_new_tokens)
+        results[_key(ws[-1], t)] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
+                                    "recompute_tokens": int(res.stats["recompute_tokens"]),
+                                    "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
+        del res
     del first, ckpt
     floor_agree = None
     if floor is not None:
@@ -349,12 +367,75 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
     return min(sorted(windows), key=lambda w: (-min(per[wl][w][0] / per[wl][w][1] - targets[wl] for wl in per), w))
 
 
-def _grid(scored: Sequence[dict], ws: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window; chosen: the candidate of "
+             "fewest recomputed rows (mean over the scored versions) that meets the target on every workload, else "
+             "the one closest to it on the worst workload. Per candidate: ")
+
+
+def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
+    out = []
+    for t in thresholds:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
+            raise ValueError(f"every tail threshold must be a finite number > 0 (0 is the fixed window), got {t!r}")
+        out.append(float(t))
+    return tuple(sorted(set(out)))
+
+
+def _key(window: int, threshold: float) -> str:
+    return f"{int(window)}@{threshold:g}"
+
+
+def _parse_key(key: str) -> tuple[int, float]:
+    w, _, t = str(key).partition("@")
+    return int(w), float(t) if t else 0.0
+
+
+def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], target: "float | Mapping[str, float]",
+                      pooled: Mapping[str, Mapping[str, Any]]) -> str:
+    """The cheapest candidate that meets the target on every workload: of those, the fewest recomputed rows
+    (``pooled[key]["recompute_tokens_mean"]``; ties: the earlier key); when none meets it, the candidate with the
+    highest worst-workload margin ``share - target`` (ties: fewer rows).
+
+    Args:
+        grids: workload -> {candidate key -> ``{"agree", "n"}``}; every grid must hold the same keys.
+        target: the least agreement share, or one per workload.
+        pooled: candidate key -> ``{"recompute_tokens_mean"}`` over every workload.
+    Returns:
+        The chosen key (``"<window>"`` or ``"<window>@<threshold>"``).
+    Raises:
+        ValueError: no grids, grids over different keys, a workload without a target, a bad target, or a row
+            without resumes.
+    """
+    if not grids:
+        raise ValueError("no workload grids: nothing to choose from")
+    if isinstance(target, Mapping):
+        missing = [wl for wl in grids if wl not in target]
+        if missing:
+            raise ValueError(f"no target for workload(s) {missing}")
+        targets = {wl: _check_target(target[wl]) for wl in grids}
+    else:
+        targets = dict.fromkeys(grids, _check_target(target))
+    keys = list(next(iter(grids.values())))
+    if any(list(g) != keys for g in grids.values()):
+        raise ValueError("the workloads' grids hold different candidates")
+    for g in grids.values():
+        for key, row in g.items():
+            if row["n"] < 1 or not 0 <= row["agree"] <= row["n"]:
+                raise ValueError(f"candidate {key}: bad row {dict(row)}")
+    cost = {key: (float(pooled[key]["recompute_tokens_mean"]), i) for i, key in enumerate(keys)}
+    meets = [key for key in keys if all(_meets(g[key]["agree"], g[key]["n"], targets[wl]) for wl, g in grids.items())]
+    if meets:
+        return min(meets, key=cost.__getitem__)
+    return min(keys, key=lambda key: (-min(g[key]["agree"] / g[key]["n"] - targets[wl] for wl, g in grids.items()),
+                                      cost[key]))
+
+
+def _grid(scored: Sequence[dict], keys: Sequence[str]) -> dict[str, dict[str, Any]]:
     out = {}
-    for w in ws:
-        rs = [r["results"][str(w)] for r in scored]
+    for key in keys:
+        rs = [r["results"][key] for r in scored]
         a = sum(1 for x in rs if x["agree"])
-        out[str(w)] = {"agree": a, "n": len(rs), "share": a / len(rs),
+        out[key] = {"agree": a, "n": len(rs), "share": a / len(rs),
                        "recompute_tokens_mean": statistics.fmean(x["recompute_tokens"] for x in rs)}
     return out
 
@@ -374,9 +455,10 @@ def with_recent_window(profile: Mapping[str, Any], selection: Mapping[str, Any])
     out: dict[str, Any] = {}
     extra = {"recent_window_selection": dict(selection)}
     if selection.get("chosen") is not None:
-        extra = {"recent_window": int(selection["chosen"]), **extra}
+        tail = {"tail_threshold": float(selection["chosen_tail_threshold"])} if selection.get("thresholds") else {}
+        extra = {"recent_window": int(selection["chosen"]), **tail, **extra}
     for key, value in profile.items():
-        if key in ("recent_window", "recent_window_selection"):
+        if key in ("recent_window", "recent_window_selection") or (key == "tail_threshold" and "tail_threshold" in extra):
             continue
         out[key] = value
         if key == anchor:

@@ -128,6 +128,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "--n; the stage takes the next --agent-n)")
     p.add_argument("--agent-windows", type=_ints, default=(0, 256, 512, 1024),
                    help="agent stage: candidate recency windows in tokens (comma-separated)")
+    p.add_argument("--agent-thresholds", type=_floats, default=(),
+                   help="agent stage: measured tail rule candidates (tail_threshold values > 0, comma-separated), each "
+                        "run at the largest --agent-windows; with any, the cheapest candidate (fewest recomputed rows) "
+                        "that meets --agent-target on every workload is chosen")
     p.add_argument("--agent-target", default="0.95",
                    help="agent stage: least next-action agreement share, or floor:<name> (floor:kv-bf16: per workload, "
                         "the agreement a bf16 KV cache reaches on the same calls); the smallest window reaching it on "
@@ -289,6 +293,9 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     bad = [w for w in args.agent_windows if w < 0]
     if bad:
         raise UsageError(f"--agent-windows must be >= 0 (tokens; 0 turns the recency rule off), got {bad[0]}")
+    bad_t = [t for t in args.agent_thresholds if not 0 < t < float("inf")]
+    if bad_t:
+        raise UsageError(f"--agent-thresholds must be finite numbers > 0 (0 is the fixed window), got {bad_t[0]}")
     from .agent_stage import parse_target
 
     try:
@@ -370,7 +377,8 @@ def calibration_plan(args: argparse.Namespace) -> str:
     agent = _agent_workloads(args.agent_workloads)
     episodes = len(targets) * args.n + len(follow) * follow_n + len(reader) * args.reader_n
     agent_eps = len(agent) * args.agent_n
-    est = episodes * _EPISODE_S * (args.versions - 1) / 2 + agent_eps * _AGENT_EPISODE_S * len(args.agent_windows)
+    est = episodes * _EPISODE_S * (args.versions - 1) / 2 + agent_eps * _AGENT_EPISODE_S * (
+        len(args.agent_windows) + len(args.agent_thresholds))
     out = Path(args.out) if args.out else cache_dir() / "profiles" / f"{_safe_name(args.model)}.json"
     lines = [
         f"calibrate {args.model}: writes {out} (+ .drift.npz, .rows.jsonl)",
@@ -682,7 +690,7 @@ def _agent_stage(eng, profile: dict, traces: list[dict], args: argparse.Namespac
     rows: list[dict] = []
     try:
         sel = select_recent_window(eng, traces, windows=args.agent_windows, target=args.agent_target,
-                                   progress=not args.no_progress, rows=rows)
+                                   progress=not args.no_progress, rows=rows, thresholds=args.agent_thresholds)
     except ValueError as e:
         print(f"agent stage: {e}; the profile gets no recent_window", file=sys.stderr)
         sel = {"rule": RULE, "chosen": None, "skipped": str(e),

@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=10)
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--windows", default="0,512,768,1024")
+    ap.add_argument("--thresholds", default="", help="measured tail rule candidates at the largest window, e.g. "
+                    "0.01,0.02,0.04 (none: windows only)")
     ap.add_argument("--target", default="0.95", help="a share, or floor:<name> (floor:kv-bf16: the agreement a bf16 KV "
                     "cache reaches on the same calls, per workload)")
     ap.add_argument("--target-tokens", type=int, default=4000)
@@ -39,9 +41,10 @@ def main(argv=None) -> int:
         traces += agent_traces(wl, n=args.n, skip=args.skip, target_tokens=args.target_tokens, count_tokens=count)
     rows: list = []
     sel = select_recent_window(eng, traces, windows=[int(w) for w in args.windows.split(",")], target=args.target,
-                               max_new_tokens=48, rows=rows)
+                               max_new_tokens=48, rows=rows,
+                               thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()])
     write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
-    print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"])
+    print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"])
     return 0
 
 

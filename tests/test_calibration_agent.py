@@ -79,6 +79,28 @@ def test_choose_window_every_takes_a_target_per_workload_such_as_a_noise_floor()
         choose_window_every({"c": clear, "o": offload}, {"c": 0.5})
 
 
+def test_choose_plan_every_takes_the_cheapest_candidate_meeting_the_target_everywhere():
+    from patchkv_agent.calibration.agent_stage import choose_plan_every
+
+    def grid(*rows):
+        return {k: {"agree": a, "n": n} for k, a, n in rows}
+
+    a = grid(("0", 5, 10), ("1024", 10, 10), ("1024@0.01", 10, 10), ("1024@0.04", 9, 10))
+    b = grid(("0", 8, 10), ("1024", 10, 10), ("1024@0.01", 10, 10), ("1024@0.04", 10, 10))
+    pooled = {"0": {"recompute_tokens_mean": 100.0}, "1024": {"recompute_tokens_mean": 900.0},
+              "1024@0.01": {"recompute_tokens_mean": 500.0}, "1024@0.04": {"recompute_tokens_mean": 300.0}}
+    assert choose_plan_every({"a": a, "b": b}, 0.95, pooled) == "1024@0.01"  # 0.04 misses on a
+    assert choose_plan_every({"a": a, "b": b}, {"a": 0.9, "b": 0.8}, pooled) == "1024@0.04"  # a floor of 0.9 on a
+    assert choose_plan_every({"a": a, "b": b}, 0.5, pooled) == "0"
+    # none meets 1.0 on a and b together except the full window and the 0.01 probe: the cheaper one
+    assert choose_plan_every({"a": a, "b": b}, 1.0, pooled) == "1024@0.01"
+    # none meets: the best worst-workload margin, then the fewer rows
+    c = grid(("0", 1, 10), ("1024", 6, 10), ("1024@0.01", 6, 10), ("1024@0.04", 2, 10))
+    assert choose_plan_every({"a": a, "c": c}, 0.95, pooled) == "1024@0.01"
+    with pytest.raises(ValueError, match="different candidates"):
+        choose_plan_every({"a": a, "x": grid(("0", 1, 1))}, 0.95, pooled)
+
+
 def test_parse_target():
     from patchkv_agent.calibration.agent_stage import parse_target
 
@@ -189,6 +211,28 @@ def test_stage_with_a_noise_floor_target_scores_the_floor_on_the_same_calls(engi
     grid = out["grid_by_workload"]["agent-clear"]
     meets = [int(w) for w, g in grid.items() if g["agree"] >= fl["agree"]]
     assert out["chosen"] == min(meets) and out["target_met"]  # the whole-suffix window always meets it
+
+
+def test_stage_with_tail_thresholds_scores_each_candidate_at_the_largest_window():
+    eng = tiny_engine(max_positions=1024, layers=4)  # a layer after the check layer: the probe runs
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    rows: list[dict] = []
+    out = select_recent_window(eng, traces, windows=(0, 64), target=0.95, max_new_tokens=TOKENS, progress=False,
+                               rows=rows, thresholds=(1e-9, 1e9))
+    json.dumps(out)
+    assert list(out["grid"]) == ["0", "64", "64@1e-09", "64@1e+09"]
+    # a threshold of 0+ keeps every probed block: the fixed window's rows; an unreachable one keeps none
+    for r in rows:
+        assert r["results"]["64@1e-09"]["recompute_tokens"] == r["results"]["64"]["recompute_tokens"]
+        assert r["results"]["64@1e+09"]["recompute_tokens"] == r["results"]["0"]["recompute_tokens"]
+    from patchkv_agent.calibration.agent_stage import choose_plan_every
+
+    key = choose_plan_every(out["grid_by_workload"], 0.95, out["grid"])
+    assert (str(out["chosen"]) if out["chosen_tail_threshold"] == 0 else
+            f"{out['chosen']}@{out['chosen_tail_threshold']:g}") == key
+    prof = with_recent_window({"block_size": 8}, out)
+    assert prof["recent_window"] == out["chosen"] and prof["tail_threshold"] == out["chosen_tail_threshold"]
 
 
 def test_stage_decodes_the_next_action_with_a_tokenizer():
