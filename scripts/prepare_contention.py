@@ -9,6 +9,7 @@ bounded by one chunk; on CUDA the chunks also run on a low-priority stream of th
 
     python scripts/prepare_contention.py --model smollm2-135m --tokens 6000 --out prep.json   # GPU or CPU
     python scripts/prepare_contention.py --tiny --out prep.json                               # CI size
+    python scripts/prepare_contention.py --model random:smollm2-135m@bf16 --out prep.json     # GPU, no weights
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         during.append(resume_b())
         t.join()
         prep_loaded.append(box.get("p"))
-    out = {"device": device, "model": "tiny" if args.tiny else args.model, "tokens": n, "depth": args.depth,
+    random_weights = args.tiny or bool(getattr(eng.model, "patchkv_random", False))
+    out = {"device": device, "model": "tiny" if args.tiny else args.model,
+           "label": "random weights, timing only" if random_weights else "trained weights",
+           "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."), "tokens": n, "depth": args.depth,
            "chunk": args.chunk, "append": args.append, "repeats": args.repeats,
            "b_resume_alone_s": {"median": statistics.median(alone), "max": max(alone)},
            "b_resume_during_preparation_s": {"median": statistics.median(during), "max": max(during)},

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .models import ModelSpec, text_config
+from .models import ModelSpec, cache_kwarg, text_config
 from .recovery import (RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks, execute,
                        start_restore)
 
@@ -117,7 +117,7 @@ class LayerwiseForward:
                 attention_mask=self.masks[lt] if isinstance(self.masks, dict) else self.masks,
                 position_embeddings=self.rope[lt] if self.per_type_rope else self.rope,
                 position_ids=self.pos[None],
-                cache=self.cache,
+                **{cache_kwarg(self.base.layers[i]): self.cache},
                 use_cache=True,
             )
             self.next_layer = i + 1

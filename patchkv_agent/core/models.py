@@ -77,6 +77,29 @@ def text_config(model) -> Any:
 
 _text_config = text_config
 
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's ``forward`` takes its cache under: ``cache`` (transformers >= ~5.2x) or
+    ``past_key_values`` (earlier 5.x, e.g. 5.17, which would ignore an unknown ``cache=`` and run without it).
+
+    Read once per model class from the forward's signature (``inspect`` follows transformers' deprecation
+    wrappers); ``cache`` when the signature names neither.
+    """
+    kind = type(model)
+    got = _CACHE_KWARG.get(kind)
+    if got is None:
+        import inspect
+
+        try:
+            params = inspect.signature(kind.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        got = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
+        _CACHE_KWARG[kind] = got
+    return got
+
 
 def _layer_types(cfg) -> tuple[str, ...]:
     lt = getattr(cfg, "layer_types", None)

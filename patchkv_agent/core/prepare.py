@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .models import ModelSpec
+from .models import ModelSpec, cache_kwarg
 from .recovery import ScatterCache, _first_parameter, build_masks
 
 __all__ = ["PreparedKV", "prepare_exact", "DEFAULT_CHUNK_TOKENS"]
@@ -140,7 +140,7 @@ def prepare_exact(model, spec: ModelSpec, ids: np.ndarray, *, base_keys: list[to
                 cache.set_targets(q_pos)
                 with cap if cap is not None else contextlib.nullcontext():
                     out = model(input_ids=ids_t[a:b][None], position_ids=q_pos[None],
-                                attention_mask=build_masks(spec, model, q_pos, b, dtype), cache=cache,
+                                attention_mask=build_masks(spec, model, q_pos, b, dtype), **{cache_kwarg(model): cache},
                                 use_cache=True, logits_to_keep=1)
                 if last:
                     logits = out.logits[0, -1].float()

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 
 from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
 from ..kernels.formats import DEFAULT_V_GROUP, FP16, effective_v_group
-from .models import ModelSpec, text_config
+from .models import ModelSpec, cache_kwarg, text_config
 
 if TYPE_CHECKING:
     from .checkpoint import MixedKV
@@ -436,7 +436,7 @@ def execute(
         input_ids=new_ids.to(device)[q_pos][None],
         position_ids=q_pos[None],
         attention_mask=mask,
-        cache=cache,
+        **{cache_kwarg(model): cache},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -563,7 +563,7 @@ def decode_step(model, cache: Cache, token: int, pos: int) -> torch.Tensor:
     """
     device = _first_parameter(model).device
     res = model(input_ids=torch.tensor([[int(token)]], device=device),
-                position_ids=torch.tensor([[int(pos)]], device=device), cache=cache, use_cache=True)
+                position_ids=torch.tensor([[int(pos)]], device=device), **{cache_kwarg(model): cache}, use_cache=True)
     return res.logits[0, -1]
 
 

@@ -104,14 +104,15 @@ def _versions(n: int, n_edits: int, vocab: int, seed: int) -> tuple[np.ndarray, 
 
 
 def _checkpoint(eng, old: np.ndarray, seed: int):
-    """A checkpoint of ``old`` with random K/V of the engine's shapes, mixed runs and carried words."""
+    """A checkpoint of ``old`` with random K/V of the engine's shapes and dtype, mixed runs and carried words."""
     from ..core.checkpoint import Checkpoint, build_mixed
 
     spec = eng.spec
     g = torch.Generator().manual_seed(seed)
     shape = (spec.num_kv_heads, len(old), spec.head_dim)
-    keys = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
-    values = [torch.randn(shape, generator=g) for _ in range(spec.num_layers)]
+    dtype = next(eng.model.parameters()).dtype  # what a checkpoint of this model holds (bf16 for a bf16 model)
+    keys = [torch.randn(shape, generator=g).to(dtype) for _ in range(spec.num_layers)]
+    values = [torch.randn(shape, generator=g).to(dtype) for _ in range(spec.num_layers)]
     scores = np.random.default_rng(seed).random(len(old)).astype(np.float32)
     mixed = build_mixed(keys, values, scores, block_size=eng.settings.block_size, policy=eng.settings.precision_policy)
     if torch.cuda.is_available():
@@ -243,6 +244,8 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
     spec = eng.spec
     return {"device": str(device), "model": getattr(eng.model, "patchkv_source", None) or "tiny-llama-1layer",
             "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."),
+            "random_weights": bool(getattr(eng.model, "patchkv_random", False)),
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
             "targets_ms": {str(k): v for k, v in TARGETS_MS.items()},
             "notes": "host_ms = validate (int64 array input) + diff + words + plan + bookkeeping + cache; the forward "
@@ -402,8 +405,8 @@ def add_cli(sub) -> None:
                    help="edit counts (default 1,4,16)")
     p.add_argument("--repeats", type=int, default=5)  # --repeats / --threads >= 1: usage.RANGES
     p.add_argument("--model", default=None,
-                   help="use this model's KV shapes (HF id, dir, .gguf or 'smollm2-135m'; default: a one-layer "
-                        "llama from a config)")
+                   help="use this model's KV shapes and dtype (HF id, dir, .gguf, 'smollm2-135m' or random:SHAPE[@DTYPE]; "
+                        "default: a one-layer llama from a config)")
     p.add_argument("--tokenizer", default=None,
                    help="also time chat-template rendering and tokenization (whole vs the engine's memo) with this "
                         "model's tokenizer (HF id, dir, .gguf or 'smollm2-135m'; default: --model's, if given)")

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from ..core.models import cache_kwarg
 from ..core.recovery import to_dynamic_cache
 
 __all__ = ["normalize_answer", "token_f1", "answer_match", "ANSWER_WORDS", "first_token_kl", "top1_agree", "teacher_forced_agreement", "fidelity"]
@@ -147,7 +148,7 @@ def teacher_forced_agreement(engine, res, ref_ids: Sequence[int]) -> float:
         n = len(res.context_ids)
         feed = torch.tensor([ref_ids[:-1]], device=engine.device)
         pos = torch.arange(n, n + len(ref_ids) - 1, device=engine.device)[None]
-        logits = engine.model(input_ids=feed, position_ids=pos, cache=cache, use_cache=True).logits[0]
+        logits = engine.model(input_ids=feed, position_ids=pos, **{cache_kwarg(engine.model): cache}, use_cache=True).logits[0]
         preds += logits.argmax(-1).tolist()
     return sum(int(a == b) for a, b in zip(preds, ref_ids)) / len(ref_ids)
 

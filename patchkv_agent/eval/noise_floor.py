@@ -138,6 +138,8 @@ def run_floor(model, ids: np.ndarray | Sequence[int], kind: str, *, max_new_toke
     """
     from transformers import DynamicCache
 
+    from ..core.models import cache_kwarg
+
     if kind not in FLOORS:
         raise ValueError(f"unknown noise floor {kind!r}; choose from {list(FLOORS)}")
     m = _bf16_model(model) if kind == "weights-bf16" else model
@@ -150,7 +152,7 @@ def run_floor(model, ids: np.ndarray | Sequence[int], kind: str, *, max_new_toke
         return c if kind == "weights-bf16" else _quantizing(c, kind)
 
     cache = new_cache()
-    logits = m(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    logits = m(input_ids=x, **{cache_kwarg(m): cache}, use_cache=True, logits_to_keep=1).logits[0, -1].float()
     ref_ids = [int(t) for t in ref_ids]
     tf = 1.0
     if ref_ids:
@@ -159,7 +161,7 @@ def run_floor(model, ids: np.ndarray | Sequence[int], kind: str, *, max_new_toke
             c2 = _copy(cache, new_cache())
             feed = torch.tensor([ref_ids[:-1]], device=device)
             pos = torch.arange(n, n + len(ref_ids) - 1, device=device)[None]
-            preds += m(input_ids=feed, position_ids=pos, cache=c2, use_cache=True).logits[0].argmax(-1).tolist()
+            preds += m(input_ids=feed, position_ids=pos, **{cache_kwarg(m): c2}, use_cache=True).logits[0].argmax(-1).tolist()
         tf = sum(int(a == b) for a, b in zip(preds, ref_ids)) / len(ref_ids)
     out: list[int] = []
     tok = int(logits.argmax())
@@ -169,6 +171,6 @@ def run_floor(model, ids: np.ndarray | Sequence[int], kind: str, *, max_new_toke
         if len(out) >= max_new_tokens or tok in eos_ids:
             break
         step = m(input_ids=torch.tensor([[tok]], device=device), position_ids=torch.tensor([[pos]], device=device),
-                 cache=cache, use_cache=True).logits[0, -1]
+                 **{cache_kwarg(m): cache}, use_cache=True).logits[0, -1]
         tok, pos = int(step.argmax()), pos + 1
     return FloorResult(name=kind, logits=logits, output_ids=out, tf_agree=tf)

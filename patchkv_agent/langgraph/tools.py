@@ -17,7 +17,8 @@ never repaired into a call (an agent would run a tool with wrong arguments); wha
 an ``invalid_tool_calls`` entry, never an exception.
 
 Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``). Knows
-LangChain message classes; nothing about models, the engine or evaluation.
+LangChain message classes (imported lazily: the tags and :func:`plain_messages` need no LangChain); nothing
+about models, the engine or evaluation.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.utils.function_calling import convert_to_openai_tool
-from langchain_core.utils.json import parse_partial_json
+if TYPE_CHECKING:
+    from langchain_core.messages import BaseMessage
+
+# langchain_core is imported where it is used (tool schemas, LangChain messages, partial-JSON repair): the
+# tags and plain_messages serve the trace replay and the benchmarks on machines without LangChain
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -79,6 +82,8 @@ def tool_schemas(tools: Iterable[Any]) -> list[dict[str, Any]]:
             as a list or a string) or that is not JSON-serializable. The message names the tool and field.
         ValueError: a tool with an empty name, or a tool LangChain cannot convert.
     """
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
     if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Iterable):
         raise TypeError(f"tools must be a list of tools (LangChain tools, functions, pydantic classes or "
                         f"OpenAI-format dicts), got {type(tools).__name__}; wrap a single tool in a list")
@@ -246,6 +251,8 @@ def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
         TypeError: a message that is not a LangChain message.
         ValueError: non-text content (images, audio, files ...).
     """
+    from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+
     out: list[dict[str, Any]] = []
     for m in messages:
         if isinstance(m, SystemMessage):
@@ -270,6 +277,13 @@ def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- parser
+
+def parse_partial_json(blob: str) -> Any:
+    """``langchain_core.utils.json.parse_partial_json`` (imported on first use)."""
+    from langchain_core.utils.json import parse_partial_json as parse
+
+    return parse(blob)
+
 
 def _loads(blob: str, repair: bool = True) -> Any:
     """JSON, else (``repair``) repaired partial JSON, else a Python literal; ValueError when none reads it."""
