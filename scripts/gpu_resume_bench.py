@@ -32,7 +32,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = "exact,prefix,patchkv,cacheblend,direct"
+# the measured tail rule at its two bounds (random weights make its choice meaningless, not its cost): a threshold of
+# 0+ keeps every probed block (the fixed window plus the probe's layers), an unreachable one keeps none
+STRATEGIES = ("exact,prefix,patchkv,patchkv:tail_threshold=1e-9:min_restore_share=0,"
+              "patchkv:tail_threshold=1e9:min_restore_share=0,cacheblend,direct")
 LABEL = "random weights, timing only"
 
 
@@ -134,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     eng, profile = _engine(args)
     load_s = time.perf_counter() - t_start
     device = eng.device
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    from patchkv_agent.strategies import register_spec
+
+    strategies = [register_spec(s.strip()) for s in args.strategies.split(",") if s.strip()]
     random_weights = bool(getattr(eng.model, "patchkv_random", False)) or args.model == "tiny"
     try:
         import triton
