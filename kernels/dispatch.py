@@ -183,11 +183,13 @@ def dequantize_scatter(
                                                 interleaved, src_rows)])
 
 
-def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
+def dequantize_scatter_many(calls: list[ScatterCall], shared: dict | None = None) -> str:
     """Run several :func:`dequantize_scatter` calls (e.g. every layer and tag of a restore).
 
     On the native path they go to ``native.c`` in one multithreaded pass (one thread start per
-    restore, not per layer); other paths run them one by one.
+    restore, not per layer); other paths run them one by one. ``shared``: a dict kept across the calls of one
+    restore made in several batches (a layer at a time on a GPU side stream), so the row tensors moved to the
+    device and the RoPE angles are computed once per restore (default: per batch).
 
     Returns:
         The path of the calls (``"native"`` if all took it, else the first other path taken).
@@ -199,11 +201,12 @@ def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
     fast = [c for c, p in zip(calls, paths) if p == "native"]
     if fast:
         native.scatter_native(fast)
+    shared = {} if shared is None else shared  # what the calls share: device copies of rows, RoPE cos/sin
     for c, path in zip(calls, paths):
         if path == "native":
             continue
         if c.src_rows is not None:
-            _scatter_selected(c)
+            _scatter_selected(c, shared)
         elif path == "triton":
             from .triton_dequantize_scatter import dequantize_scatter_triton
 
@@ -215,25 +218,49 @@ def dequantize_scatter_many(calls: list[ScatterCall]) -> str:
     return next((p for p in paths if p != "native"), "native") if paths else "native"
 
 
-def _scatter_selected(c: ScatterCall) -> None:
+def _on(t: torch.Tensor, dev: torch.device, shared: dict) -> torch.Tensor:
+    """``t`` on ``dev``, copied once per restore (the layers of a restore share their row tensors); a CPU tensor
+    bound for a GPU goes through pinned memory, so the copy does not stall the host."""
+    key = ("to", id(t), dev)
+    got = shared.get(key)
+    if got is None:
+        if t.device != dev and dev.type == "cuda" and not t.is_pinned():
+            t = t.pin_memory()
+        got = shared[key] = t.to(dev, non_blocking=True)
+    return got
+
+
+def _scatter_selected(c: ScatterCall, shared: dict | None = None) -> None:
     """A run restored in part (torch ops on any device): copy it to the destination's device
     (non-blocking: from pinned memory this overlaps other work), keep ``src_rows`` (``FP16``:
     before widening; quantized: after decoding the run whole, as key scales span blocks), rotate,
-    ``index_copy_`` into the destinations."""
-    native._check_selected(c, c.src_rows.numel())
-    if c.src_rows.numel() == 0:
+    ``index_copy_`` into the destinations. ``shared`` (one dict per restore) keeps what several calls share
+    (their row tensors on the device, the RoPE angles of one shift vector), so a restore of many layers moves
+    and computes those once."""
+    shared = {} if shared is None else shared
+    m = c.src_rows.numel()
+    if ("checked", id(c.src_rows), id(c.payload)) not in shared:
+        native._check_selected(c, m)
+        shared[("checked", id(c.src_rows), id(c.payload))] = True
+    if m == 0:
         return
     dev = c.dst_k.device
     p = c.payload if c.payload.k_data.device == dev else c.payload.to(dev, non_blocking=True)
-    sel = c.src_rows.to(dev, non_blocking=True)
+    sel = _on(c.src_rows, dev, shared)
     if normalize_tag(p.tag) == FP16:
         k, v = p.k_data.index_select(1, sel).float(), p.v_data.index_select(1, sel)
     else:
         k, v = reference_dequantize(p)
         k, v = k.index_select(1, sel), v.index_select(1, sel)
-    if c.inv_freq is not None and bool((c.delta != 0).any()):
-        k = rope_rotate(k, *delta_cos_sin(c.delta, c.inv_freq.to(dev)), interleaved=c.interleaved)
-    rows = c.dst_rows.to(dev)
+    if c.inv_freq is not None:
+        key = ("rope", id(c.delta), id(c.inv_freq), dev)
+        rot = shared.get(key)
+        if rot is None:
+            rot = shared[key] = (delta_cos_sin(c.delta, c.inv_freq.to(dev)) if bool((c.delta != 0).any())
+                                 else False)
+        if rot is not False:
+            k = rope_rotate(k, *rot, interleaved=c.interleaved)
+    rows = _on(c.dst_rows, dev, shared)
     c.dst_k.index_copy_(1, rows, k.to(c.dst_k.dtype))
     c.dst_v.index_copy_(1, rows, v.to(c.dst_v.dtype))
 

@@ -32,10 +32,13 @@ def delta_cos_sin(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Te
     Returns:
         ``(cos, sin)``, each float32 ``[R, rotary_dim // 2]`` on ``inv_freq``'s device.
     """
-    delta = delta.to(device=inv_freq.device)
+    # the distinct shifts are found where ``delta`` lives (a CPU delta costs the GPU no synchronisation: a unique on
+    # the device waits for everything queued before it), then the few angles go to ``inv_freq``'s device
     uniq, inverse = torch.unique(delta, return_inverse=True)
-    ang = uniq.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    dev = inv_freq.device
+    ang = uniq.to(device=dev, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
     cos, sin = torch.cos(ang).float(), torch.sin(ang).float()
+    inverse = inverse.to(dev, non_blocking=True)
     return cos[inverse], sin[inverse]
 
 

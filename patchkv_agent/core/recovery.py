@@ -190,6 +190,7 @@ def restore_rows(
     old_pos: np.ndarray,
     new_pos: np.ndarray,
     layers: Sequence[int] | None = None,
+    shared: dict | None = None,
 ) -> str:
     """Copy checkpoint rows ``old_pos`` into ``new_pos`` of every layer, rotating keys by the shift.
 
@@ -202,6 +203,8 @@ def restore_rows(
         dst_k, dst_v: per layer ``[1, H, N_new, D]`` destination tensors.
         old_pos, new_pos: aligned int64 arrays of rows.
         layers: restrict to these layers (default all).
+        shared: one dict per restore made a few layers at a time: the row tensors and RoPE angles are built
+            once in it (:func:`~patchkv_agent.kernels.dequantize_scatter_many`).
 
     Returns:
         The kernel path taken: ``"native"`` or ``"torch"``.
@@ -211,11 +214,14 @@ def restore_rows(
     """
     if len(old_pos) == 0:
         return "torch"
-    device = dst_k[0].device
-    old_t = torch.from_numpy(np.array(old_pos, dtype=np.int64))
-    new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64)).to(device)
-    delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
-    shifted = bool((delta != 0).any())
+    shared = {} if shared is None else shared
+    idx = shared.get("restore_rows")
+    if idx is None:  # the rows, once per restore (a GPU restore runs a layer at a time)
+        old_t = torch.from_numpy(np.array(old_pos, dtype=np.int64))
+        new_t = torch.from_numpy(np.array(new_pos, dtype=np.int64))
+        delta = torch.from_numpy(np.array(new_pos - old_pos, dtype=np.int64))
+        idx = shared["restore_rows"] = (old_t, new_t, delta, bool((delta != 0).any()))
+    old_t, new_t, delta, shifted = idx
     calls = []
     for layer in range(spec.num_layers) if layers is None else layers:
         rope = spec.rope_for_layer(layer)
@@ -226,7 +232,7 @@ def restore_rows(
                          v_group=effective_v_group(d, DEFAULT_V_GROUP), k_data=src_k[layer], v_data=src_v[layer])
         calls.append(ScatterCall(run, dst_k[layer][0], dst_v[layer][0], new_t, delta,
                                  rope.inv_freq if shifted else None, rope.interleaved, src_rows=old_t))
-    return dequantize_scatter_many(calls)
+    return dequantize_scatter_many(calls, shared)
 
 
 def restore_rows_mixed(
@@ -238,6 +244,7 @@ def restore_rows_mixed(
     old_pos: np.ndarray,
     new_pos: np.ndarray,
     layers: Sequence[int] | None = None,
+    shared: dict | None = None,
 ) -> tuple[int, str]:
     """Restore rows from mixed-precision payloads: verify, dequantize, RoPE-correct, scatter.
 
@@ -252,6 +259,7 @@ def restore_rows_mixed(
         dst_k, dst_v: per layer ``[1, H, N_new, D]`` destinations.
         old_pos, new_pos: aligned int64 rows to restore.
         layers: restrict to these layers (default all).
+        shared: as for :func:`restore_rows`.
 
     Returns:
         ``(bytes, path)``: payload bytes read (whole tag payloads touched, all layers) and the
@@ -263,18 +271,22 @@ def restore_rows_mixed(
     if len(old_pos) == 0:
         return 0, "torch"
     device = dst_k[0].device
-    dst_of = np.full(n_old, -1, dtype=np.int64)
-    dst_of[np.asarray(old_pos)] = np.asarray(new_pos)
+    shared = {} if shared is None else shared
+    per_tag = shared.get("restore_rows_mixed")
+    if per_tag is None:  # the rows of each tag, once per restore (a GPU restore runs a layer at a time)
+        dst_of = np.full(n_old, -1, dtype=np.int64)
+        dst_of[np.asarray(old_pos)] = np.asarray(new_pos)
+        per_tag = shared["restore_rows_mixed"] = {}
+        for tag, rows in mixed.tag_rows.items():
+            dst = dst_of[rows]
+            want = dst >= 0
+            if not want.any():
+                continue
+            full = bool(want.all())
+            per_tag[tag] = (torch.from_numpy((dst - rows)[want]), torch.from_numpy(dst[want].copy()).to(device),
+                            None if full else torch.from_numpy(np.flatnonzero(want)))
     read, calls = 0, []
-    for tag, rows in mixed.tag_rows.items():
-        dst = dst_of[rows]
-        want = dst >= 0
-        if not want.any():
-            continue
-        full = bool(want.all())
-        delta = torch.from_numpy((dst - rows)[want])
-        dst_t = torch.from_numpy(dst[want].copy()).to(device)
-        sel = None if full else torch.from_numpy(np.flatnonzero(want))
+    for tag, (delta, dst_t, sel) in per_tag.items():
         for layer in range(spec.num_layers) if layers is None else layers:
             p = mixed.verify(layer, tag)
             read += p.nbytes
@@ -282,7 +294,7 @@ def restore_rows_mixed(
             inv = rope.inv_freq if rope.supported else None
             calls.append(ScatterCall(p, dst_k[layer][0], dst_v[layer][0], dst_t, delta, inv, rope.interleaved,
                                      src_rows=sel))
-    return read, dequantize_scatter_many(calls) if calls else "torch"
+    return read, dequantize_scatter_many(calls, shared) if calls else "torch"
 
 
 class RecoveryBuffers:
@@ -330,6 +342,7 @@ class RecoveryBuffers:
         self.values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
         self.payload_bytes = 0
         self.kernel: str | None = None
+        self._shared: dict = {}  # row tensors and RoPE angles, built once for all layers of this restore
 
     @property
     def restores_anything(self) -> bool:
@@ -360,10 +373,10 @@ class RecoveryBuffers:
         read = 0
         if n_restore and mixed is not None:
             read, self.kernel = restore_rows_mixed(self.spec, mixed, src_k[0].shape[1], self.keys, self.values,
-                                                   self.restore_old, self.restore_new, layers)
+                                                   self.restore_old, self.restore_new, layers, self._shared)
         elif n_restore:
             self.kernel = restore_rows(self.spec, src_k, src_v, self.keys, self.values, self.restore_old,
-                                       self.restore_new, layers)
+                                       self.restore_new, layers, self._shared)
             read = len(layers) * n_restore * src_k[0].shape[0] * src_k[0].shape[2] * src_k[0].element_size() * 2
         self.payload_bytes += read
         return read
