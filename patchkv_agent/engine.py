@@ -16,7 +16,6 @@ Knows models, diff, plan, strategies and recovery; knows nothing about the runti
 from __future__ import annotations
 
 import contextlib
-
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed, count_nonfinite
+from .core.checkpoint import Checkpoint, build_mixed
 from .core.diff import diff_versions
 from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
@@ -33,16 +32,10 @@ from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
 from .core.models import ModelSpec, fingerprint, model_spec
 from .loading import DEFAULT_MODEL, load_model
-from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
+from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
 from .core.precision import PrecisionPolicy
 from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
-from .core.recovery import (
-    FullRecompute,
-    check_attn_implementation,
-    execute,
-    greedy_decode,
-    to_dynamic_cache,
-)
+from .core.recovery import FullRecompute, check_attn_implementation, execute
 from .core.settings import RecoverySettings
 from .kernels import native
 from .core.weights import WeightWatch, model_lock
@@ -50,31 +43,10 @@ from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
 from .results import ResumeResult, ResumeStats
 from .strategies import Strategy, get_strategy
+from .strategies.resume import run_resume, scores_for
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
            "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
-
-
-def _exact_rows_of(ckpt: Checkpoint | None) -> int | None:
-    """Leading exact rows of a checkpoint's K/V (None: all of them)."""
-    if ckpt is None:
-        return None
-    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
-    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
-
-
-def _scores_for(result: ResumeResult) -> np.ndarray | None:
-    """``result.scores`` over ``result.context_ids`` (positions past the resumed context, e.g. decoded
-    tokens a runtime appended, score 0), or None when the resume took none."""
-    sc = result.scores
-    n = len(result.context_ids)
-    if sc is None or len(sc) > n:
-        return None
-    if len(sc) == n:
-        return sc
-    out = np.zeros(n, dtype=np.float32)
-    out[: len(sc)] = sc
-    return out
 
 
 class PatchKVEngine:
@@ -493,7 +465,7 @@ class PatchKVEngine:
         """
         ids = result.context_ids
         n = len(ids)
-        scores = _scores_for(result)
+        scores = scores_for(result)
         t0 = time.perf_counter()
         stats_s = 0.0
         if scores is None or result.fingerprint is None:
@@ -636,7 +608,7 @@ class PatchKVEngine:
         ids = np.asarray(result.context_ids, dtype=np.int64)
         return Checkpoint(token_ids=ids,
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
-                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
+                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=scores_for(result),
                           mixed=None, words=self._words_for(ids, result.words),
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
                                  "exact_rows": result.exact_rows})
@@ -696,85 +668,8 @@ class PatchKVEngine:
             fallback = self._validate_checkpoint(ckpt)
             if fallback is not None:  # stale weights: nothing of the checkpoint is used
                 ckpt, strat = None, get_strategy("exact")
-        fp = self.spec.fingerprint
-        settings = self.settings  # one snapshot for the whole resume
-        t0 = time.perf_counter()
-        old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
-        edit = diff_versions(old, new, words=self.words, old_words=ckpt.words if ckpt is not None else None)
-        new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
-        plan = strat.plan(settings, ckpt, edit)
-        restore_new = np.asarray(plan.restore_new_positions)
-        if len(restore_new) and not self.spec.rope_supported:
-            shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
-            if shifted:
-                fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, self.spec.rope_unsupported_reason)
-                plan = plan_full(edit, block_size=settings.block_size)
-        plan_s = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        out = None
-        # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
-        # rows end with the last context token): checkpoint_from then needs no second pass
-        cap = self._capture()
-        with cap if cap is not None else contextlib.nullcontext():
-            if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
-                try:
-                    out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
-                except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
-                    fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
-                    plan = plan_full(edit, block_size=settings.block_size)
-                    if cap is not None:
-                        cap.reset()
-            if out is None:
-                out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
-        first = int(out.logits.argmax())
-        ttft = time.perf_counter() - t1
-        if out.plan is not None:  # the executor changed the plan (the measured tail rule): report what ran
-            plan = out.plan
-        scores = None
-        if cap is not None and cap.n_records:
-            scores = cap.scores()
-            scores = scores[: len(new)] if len(scores) >= len(new) else None
-        cache = to_dynamic_cache(self.model, out.keys, out.values)
-        output_ids = greedy_decode(self.model, cache, out.logits, len(new), max_new_tokens, self.eos_ids)
-        assert not output_ids or output_ids[0] == first
-        n_restore = len(plan.restore_new_positions)
-        prefix_tokens = min(edit.prefix_len, len(new))
-        denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-        stats = ResumeStats(
-            strategy=strat.name,
-            prompt_tokens=len(new),
-            prefix_tokens=prefix_tokens,
-            new_tokens=int(edit.new_token_count),
-            suffix_tokens=int(edit.suffix_len),
-            recompute_tokens=int(out.stats.recompute_tokens),
-            recompute_ratio=out.stats.recompute_tokens / denom,
-            restore_tokens=int(n_restore),
-            payload_bytes=int(out.stats.payload_bytes),
-            ttft_s=ttft,
-            plan_s=plan_s,
-            restore_s=out.stats.restore_s,
-            recompute_s=out.stats.recompute_s,
-            offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
-            stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
-            quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
-            fallback=fallback,
-            extras=dict(out.stats.extras),  # strategy-specific extras
-            # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
-            nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
-            head_rewrite=bool(getattr(plan, "head_rewrite", False)),
-            small_restore=bool(getattr(plan, "small_restore", False)),
-        )
-        exact_rows = len(new)
-        if n_restore:
-            exact_rows = int(np.min(plan.restore_new_positions))
-        base_exact = _exact_rows_of(ckpt) if strat.uses_checkpoint else None
-        if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
-            exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
-        stats.approx_rows = len(new) - exact_rows
-        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
-                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
-                            scores=scores, exact_rows=exact_rows, words=new_words)
+        return run_resume(self.model, self.spec, self.settings, strat, ckpt, new, max_new_tokens=max_new_tokens,
+                          words=self.words, eos_ids=self.eos_ids, capture=self._capture(), fallback=fallback)
 
 
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())

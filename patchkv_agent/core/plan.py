@@ -4,7 +4,8 @@ Boundary: numpy in, frozen dataclasses out. This module knows nothing about torc
 checkpoints or precision tags. It decides *which rows* of the new context are reused from the prefix, restored
 from the checkpoint (``F``), recomputed (``X`` and ``R``) or, with the measured tail rule, probed at a check
 layer first (``T``); the recovery executes that. It reads one
-:class:`~patchkv_agent.core.settings.RecoverySettings`, validated when it was built.
+:class:`~patchkv_agent.core.settings.RecoverySettings`, validated when it was built (the rules' defaults live
+there).
 
 Vocabulary (docs/DESIGN.md section 2): suffix blocks (:mod:`.blocks`) are ``block_size`` consecutive suffix tokens,
 cut per aligned segment from that segment's start in new coordinates, so a block never straddles an edited
@@ -47,10 +48,11 @@ from .blocks import DEFAULT_BLOCK_SIZE, SuffixBlocks, _block_max, _clean_scores,
 from .length_model import LengthModel
 from .readers import lexical_reader_scores
 from .runs import expand_runs
+from .settings import (DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE,
+                       DEFAULT_TAIL_CHECK_LAYER, RecoverySettings)
 
-if TYPE_CHECKING:  # the planner reads an Edit and settings; it never builds them
+if TYPE_CHECKING:  # the planner reads an Edit; it never builds one
     from .diff import Edit
-    from .settings import RecoverySettings
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -79,26 +81,7 @@ __all__ = [
     "head_rewrite_share",
 ]
 
-DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
-
-
-# head-rewrite rule (plan_repair): share of the old context removed, attention-weighted (head_rewrite_share), at
-# which every suffix token is recomputed; set on 8 summarization resumes of agent-summarize (SmolLM2:
-# scripts/rewrite_study.py, docs/RESULTS.md "Head rewrites"): their shares were 0.39-0.62, a 94-token
-# removal's 0.04
-DEFAULT_REWRITE_SHARE = 0.35
-# recency rule (plan_repair): the last restored tokens before the generation point are recomputed too; the
-# next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 1024, chosen by
-# next-action agreement on held-out agent-clear resumes, docs/calibration.md "The agent stage: selecting recent_window")
-DEFAULT_RECENT_WINDOW = 0
-# small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
-# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, docs/RESULTS.md "Small restores")
-DEFAULT_MIN_RESTORE_SHARE = 0.0
 REWRITE_ATTENTION = 4.0  # removed attention share counts this many times (recent queries read ~1/4 of a summarized head)
-# measured tail rule (rule_recency with tail_threshold > 0): the layer at which the probed tail blocks' fresh K/V
-# are compared with the restored rows. Layer 0's rows depend on the token alone (restored rows equal fresh ones up
-# to precision); layer 1 is the first that reads the context, as in CacheBlend's check layer
-DEFAULT_TAIL_CHECK_LAYER = 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -362,14 +345,8 @@ class PlanDraft:
                       tail_threshold=s.tail_threshold, tail_check_layer=s.tail_check_layer)
 
 
-_SETTINGS_TYPE = None  # RecoverySettings, imported on first use (settings.py imports this module's constants)
-
-
 def _check_settings(settings) -> None:
-    global _SETTINGS_TYPE
-    if _SETTINGS_TYPE is None:
-        from .settings import RecoverySettings as _SETTINGS_TYPE
-    if not isinstance(settings, _SETTINGS_TYPE):
+    if not isinstance(settings, RecoverySettings):
         raise ValueError(f"settings must be a RecoverySettings, got {type(settings).__name__} "
                          "(patchkv_agent.RecoverySettings(...) or engine.settings)")
 

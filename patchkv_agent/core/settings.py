@@ -7,7 +7,7 @@ builds one from its calibration profile and explicit arguments (explicit argumen
 receive it (with the model spec) and may return a modified copy (``dataclasses.replace``) for their
 own options.
 
-Boundary: torch-free (imports only :mod:`.plan` and :mod:`.precision`, which are numpy-only), so
+Boundary: torch-free (imports only :mod:`.blocks`, :mod:`.readers`, :mod:`.length_model` and :mod:`.precision`, which are numpy-only; the planner imports this module), so
 profiles and tools can build settings without loading a model.
 """
 
@@ -19,13 +19,30 @@ from dataclasses import dataclass, field
 
 from .blocks import DEFAULT_BLOCK_SIZE
 from .length_model import LengthModel
-from .plan import (DEFAULT_DIRTY_WINDOW, DEFAULT_MIN_RESTORE_SHARE, DEFAULT_RECENT_WINDOW, DEFAULT_REWRITE_SHARE,
-                   DEFAULT_TAIL_CHECK_LAYER)
 from .readers import DEFAULT_READER_BUDGET, READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS, READER_MIN_SHARE, READERS
 from .precision import PrecisionPolicy
 
-__all__ = ["RecoverySettings", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS", "MAX_TOKENS"]
+__all__ = ["RecoverySettings", "DEFAULT_DIRTY_WINDOW", "DEFAULT_REWRITE_SHARE", "DEFAULT_RECENT_WINDOW",
+           "DEFAULT_MIN_RESTORE_SHARE", "DEFAULT_TAIL_CHECK_LAYER", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS",
+           "MAX_TOKENS"]
 
+DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
+# head-rewrite rule (plan_repair): share of the old context removed, attention-weighted (head_rewrite_share), at
+# which every suffix token is recomputed; set on 8 summarization resumes of agent-summarize (SmolLM2:
+# scripts/rewrite_study.py, docs/RESULTS.md "Head rewrites"): their shares were 0.39-0.62, a 94-token
+# removal's 0.04
+DEFAULT_REWRITE_SHARE = 0.35
+# recency rule (plan_repair): the last restored tokens before the generation point are recomputed too; the
+# next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 1024, chosen by
+# next-action agreement on held-out agent-clear resumes, docs/calibration.md "The agent stage: selecting recent_window")
+DEFAULT_RECENT_WINDOW = 0
+# small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
+# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, docs/RESULTS.md "Small restores")
+DEFAULT_MIN_RESTORE_SHARE = 0.0
+# measured tail rule (rule_recency with tail_threshold > 0): the layer at which the probed tail blocks' fresh K/V
+# are compared with the restored rows. Layer 0's rows depend on the token alone (restored rows equal fresh ones up
+# to precision); layer 1 is the first that reads the context, as in CacheBlend's check layer
+DEFAULT_TAIL_CHECK_LAYER = 1
 DEFAULT_CAPTURE_WINDOW = 32  # final query positions whose attention the checkpoint pass records
 MAX_TOKENS = (1 << 31) - 1  # the bound of every token-count field: the kernels index blocks and rows with int32
 RESTORE_PRECISIONS = ("fp16", "mixed")

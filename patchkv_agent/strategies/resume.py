@@ -1,0 +1,157 @@
+"""The resume path: one strategy over one edit, from the diff to the typed result.
+
+:func:`run_resume` diffs the checkpoint's version against the new ids, asks the strategy for its plan (an
+unsupported RoPE with shifted rows plans the exact prefix recompute instead), runs it under the caller's
+attention capture (a corrupt checkpoint run falls back to the exact recompute), decodes greedily from the
+recovered cache and assembles :class:`~patchkv_agent.results.ResumeStats` from what ran (an executor that changed
+the plan, like the measured tail rule, reports its own). Every fallback is recorded, never raised.
+
+Boundary: models, plans, strategies and results; the caller (the engine) validates the ids and the checkpoint,
+holds the model's forward lock and owns the capture; nothing here keeps state between resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from ..core.checkpoint import Checkpoint, CorruptCheckpoint, count_nonfinite
+from ..core.diff import diff_versions
+from ..core.fallback import Fallback, FallbackKind
+from ..core.plan import plan_full
+from ..core.recovery import execute, greedy_decode, to_dynamic_cache
+from ..core.settings import RecoverySettings
+from ..results import ResumeResult, ResumeStats
+from .base import Strategy
+
+__all__ = ["run_resume", "exact_rows_of", "scores_for"]
+
+
+def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
+    """Leading exact rows of a checkpoint's K/V (None: all of them)."""
+    if ckpt is None:
+        return None
+    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
+
+
+def scores_for(result: ResumeResult) -> np.ndarray | None:
+    """``result.scores`` over ``result.context_ids`` (positions past the resumed context, e.g. decoded
+    tokens a runtime appended, score 0), or None when the resume took none."""
+    sc = result.scores
+    n = len(result.context_ids)
+    if sc is None or len(sc) > n:
+        return None
+    if len(sc) == n:
+        return sc
+    out = np.zeros(n, dtype=np.float32)
+    out[: len(sc)] = sc
+    return out
+
+
+def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: Checkpoint | None, new: np.ndarray,
+               *, max_new_tokens: int, words=None, eos_ids=frozenset(), capture=None,
+               fallback: Fallback | None = None) -> ResumeResult:
+    """Recover and decode one resume (the engine's :meth:`~patchkv_agent.engine.PatchKVEngine.resume` body).
+
+    Args:
+        model, spec: the model and its :class:`~patchkv_agent.core.models.ModelSpec`.
+        settings: the settings snapshot of this resume.
+        strat: the strategy (``exact`` after a weights-changed fallback).
+        ckpt: the checkpoint of the previous version, or None (``exact``).
+        new: validated int64 ids of ``C_new``.
+        max_new_tokens: validated greedy tokens to decode.
+        words: the engine's :class:`~patchkv_agent.core.lexicon.WordIndex` (the reader signal), or None.
+        eos_ids: ids that end the decode.
+        capture: a reset attention capture recording the next checkpoint's statistics, or None.
+        fallback: a fallback already decided (weights changed: ``ckpt`` is None then).
+
+    Returns:
+        The :class:`ResumeResult`.
+
+    Raises:
+        ValueError: a plan that does not cover the context (a strategy bug).
+    """
+    fp = spec.fingerprint
+    t0 = time.perf_counter()
+    old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
+    edit = diff_versions(old, new, words=words, old_words=ckpt.words if ckpt is not None else None)
+    new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
+    plan = strat.plan(settings, ckpt, edit)
+    restore_new = np.asarray(plan.restore_new_positions)
+    if len(restore_new) and not spec.rope_supported:
+        shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
+        if shifted:
+            fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, spec.rope_unsupported_reason)
+            plan = plan_full(edit, block_size=settings.block_size)
+    plan_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    out = None
+    # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
+    # rows end with the last context token): checkpoint_from then needs no second pass
+    cap = capture
+    with cap if cap is not None else contextlib.nullcontext():
+        if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
+            try:
+                out = strat.execute(model, spec, settings, ckpt, edit, plan, torch.from_numpy(new))
+            except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
+                fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
+                plan = plan_full(edit, block_size=settings.block_size)
+                if cap is not None:
+                    cap.reset()
+        if out is None:
+            out = execute(model, spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
+    first = int(out.logits.argmax())
+    ttft = time.perf_counter() - t1
+    if out.plan is not None:  # the executor changed the plan (the measured tail rule): report what ran
+        plan = out.plan
+    scores = None
+    if cap is not None and cap.n_records:
+        scores = cap.scores()
+        scores = scores[: len(new)] if len(scores) >= len(new) else None
+    cache = to_dynamic_cache(model, out.keys, out.values)
+    output_ids = greedy_decode(model, cache, out.logits, len(new), max_new_tokens, eos_ids)
+    assert not output_ids or output_ids[0] == first
+    n_restore = len(plan.restore_new_positions)
+    prefix_tokens = min(edit.prefix_len, len(new))
+    denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
+    stats = ResumeStats(
+        strategy=strat.name,
+        prompt_tokens=len(new),
+        prefix_tokens=prefix_tokens,
+        new_tokens=int(edit.new_token_count),
+        suffix_tokens=int(edit.suffix_len),
+        recompute_tokens=int(out.stats.recompute_tokens),
+        recompute_ratio=out.stats.recompute_tokens / denom,
+        restore_tokens=int(n_restore),
+        payload_bytes=int(out.stats.payload_bytes),
+        ttft_s=ttft,
+        plan_s=plan_s,
+        restore_s=out.stats.restore_s,
+        recompute_s=out.stats.recompute_s,
+        offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
+        stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
+        quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
+        fallback=fallback,
+        extras=dict(out.stats.extras),  # strategy-specific extras
+        # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
+        nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
+        head_rewrite=bool(getattr(plan, "head_rewrite", False)),
+        small_restore=bool(getattr(plan, "small_restore", False)),
+    )
+    exact_rows = len(new)
+    if n_restore:
+        exact_rows = int(np.min(plan.restore_new_positions))
+    base_exact = exact_rows_of(ckpt) if strat.uses_checkpoint else None
+    if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
+        exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
+    stats.approx_rows = len(new) - exact_rows
+    return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
+                        context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
+                        scores=scores, exact_rows=exact_rows, words=new_words)
+
+
