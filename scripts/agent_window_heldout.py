@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from patchkv_agent.calibration.agent_stage import agent_traces, select_recent_window
-    from patchkv_agent.calibration.cli import stage_engine, write_stage
+    from patchkv_agent.calibration.stages import stage_engine, write_stage
 
     t0 = time.time()
     eng, count = stage_engine(args.model, threads=args.threads)

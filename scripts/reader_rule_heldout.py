@@ -31,7 +31,7 @@ def main(argv=None) -> int:
                                                  "default: the stage's grid")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    from patchkv_agent.calibration.cli import _reader_workloads, stage_engine, write_stage
+    from patchkv_agent.calibration.stages import _reader_workloads, stage_engine, write_stage
     from patchkv_agent.calibration.reader_stage import OFF, rule_grid, select_reader_rule
     from patchkv_agent.eval.follow import build_follow_traces
 

@@ -127,7 +127,7 @@ def test_the_loop_predicts_with_the_workloads_own_editor_and_never_reads_the_nex
 def test_a_summarizing_editors_prediction_follows_its_setting(eng):
     from langchain.agents.middleware import SummarizationMiddleware
 
-    from patchkv_agent.eval.agent_workloads import ExtractiveSummarizer
+    from patchkv_agent.eval.agent_editors import ExtractiveSummarizer
 
     render = _render(eng)
     count = _count(eng)

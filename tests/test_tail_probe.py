@@ -157,3 +157,17 @@ def test_the_small_restore_rule_applies_to_what_the_probe_left_restored():
     # none kept: the rows stay restored
     _, kept_none = run(eng, ckpt, new, tail_threshold=1e9, min_restore_share=0.5, recent_window=10_000)
     assert "tail_small_restore" not in kept_none.stats.extras and kept_none.plan.n_restore > 0
+
+
+def test_a_strategy_spec_registers_a_strategy_with_options():
+    from patchkv_agent.strategies import STRATEGIES, get_strategy, register_spec
+
+    name = register_spec("patchkv:tail_threshold=0.03:recent_window=96")
+    assert register_spec(name) == name and name in STRATEGIES  # idempotent
+    s = get_strategy(name)
+    assert s.name == name and dict(s.overrides)["tail_threshold"] == 0.03 and s.overrides["recent_window"] == 96
+    assert register_spec("prefix") == "prefix"  # a plain name passes through
+    for bad, match in (("patchkv:tail_threshold", "key=value"), ("patchkv:nope=1", "option"),
+                       ("nothing:kappa=0.1", "unknown strategy"), ("patchkv:kappa=2", "kappa")):
+        with pytest.raises(ValueError, match=match):
+            register_spec(bad)
