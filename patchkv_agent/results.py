@@ -1,5 +1,8 @@
 """The typed results of a resume: :class:`ResumeStats` (what the engine measured),
-:class:`RuntimeStats` (plus what the runtime added: thread, base, store) and :class:`ResumeResult`.
+:class:`RuntimeStats` (plus what the runtime added: thread, base, store), :class:`CallStats` (what a chat-model
+call added: tool mode, grammar, sampling, the tool wait) and :class:`PatchKVReport` (the runtime part and the call
+part together, whose :meth:`~PatchKVReport.to_json` is the one JSON form of ``response_metadata["patchkv"]``), and
+:class:`ResumeResult`. :class:`BaseKind` names where a resume's base KV came from.
 
 The stats are dataclasses that also read as a mapping (``stats["ttft_s"]``, ``dict(stats)``,
 ``json.dumps(dict(stats))``): a result row (docs/TRACES.md), a LangChain ``response_metadata`` entry and a
@@ -13,6 +16,7 @@ Boundary: data only. Knows the diff's :class:`~patchkv_agent.core.diff.Edit` and
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
@@ -22,7 +26,32 @@ import numpy as np
 from .core.diff import Edit
 from .core.fallback import Fallback
 
-__all__ = ["ResumeStats", "RuntimeStats", "ResumeResult", "json_safe"]
+__all__ = ["ResumeStats", "RuntimeStats", "CallStats", "PatchKVReport", "BaseKind", "ResumeResult", "json_safe"]
+
+
+class BaseKind(str, enum.Enum):
+    """Where a runtime resume's base KV came from (``RuntimeStats.base``; the values are the JSON strings).
+
+    ``RESIDENT``: the thread's last resume, still on the device; ``PREPARED``: the context prepared while the
+    thread's tools ran; ``BACKGROUND`` / ``EVICTED``: a checkpoint this process offloaded (after the call, or when
+    the resident budget evicted it); ``RESTART``: a store entry found after a restart; ``NONE``: no base (an
+    exact recompute).
+    """
+
+    RESIDENT = "resident"
+    PREPARED = "prepared"
+    BACKGROUND = "background"
+    EVICTED = "evicted"
+    RESTART = "restart"
+    NONE = "none"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def offload_waited(self) -> bool:
+        """Whether a resume from this base could have waited for an offload (only a background checkpoint's)."""
+        return self is BaseKind.BACKGROUND
 
 
 @dataclass(kw_only=True, eq=False)
@@ -155,6 +184,8 @@ def json_safe(x: Any) -> Any:
     """``x`` with Fallbacks as text, numpy scalars as Python numbers and arrays as lists (nested)."""
     if isinstance(x, Fallback):
         return str(x)
+    if isinstance(x, enum.Enum):
+        return x.value
     if isinstance(x, Mapping):
         return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -175,9 +206,7 @@ class RuntimeStats(ResumeStats):
         requested_strategy: the strategy the caller asked for (``strategy`` is what ran).
         thread_id, checkpoint_ns, context: the registry thread key and the context (lane) it resumed in.
         version, base_version: this version's number and the one it was resumed from (None: none).
-        base: where the base KV came from: ``resident`` (the thread's last resume), ``prepared`` (the context
-            prepared while its tools ran), ``background`` / ``evicted`` (a checkpoint held in this process),
-            ``restart`` or another store source (a store entry), ``none`` (recomputed exactly).
+        base: where the base KV came from, a :class:`BaseKind` (its string in JSON).
         offload_wait_s: time spent waiting for a pending offload before the resume.
         heal_wait_s: time spent waiting for a heal in progress.
         base_approx_rows: approximate rows in the resident base (0 once healed).
@@ -205,7 +234,7 @@ class RuntimeStats(ResumeStats):
     context: Any = None
     version: int | None = None
     base_version: int | None = None
-    base: str | None = None
+    base: BaseKind | None = None
     offload_wait_s: float | None = None
     heal_wait_s: float | None = None
     base_approx_rows: int | None = None
@@ -224,6 +253,73 @@ class RuntimeStats(ResumeStats):
     prepared_info: dict | None = None
     prepared_predict_s: float | None = None
     prepared_compute_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallStats:
+    """What a chat-model call adds to its resume's stats (the call part of :class:`PatchKVReport`).
+
+    Attributes:
+        tool_mode: how tools were offered (``none``, ``auto``, ``required``, ``forced``...).
+        thread_key: the registry thread key ``[thread_id, checkpoint_ns]`` (None: no thread).
+        grammar: the constrained-decoding grammar's kind (None: unconstrained).
+        sampling: ``{"temperature", "top_p", "seed"}`` of the decode.
+        grammar_mask_s, grammar_steps: the grammar's masking time and steps (None without a grammar).
+        tool_s: the tools' wall time before this call (set by the middleware, None before).
+        offload_hidden_share: the share of the base's offload hidden behind the tool wait (set by the middleware).
+    """
+
+    tool_mode: str | None = None
+    thread_key: list | None = None
+    grammar: str | None = None
+    sampling: dict | None = None
+    grammar_mask_s: float | None = None
+    grammar_steps: int | None = None
+    tool_s: float | None = None
+    offload_hidden_share: float | None = None
+
+    def replace(self, **values) -> "CallStats":
+        """A copy with ``values`` set (an unknown name raises ``TypeError``)."""
+        return dataclasses.replace(self, **values)
+
+
+_CALL_FIELDS = tuple(f.name for f in fields(CallStats))
+
+
+@dataclass(frozen=True)
+class PatchKVReport:
+    """A chat-model response's PatchKV report: the resume's stats (the engine and runtime parts) and the call part.
+
+    :meth:`to_json` is the one JSON form (``AIMessage.response_metadata["patchkv"]``): the stats' fields, then the
+    call's; :meth:`from_json` reads it back, so a layer above the chat model (the middleware) adds its fields with
+    :meth:`with_call` and writes the whole report, never editing another layer's keys.
+    """
+
+    stats: ResumeStats
+    call: CallStats = field(default_factory=CallStats)
+
+    def with_call(self, **values) -> "PatchKVReport":
+        """A copy whose call part has ``values`` set."""
+        return PatchKVReport(self.stats, self.call.replace(**values))
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.stats.to_json()
+        out.update({k: json_safe(getattr(self.call, k)) for k in _CALL_FIELDS})
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "PatchKVReport":
+        """Read :meth:`to_json` back (the stats as :class:`RuntimeStats`: runtime fields absent stay None).
+
+        Raises:
+            KeyError: a required stats field is missing.
+        """
+        data = dict(data)
+        call = CallStats(**{k: data.pop(k) for k in _CALL_FIELDS if k in data})
+        base = data.get("base")
+        if isinstance(base, str) and base in BaseKind._value2member_map_:
+            data["base"] = BaseKind(base)
+        return cls(RuntimeStats.from_dict(data), call)
 
 
 @dataclass(eq=False)

@@ -47,7 +47,7 @@ from langchain_core.runnables.config import ensure_config, run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..core.sampling import Sampler, SamplingParams
-from ..results import json_safe
+from ..results import CallStats, PatchKVReport
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .predict import check_not_pending
@@ -511,13 +511,13 @@ class PatchKVChatModel(BaseChatModel):
             finish = "tool_calls"  # every call complete (even if text after them was cut off)
         else:
             finish = "stop" if complete else "length"
-        extra = {"tool_mode": mode, "thread_key": list(key) if key else None,
-                 "grammar": spec["kind"] if processor is not None else None,
-                 "sampling": {"temperature": opt["params"].temperature, "top_p": opt["params"].top_p,
-                              "seed": opt["params"].seed}}
-        if processor is not None:
-            extra.update(grammar_mask_s=processor.mask_s, grammar_steps=processor.steps)
-        stats = {**res.stats.to_json(), **json_safe(extra)}
+        call = CallStats(tool_mode=mode, thread_key=list(key) if key else None,
+                         grammar=spec["kind"] if processor is not None else None,
+                         sampling={"temperature": opt["params"].temperature, "top_p": opt["params"].top_p,
+                                   "seed": opt["params"].seed},
+                         grammar_mask_s=processor.mask_s if processor is not None else None,
+                         grammar_steps=processor.steps if processor is not None else None)
+        stats = PatchKVReport(res.stats, call).to_json()
         yield "final", {
             "content": parsed.content, "tail": parsed.content[len(emitted):], "parsed": parsed,
             "response_metadata": {"patchkv": stats, "model_name": self.model_name, "finish_reason": finish},

@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import AIMessage
 
+from ..results import BaseKind, PatchKVReport
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .chat_model import PatchKVChatModel
 from .keys import thread_key_from_config, using_thread_key
@@ -50,17 +51,22 @@ def response_message(result: Any) -> AIMessage | None:
 
 
 def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
-    """Add ``tool_s`` and ``offload_hidden_share`` to a response's PatchKV stats (in place)."""
+    """Set the call part's ``tool_s`` and ``offload_hidden_share`` in a response's PatchKV report: the report is
+    read whole (:class:`~patchkv_agent.results.PatchKVReport`), given those fields and written back whole."""
     st = msg.response_metadata.get("patchkv") if msg is not None else None
     if not isinstance(st, dict):
         return
-    if tool_s is not None:
-        st["tool_s"] = tool_s
-    off, wait = st.get("offload_s"), st.get("offload_wait_s") or 0.0
-    if st.get("base") in ("resident", "prepared"):  # resumed without the offload: nothing of it was waited for
-        st["offload_hidden_share"] = 1.0
-    elif st.get("base") == "background" and off:
-        st["offload_hidden_share"] = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
+    report = PatchKVReport.from_json(st)
+    s = report.stats
+    base = getattr(s, "base", None)
+    off, wait = s.offload_s, getattr(s, "offload_wait_s", None) or 0.0
+    hidden = report.call.offload_hidden_share
+    if base in (BaseKind.RESIDENT, BaseKind.PREPARED):  # resumed without the offload: nothing of it was waited for
+        hidden = 1.0
+    elif base is BaseKind.BACKGROUND and off:
+        hidden = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
+    report = report.with_call(tool_s=tool_s if tool_s is not None else report.call.tool_s, offload_hidden_share=hidden)
+    msg.response_metadata["patchkv"] = report.to_json()
 
 
 class PatchKVMiddleware(AgentMiddleware):

@@ -76,7 +76,7 @@ import numpy as np
 from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
-from ..results import ResumeResult, RuntimeStats
+from ..results import BaseKind, ResumeResult, RuntimeStats
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
@@ -414,7 +414,8 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
-            res.stats = res.stats.extend(RuntimeStats, base="none", requested_strategy=strategy, offload_wait_s=0.0)
+            res.stats = res.stats.extend(RuntimeStats, base=BaseKind.NONE, requested_strategy=strategy,
+                                         offload_wait_s=0.0)
             return TokenStream(self.engine, res, max_new_tokens, sampler)
         primary, key = key, self._choose_context(key, ids)
         with self._lock:
@@ -462,7 +463,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             self._submit_delete(stale)
         res.stats = res.stats.extend(
             RuntimeStats, thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
-            base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
+            base=BaseKind(source), requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
             base_approx_rows=base_approx if source == "resident" else None,
             base_heal_s=(base_heal or {}).get("heal_s"), base_healed_rows=(base_heal or {}).get("healed_rows"))
         if prep_stats:
