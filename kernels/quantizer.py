@@ -27,7 +27,7 @@ Groups:
 Keys are scaled per channel, not per token, because key outliers live in fixed channels: a per-token
 range is set by the outlier channel and crushes every other channel of the token. The errors measured
 when the formats were chosen (per-channel vs per-token keys, round trips, the 4-bit value residual on
-SmolLM2) are in docs/RESULTS.md (section "Transport formats"); ``test_kernels`` re-checks the
+SmolLM2) are in runs/results/LOG.md (section "Transport formats"); ``test_kernels`` re-checks the
 per-channel/per-token ordering on synthetic keys with outlier channels.
 """
 

@@ -355,7 +355,7 @@ def rule_head_rewrite(d: PlanDraft) -> None:
     """A head rewrite recomputes the whole suffix: when :func:`head_rewrite_share` of the edit is at least
     ``settings.rewrite_share`` (1.0: off). After a summary replaced the history, every restored row was computed
     with the removed history in view, its drift grows with depth, and no selective plan held the next action
-    (docs/RESULTS.md, "Head rewrites")."""
+    (runs/results/LOG.md, "Head rewrites")."""
     share = d.settings.rewrite_share
     clean = None if d.scores is None else (d.scores, d.scores_total)
     if share < 1.0 and d.blocks.n_blocks and _rewrite_share(d.edit, clean) >= share:

@@ -37,7 +37,7 @@ captured, and whether a threshold suits a model: the built-in defaults were pick
 SmolLM2-135M-Instruct, and calibration replaces them per model.
 
 The measurements behind the defaults (the policy grid, the K4V4 grid, why K4V4 is off, the residuals'
-range on real values) are in docs/RESULTS.md, section "Per-block precision: the measurements behind
+range on real values) are in runs/results/LOG.md, section "Per-block precision: the measurements behind
 the rule".
 """
 
@@ -72,8 +72,8 @@ class Run(NamedTuple):
 
 
 FP16_SAFE = 6.0e4  # |x| beyond this (or non-finite) cannot be quantized: its fp16 scale or zero would overflow
-K4V4_TAU_LL = 0.05  # the K4V4 risk threshold measured for payload <= 40 % (docs/RESULTS.md)
-DEFAULT_TAU_LL = 0.0  # K4V4 off by default: it flips edit-following answers (docs/RESULTS.md)
+K4V4_TAU_LL = 0.05  # the K4V4 risk threshold measured for payload <= 40 % (runs/results/LOG.md)
+DEFAULT_TAU_LL = 0.0  # K4V4 off by default: it flips edit-following answers (runs/results/LOG.md)
 DEFAULT_G4K = 0.045  # K4V4 4-bit key test
 
 

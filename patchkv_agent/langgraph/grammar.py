@@ -5,7 +5,7 @@ tokenizer once and, at each decode step, fills a bitmask of the tokens that keep
 grammar; :class:`GrammarProcessor` applies it to the step's logits (a
 :class:`~patchkv_agent.core.sampling.LogitsProcessor`), so the choice runs in the same resume/decode path
 as every other token (KV reuse is unchanged; only the token choice is masked). Picked over llguidance by
-``scripts/grammar_backends.py`` on this project's CPU (docs/RESULTS.md).
+``scripts/grammar_backends.py`` on this project's CPU (runs/results/LOG.md).
 
 Formats (the tool-call text is the JSON protocol of :mod:`~patchkv_agent.langgraph.tools`):
 
