@@ -2,9 +2,8 @@
 
 Only the ``@triton.jit`` kernel and its thin launcher (check, allocate, launch). The format lives in
 ``formats.py``, the quantizer arithmetic in ``quantizer.py`` and the pure-torch reference in
-``reference.py``; the kernel reproduces the reference bit for bit under the Triton interpreter (on
-GPU a code may differ by one where fp32 division rounds differently). ``FP16`` runs are a plain row
-gather and use ``index_select``.
+``reference.py``; the kernel reproduces the reference bit for bit (its divisions are IEEE-rounded,
+``div_rn``, as torch's are). ``FP16`` runs are a plain row gather and use ``index_select``.
 
 Importing this module imports triton; under ``TRITON_INTERPRET=1`` (set before the import) the
 kernel runs on CPU tensors, which is how the tests exercise it.
@@ -26,13 +25,15 @@ _TINY = 2.0**-24
 def _scale_zero(mn, mx, QMAX: tl.constexpr):
     # fp16-representable (scale, zero) covering [mn, mx], returned as fp32; mirrors quantizer.scale_zero
     z = (mn - tl.abs(mn) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16).to(tl.float32)
-    s = ((mx - z) / QMAX * 1.0009765625 + 5.960464477539063e-08).to(tl.float16).to(tl.float32)
+    # IEEE-rounded division (div_rn): a plain `/` compiles to an approximate division (or a multiply by the
+    # reciprocal of a constant) on the GPU, and the codes then differ from the torch reference's by one
+    s = (tl.div_rn(mx - z, mx * 0.0 + QMAX) * 1.0009765625 + 5.960464477539063e-08).to(tl.float16).to(tl.float32)
     return s, z
 
 
 @triton.jit
 def _codes(x, s, z, QMAX: tl.constexpr):
-    q = tl.floor((x - z) / s + 0.5)
+    q = tl.floor(tl.div_rn(x - z, s) + 0.5)
     return tl.minimum(tl.maximum(q, 0.0), QMAX)
 
 
