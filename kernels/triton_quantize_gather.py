@@ -3,7 +3,7 @@
 Only the ``@triton.jit`` kernel and its thin launcher (check, allocate, launch). The format lives in
 ``formats.py``, the quantizer arithmetic in ``quantizer.py`` and the pure-torch reference in
 ``reference.py``; the kernel reproduces the reference bit for bit (its divisions are IEEE-rounded,
-``div_rn``, as torch's are). ``FP16`` runs are a plain row gather and use ``index_select``.
+``div_rn``, and its products are not fused into multiply-adds, as torch's are not). ``FP16`` runs are a plain row gather and use ``index_select``.
 
 Importing this module imports triton; under ``TRITON_INTERPRET=1`` (set before the import) the
 kernel runs on CPU tensors, which is how the tests exercise it.
@@ -150,5 +150,6 @@ def quantize_gather_triton(
             *k.stride(), *v.stride(),
             BLOCK_SIZE=block_size, BLOCK_R=triton.next_power_of_2(block_size), BLOCK_D=block_d,
             V_GROUP=group, V_BITS=V_BITS[tag], K_BITS=K_BITS[tag],
+            enable_fp_fusion=False,  # no fused multiply-adds: each product rounds as the torch reference's does
         )
     return RunPayload(**meta, k_data=kq, v_data=vq, k_scale=ks, k_zero=kz, v_scale=vs, v_zero=vz)
