@@ -54,7 +54,11 @@ def _check_shape(h: int, n: int, d: int, device, repeats: int, small: bool) -> t
     for tag in KF.FORMATS:
         got = quantize_gather_triton(k, v, rows, tag, 32, 32)
         want = KR.reference_quantize_gather(k, v, rows, tag, 32, 32)
-        q_equal = all(torch.equal(got.tensors()[name], t) for name, t in want.tensors().items())
+        # the definition is the reference on the CPU: torch's own CUDA kernels round a few codes differently
+        # (~1e-5 of them, by one; scripts/gpu_quantize_diff.py), the Triton kernel does not
+        defn = KR.reference_quantize_gather(k.cpu(), v.cpu(), rows.cpu(), tag, 32, 32).tensors()
+        q_equal = all(torch.equal(got.tensors()[name].cpu(), t) for name, t in defn.items())
+        ref_device_diff = sum(int((want.tensors()[name].cpu() != t).sum()) for name, t in defn.items())
         outs = []
         for fn in (KR.reference_dequantize_scatter, dequantize_scatter_triton):
             dk = torch.zeros(h, n + 17, d, device=device)
@@ -64,7 +68,7 @@ def _check_shape(h: int, n: int, d: int, device, repeats: int, small: bool) -> t
         err = max(float((a - b).abs().max()) for a, b in zip(outs[0], outs[1]))
         s_equal = err <= 1e-4
         ok &= q_equal and s_equal
-        row = {"quantize_bit_exact": q_equal, "scatter_max_abs_err": err, "scatter_ok": s_equal,
+        row = {"quantize_bit_exact": q_equal, "torch_reference_on_device_codes_differing": ref_device_diff, "scatter_max_abs_err": err, "scatter_ok": s_equal,
                "payload_bytes": int(want.nbytes)}
         # a bf16 destination (a bf16 model's cache): both round the same float32 values, so at most an ulp apart
         try:
