@@ -99,14 +99,6 @@ def tiny_traces(vocab: int) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from patchkv_agent import PatchKVEngine
-    from patchkv_agent.eval.tiny import tiny_model
-
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-
-
 def test_run_bench_rows_files_and_resume(engine, tmp_path):
     traces = tiny_traces(engine.spec.vocab_size)
     summary = run_bench(engine, traces, STRATS, tmp_path, max_new_tokens=3, model_name="tiny-llama", progress=False)

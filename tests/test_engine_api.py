@@ -30,11 +30,6 @@ OLD_KEYS = ("strategy", "prompt_tokens", "prefix_tokens", "new_tokens", "suffix_
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
-
-
-@pytest.fixture(scope="module")
 def pair(engine):
     return edited_pair(engine.spec.vocab_size, n=120, low=3)
 
@@ -162,7 +157,7 @@ def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(engine, pair):
 
 def test_cacheblend_stats_keep_their_extras(engine, pair):
     old, new = pair
-    e = PatchKVEngine(engine.model, None, block_size=8, dirty_window=8, mixed_precision=False, profile=None)
+    e = tiny_engine(model=engine.model, mixed_precision=False)
     res = e.resume(e.checkpoint(old), new, strategy="cacheblend", max_new_tokens=1)
     assert tuple(res.stats)[:len(OLD_KEYS)] == OLD_KEYS
     assert {"cacheblend_full_layers", "cacheblend_selected", "cacheblend_selected_positions"} <= set(res.stats)
@@ -188,7 +183,7 @@ def test_fallback_is_its_text():
 
 def test_engine_fallback_kinds(engine, pair):
     old, new = pair
-    dyn = PatchKVEngine(tiny_model("dynamic"), None, block_size=8, dirty_window=8, profile=None)
+    dyn = tiny_engine("dynamic")
     res = dyn.resume(dyn.checkpoint(old), new, strategy="direct", max_new_tokens=1)
     fb = res.stats["fallback"]
     assert fb.kind is FallbackKind.UNSUPPORTED_ROPE and fb == f"exact recompute: {dyn.spec.rope_unsupported_reason}"

@@ -24,11 +24,6 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine()
-
-
 def ctx(seed: int, n: int = 120, vocab: int = 211) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 

@@ -21,11 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, start_redis
-from patchkv_agent import PatchKVEngine
 from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
-from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.eval.tiny import tiny_engine
 from test_recovery import edited_pair
 from patchkv_agent.strategies import get_strategy
 
@@ -34,11 +33,6 @@ HERE = os.path.dirname(__file__)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +171,7 @@ def test_evicted_checkpoint(engine, pair, ckpt, exact):
 
 
 def test_wrong_fingerprint(pair, ckpt, tmp_path):
-    other = PatchKVEngine(tiny_model("llama", seed=1), None, block_size=8, dirty_window=8)
+    other = tiny_engine(seed=1)
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)  # written by the seed-0 model
     store.put(key, ckpt)
@@ -317,10 +311,9 @@ def test_misuse_raises_and_names_the_fix(engine, pair, ckpt):
 
 WRITER = textwrap.dedent("""
     import sys
-    from patchkv_agent.eval.tiny import tiny_model
-    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.eval.tiny import tiny_engine
     from patchkv_agent.runtime.kvstore import DiskStore, RedisStore
-    engine = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
+    engine = tiny_engine()
     ckpt = engine.checkpoint([int(t) for t in sys.argv[3].split(",")])
     for store in [DiskStore(sys.argv[1], fsync=True)] + ([RedisStore(sys.argv[2])] if sys.argv[2] != "-" else []):
         key = store.key_for(ckpt, thread_id="worker-thread", version=7)

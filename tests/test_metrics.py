@@ -40,14 +40,6 @@ def test_normalize_answer():
     assert normalize_answer("  The  U.S.A., an  Apple ") == "usa apple"
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from patchkv_agent import PatchKVEngine
-    from patchkv_agent.eval.tiny import tiny_model
-
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-
-
 @torch.no_grad()
 def _oracle_tf(model, context: list[int], ref: list[int]) -> float:
     """Teacher forcing by one full forward of context + ref[:-1]: argmax at each step vs ref."""

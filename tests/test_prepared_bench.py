@@ -22,6 +22,7 @@ from patchkv_agent.eval.agent_workloads import (CLEAR_HOP, CLEAR_HOP_DEPTH, SUMM
 from patchkv_agent.eval.prepared_bench import (ToolLatency, markdown_prepared, plot_prepared, prepared_loop_episode,
                                                summarize_prepared)
 from patchkv_agent.eval.traces import plain_messages, validate_trace
+from tiny_models import chat_engine
 
 TOL = 1e-4
 
@@ -49,11 +50,7 @@ def _synthetic(n: int = 40, seed: int = 0) -> History:
     return History(id=f"syn{seed}", source="synthetic", system="You are a research assistant.", messages=tuple(msgs))
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from tiny_models import chat_engine
-
-    return chat_engine()
+ENGINE = chat_engine  # the `engine` fixture (conftest.py)
 
 
 def _count(engine):

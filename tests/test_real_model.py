@@ -9,11 +9,13 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engine():
+def smollm2():
     from patchkv_agent import PatchKVEngine
 
     return PatchKVEngine.from_pretrained("smollm2-135m")
+
+
+ENGINE = smollm2  # the `engine` fixture (conftest.py)
 
 
 def _episode(engine):

@@ -18,11 +18,8 @@ from patchkv_agent.eval.traces import RESULT_FIELDS, read_results, write_traces
 STRATS = "exact,prefix,patchkv"
 
 
-@pytest.fixture(scope="module")
-def engine(one_torch_thread):
-    from patchkv_agent.eval.tiny import tiny_engine
-
-    return tiny_engine(profile="auto")
+ENGINE = dict(profile="auto")  # the `engine` fixture (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _trace(i: int, vocab: int = 211, n_versions: int = 3, length: int = 60) -> dict:
