@@ -31,6 +31,18 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
+def engine(request):
+    """The test module's engine, built once per module by the one tiny-engine factory,
+    :func:`patchkv_agent.eval.tiny.tiny_engine`: with the module's ``ENGINE`` keywords (a dict), or by the
+    module's ``ENGINE`` builder (a callable, e.g. :func:`tiny_models.chat_engine`); without ``ENGINE``, the
+    default tiny engine (the tiny llama, 8-token blocks and dirty window, no profile)."""
+    from patchkv_agent.eval.tiny import tiny_engine
+
+    spec = getattr(request.module, "ENGINE", {})
+    return spec() if callable(spec) else tiny_engine(**spec)
+
+
+@pytest.fixture(scope="module")
 def redis_server():
     """A throwaway redis-server on loopback (persistence off) for a test module; skips without redis."""
     from kv_helpers import start_redis

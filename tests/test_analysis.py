@@ -33,16 +33,8 @@ from patchkv_agent.core.plan import LengthModel, _prep, plan_repair
 from kv_helpers import plan_settings
 
 VOCAB = 211
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from patchkv_agent.eval.tiny import tiny_model
-
-    from patchkv_agent.engine import PatchKVEngine
-
-    torch.set_num_threads(1)
-    return PatchKVEngine(tiny_model("llama"), block_size=16, profile=None, mixed_precision=False)
+ENGINE = dict(block_size=16, dirty_window=None, mixed_precision=False)  # the `engine` fixture (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _other(tokens: np.ndarray) -> np.ndarray:

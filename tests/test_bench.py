@@ -99,17 +99,9 @@ def tiny_traces(vocab: int) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def eng():
-    from patchkv_agent import PatchKVEngine
-    from patchkv_agent.eval.tiny import tiny_model
-
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-
-
-def test_run_bench_rows_files_and_resume(eng, tmp_path):
-    traces = tiny_traces(eng.spec.vocab_size)
-    summary = run_bench(eng, traces, STRATS, tmp_path, max_new_tokens=3, model_name="tiny-llama", progress=False)
+def test_run_bench_rows_files_and_resume(engine, tmp_path):
+    traces = tiny_traces(engine.spec.vocab_size)
+    summary = run_bench(engine, traces, STRATS, tmp_path, max_new_tokens=3, model_name="tiny-llama", progress=False)
     rows = read_results(tmp_path / "results.jsonl")
     assert len(rows) == (2 + 1) * len(STRATS)
     for r in rows:
@@ -135,7 +127,7 @@ def test_run_bench_rows_files_and_resume(eng, tmp_path):
     kept = [r for r in rows if not (r["id"] == "tiny/1" and r["strategy"] == "patchkv")]
     text = "".join(json.dumps(r) + "\n" for r in kept) + json.dumps(rows[0])[:40]
     (tmp_path / "results.jsonl").write_text(text)
-    run_bench(eng, traces, STRATS, tmp_path, max_new_tokens=3, model_name="tiny-llama", resume=True,
+    run_bench(engine, traces, STRATS, tmp_path, max_new_tokens=3, model_name="tiny-llama", resume=True,
               warmup=False, progress=False)
     again = read_results(tmp_path / "results.jsonl")
     assert len(again) == len(rows)
@@ -145,11 +137,11 @@ def test_run_bench_rows_files_and_resume(eng, tmp_path):
     assert redo[0]["output_ids"] == old["output_ids"] and redo[0]["recompute_tokens"] == old["recompute_tokens"]
 
 
-def test_run_bench_refuses_unknown_strategy_and_reports_refused_episodes(eng, tmp_path):
+def test_run_bench_refuses_unknown_strategy_and_reports_refused_episodes(engine, tmp_path):
     with pytest.raises(ValueError, match="unknown strategies"):
-        run_bench(eng, [], ["exact", "magic"], tmp_path, progress=False)
+        run_bench(engine, [], ["exact", "magic"], tmp_path, progress=False)
     bad = {"id": "bad/0", "workload": "tiny-a", "edit": "append", "versions": [{"token_ids": [1, 2, 3]}]}
-    summary = run_bench(eng, [bad], ["exact", "prefix"], tmp_path, progress=False)
+    summary = run_bench(engine, [bad], ["exact", "prefix"], tmp_path, progress=False)
     assert [e["id"] for e in summary["errors"]] == ["bad/0"] and summary["n_rows"] == 0
 
 

@@ -7,30 +7,20 @@ import numpy as np
 import pytest
 import torch
 
-from patchkv_agent import PatchKVEngine
 from patchkv_agent.strategies.cacheblend import CacheBlendStrategy, select_top_deviation
 from patchkv_agent.core.diff import diff_versions
 from test_recovery import assert_cache_equal, edited_pair, multi_edit_pair, oracle
-from patchkv_agent.eval.tiny import tiny_model
 from patchkv_agent.strategies import get_strategy
+from tiny_models import family_engine
 
 TOL = 1e-4
 DEEP = 4  # layers: the tiny_model default of 2 leaves no layer after the default check layer 1
 
 
-def deep_model(family: str, layers: int = DEEP, seed: int = 0):
-    """``tiny_model`` with more layers (same config, init and weight scaling)."""
-    return tiny_model(family, seed, layers=layers)
-
-
-_ENGINES: dict[str, PatchKVEngine] = {}
-
-
-def engine(family: str) -> PatchKVEngine:
-    if family not in _ENGINES:
-        _ENGINES[family] = PatchKVEngine(deep_model(family), None, block_size=8, dirty_window=8,
-                                         mixed_precision=False)  # cacheblend restores full-precision rows
-    return _ENGINES[family]
+def engine_of(family: str):
+    """The tiny engine of ``family`` with :data:`DEEP` layers, full-precision checkpoints (cacheblend restores
+    full-precision rows)."""
+    return family_engine(family, layers=DEEP, mixed_precision=False)
 
 
 def run(eng, old, new, **options):
@@ -44,7 +34,7 @@ def run(eng, old, new, **options):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "glm", "gemma3"])
 def test_ratio_one_equals_full_prefill(family):
-    eng = engine(family)
+    eng = engine_of(family)
     old, new = multi_edit_pair(eng.spec.vocab_size)
     res = eng.resume(eng.checkpoint(old), new, strategy=get_strategy("cacheblend", {"ratio": 1.0}), max_new_tokens=1)
     ref_logits, ref_cache = oracle(eng.model, new)
@@ -56,7 +46,7 @@ def test_ratio_one_equals_full_prefill(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_layers_up_to_check_layer_are_fresh_and_later_ones_stale(family):
-    eng = engine(family)
+    eng = engine_of(family)
     old, new = edited_pair(eng.spec.vocab_size)
     ckpt, edit, plan, out = run(eng, old, new, ratio=0.0)
     fresh = eng.checkpoint(new)
@@ -78,7 +68,7 @@ def test_layers_up_to_check_layer_are_fresh_and_later_ones_stale(family):
 
 @pytest.mark.parametrize("check_layer", [0, 1])
 def test_selection_is_top_value_deviation_against_independent_reference(check_layer):
-    eng = engine("qwen3")
+    eng = engine_of("qwen3")
     old, new = multi_edit_pair(eng.spec.vocab_size)
     ckpt, edit, plan, out = run(eng, old, new, ratio=0.15, check_layer=check_layer)
     # reference: layers <= check layer are exact, so the recomputed values are a full prefill's;
@@ -101,7 +91,7 @@ def test_selection_is_top_value_deviation_against_independent_reference(check_la
 
 
 def test_more_recompute_is_closer_to_exact():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     ref_logits, _ = oracle(eng.model, new)
     errs = [(run(eng, old, new, ratio=r)[3].logits - ref_logits).abs().max().item() for r in (0.0, 1.0)]
@@ -109,7 +99,7 @@ def test_more_recompute_is_closer_to_exact():
 
 
 def test_engine_reports_cacheblend_through_the_common_interface():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     res = eng.resume(ckpt, new, strategy="cacheblend", max_new_tokens=3)
@@ -133,7 +123,7 @@ def test_select_top_deviation_and_bad_options():
 
 
 def test_unsupported_family_is_refused_with_a_fix():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     eng.model.config.model_type = "mistral"  # a family whose decoder loop this module does not replicate

@@ -258,11 +258,7 @@ def test_profile_readers_reach_the_settings_and_episodes_check_their_answers():
 # --- end to end on a tiny model -------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_engine():
-    from patchkv_agent.eval import tiny
-
-    return tiny.tiny_engine(block_size=16, dirty_window=None, profile="auto")
+ENGINE = dict(block_size=16, dirty_window=None, profile="auto")  # the `engine` fixture (conftest.py)
 
 
 def _episodes(n_tasks=5, length=160, seed=0):
@@ -279,12 +275,12 @@ def _episodes(n_tasks=5, length=160, seed=0):
     return out
 
 
-def test_end_to_end_profile_is_found_and_loads(tiny_engine, tmp_path):
+def test_end_to_end_profile_is_found_and_loads(engine, tmp_path):
     from patchkv_agent.calibration.config import CalibConfig
     from patchkv_agent.calibration.outputs import save_drift, save_rows, write_profile
     from patchkv_agent.calibration.profile import run_calibration
 
-    eng = tiny_engine
+    eng = engine
     cfg = CalibConfig(kappas=(0.0, 0.05), blocks=(16, 32), ref_tokens=4, tau_grid=(0.05, 0.2), val_share=0.4,
                       policy_grid=((0.5, 4.0), (1.0, 8.0)))
     profile, pairs = run_calibration(eng, _episodes(), cfg, model_name="tiny-llama", command="pytest")

@@ -139,9 +139,8 @@ def _agent_like_trace(i: int, rng, n: int = 260, vocab: int = 211) -> dict:
             "versions": [{"token_ids": v} for v in (v0, v1, v2, v3)]}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine(max_positions=1024)  # token ids only: next actions compared as output ids
+# the `engine` fixture (conftest.py); token ids only: next actions compared as output ids
+ENGINE = dict(max_positions=1024)
 
 
 def _oracle(eng, traces, window, decode=None):

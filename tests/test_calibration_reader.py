@@ -17,7 +17,6 @@ from patchkv_agent.calibration.reader_stage import (
     select_reader_rule,
     with_reader_rule,
 )
-from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.strategies.builtin import PatchKVStrategy
 from tiny_models import tiny_profile
 
@@ -102,9 +101,8 @@ def test_choose_rule_takes_the_cheapest_rule_meeting_the_target_on_every_workloa
 # --- the stage end to end on a tiny engine, against resumes run here -----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tiny_engine(max_positions=1024)  # token ids only (the lexical signal reads token ids)
+# the `engine` fixture (conftest.py); token ids only (the lexical signal reads token ids)
+ENGINE = dict(max_positions=1024)
 
 
 def _follow_like_trace(i: int, rng, n: int = 240, vocab: int = 211) -> dict:

@@ -1,6 +1,8 @@
 """SegmentEncoder against its oracle: the tokenizer's own ids of the whole text, on conversations edited the
 way agents edit them, for byte-level BPE, SentencePiece-style (Metaspace, prepend "first") and char-level
-tokenizers built in memory; a tokenizer whose added tokens strip whitespace turns the memo off."""
+tokenizers built in memory; a tokenizer whose added tokens strip whitespace turns the memo off. Also: the
+char-level chat tokenizer of the tiny models (:func:`patchkv_agent.eval.tiny.tiny_chat_tokenizer`) round-trips
+chat text inside their vocabulary."""
 
 from __future__ import annotations
 
@@ -163,3 +165,13 @@ def test_a_piece_the_tokenizer_does_not_cut_turns_the_memo_off_not_the_call():
     enc._anchor = ("zz", enc._anchor[1])  # as if the anchor were not an added token: its id never leads
     assert enc.encode(text).tolist() == tok(text, add_special_tokens=False)["input_ids"]
     assert enc.reason is not None and "segmentation failed" in enc.reason and enc.cached_tokens == 0
+
+
+def test_tiny_tokenizer_round_trips_chat_text():
+    tok = tiny_chat_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi  there\n{\"a\": 1}"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert max(ids) < 211 and tok.eos_token_id == 2
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nHi  there\n{\"a\": 1}\nassistant\n"

@@ -31,13 +31,8 @@ OLD_KEYS = ("strategy", "prompt_tokens", "prefix_tokens", "new_tokens", "suffix_
 
 
 @pytest.fixture(scope="module")
-def eng():
-    return tiny_engine()
-
-
-@pytest.fixture(scope="module")
-def pair(eng):
-    return edited_pair(eng.spec.vocab_size, n=120, low=3)
+def pair(engine):
+    return edited_pair(engine.spec.vocab_size, n=120, low=3)
 
 
 # ----------------------------------------------------------------------------- RecoverySettings
@@ -62,16 +57,16 @@ def test_settings_defaults_validation_and_replace():
     assert s.replace(kappa=0.1).kappa == 0.1 and s.kappa == 0.0
 
 
-def test_engine_builds_settings_once_explicit_args_win(eng):
-    s = eng.settings
+def test_engine_builds_settings_once_explicit_args_win(engine):
+    s = engine.settings
     assert (s.block_size, s.length_model) == (8, LengthModel.fixed(8))
-    assert eng.settings_sources["block_size"] == "argument" and eng.settings_sources["kappa"] == "default"
-    assert not hasattr(eng, "kappa") and not hasattr(eng, "block_size")  # one way in: the settings
+    assert engine.settings_sources["block_size"] == "argument" and engine.settings_sources["kappa"] == "default"
+    assert not hasattr(engine, "kappa") and not hasattr(engine, "block_size")  # one way in: the settings
     base = RecoverySettings(block_size=16, kappa=0.25, precision_policy=PrecisionPolicy(tau_L=0.5))
-    e2 = PatchKVEngine(eng.model, None, settings=base, kappa=0.5, profile=None)
+    e2 = PatchKVEngine(engine.model, None, settings=base, kappa=0.5, profile=None)
     assert (e2.settings.block_size, e2.settings.kappa, e2.settings.precision_policy.tau_L) == (16, 0.5, 0.5)
     with pytest.raises(ValueError):
-        PatchKVEngine(eng.model, None, block_size=0, profile=None)
+        PatchKVEngine(engine.model, None, block_size=0, profile=None)
 
 
 def test_engine_settings_are_replaced_whole_and_repr_says_where_each_came_from(tmp_path):
@@ -104,9 +99,9 @@ def test_engine_settings_are_replaced_whole_and_repr_says_where_each_came_from(t
     assert PatchKVEngine(model, None, profile_dirs=[tmp_path]).settings.kappa == 0.5  # the caller's folder
 
 
-def test_strategies_read_settings_not_the_engine(eng, pair):
+def test_strategies_read_settings_not_the_engine(engine, pair):
     old, new = pair
-    ckpt = eng.checkpoint(old)
+    ckpt = engine.checkpoint(old)
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
     s = RecoverySettings(block_size=4, length_model=LengthModel.fixed(12), kappa=0.05)
     got = get_strategy("patchkv").plan(s, ckpt, edit)
@@ -133,8 +128,8 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
         PatchKVStrategy(kappa=-0.1)
     # an engine resume with options equals one on an engine whose settings are those options (fp16
     # restores: the mixed runs of the two checkpoints are tagged per block of their own size)
-    e2 = PatchKVEngine(eng.model, None, block_size=16, dirty_window=20, profile=None)
-    a = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 20, "block_size": 16, "precision": "fp16"}), max_new_tokens=3)
+    e2 = PatchKVEngine(engine.model, None, block_size=16, dirty_window=20, profile=None)
+    a = engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 20, "block_size": 16, "precision": "fp16"}), max_new_tokens=3)
     b = e2.resume(e2.checkpoint(old), new, strategy=get_strategy("patchkv", {"precision": "fp16"}), max_new_tokens=3)
     assert a.stats["recompute_tokens"] == b.stats["recompute_tokens"] and a.output_ids == b.output_ids
     assert torch.allclose(a.logits, b.logits, atol=TOL)
@@ -143,14 +138,14 @@ def test_strategies_read_settings_not_the_engine(eng, pair):
 # ----------------------------------------------------------------------------- ResumeStats
 
 
-def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(eng, pair):
+def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(engine, pair):
     old, new = pair
     named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "small_restore", "heal_s", "healed_rows")
     assert ResumeStats.field_names() == named
-    res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
+    res = engine.resume(engine.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
     assert isinstance(res.stats, ResumeStats) and res.stats.extras == {"restore_kernel": res.stats["restore_kernel"]}
     assert tuple(res.stats) == named + ("restore_kernel",)
-    exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
+    exact = engine.resume(None, new, strategy="exact", max_new_tokens=0)
     assert tuple(exact.stats) == named + ("restore_kernel",) and exact.stats.approx_rows == 0
     assert res.stats["approx_rows"] == res.stats.approx_rows == len(new) - res.exact_rows > 0
     assert exact.stats.offload_s is None and exact.stats.fallback is None and "extras" not in exact.stats
@@ -159,13 +154,13 @@ def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(eng, pair):
     assert back == res.stats and back.recompute_tokens == res.stats.recompute_tokens
     with pytest.raises(KeyError, match="ttft_s"):
         ResumeStats.from_dict({k: v for k, v in res.stats.items() if k != "ttft_s"})
-    healed = eng.heal(res)
+    healed = engine.heal(res)
     assert healed.stats.healed_rows == res.stats.approx_rows and res.stats.heal_s is None  # the copy, not res
 
 
-def test_cacheblend_stats_keep_their_extras(eng, pair):
+def test_cacheblend_stats_keep_their_extras(engine, pair):
     old, new = pair
-    e = PatchKVEngine(eng.model, None, block_size=8, dirty_window=8, mixed_precision=False, profile=None)
+    e = tiny_engine(model=engine.model, mixed_precision=False)
     res = e.resume(e.checkpoint(old), new, strategy="cacheblend", max_new_tokens=1)
     assert tuple(res.stats)[:len(OLD_KEYS)] == OLD_KEYS
     assert {"cacheblend_full_layers", "cacheblend_selected", "cacheblend_selected_positions"} <= set(res.stats)
@@ -189,20 +184,20 @@ def test_fallback_is_its_text():
         assert Fallback(kind, "d").startswith("exact recompute: ") and Fallback(kind, "d").endswith("d")
 
 
-def test_engine_fallback_kinds(eng, pair):
+def test_engine_fallback_kinds(engine, pair):
     old, new = pair
-    dyn = PatchKVEngine(tiny_model("dynamic"), None, block_size=8, dirty_window=8, profile=None)
+    dyn = tiny_engine("dynamic")
     res = dyn.resume(dyn.checkpoint(old), new, strategy="direct", max_new_tokens=1)
     fb = res.stats["fallback"]
     assert fb.kind is FallbackKind.UNSUPPORTED_ROPE and fb == f"exact recompute: {dyn.spec.rope_unsupported_reason}"
 
-    ckpt = eng.checkpoint(old)
+    ckpt = engine.checkpoint(old)
     for tag in ckpt.mixed.tag_rows:
         ckpt.mixed.payloads[0][tag].k_data.view(torch.uint8).view(-1)[0] ^= 0x5A
-    res = eng.resume(ckpt, new, strategy="patchkv", max_new_tokens=1)
+    res = engine.resume(ckpt, new, strategy="patchkv", max_new_tokens=1)
     fb = res.stats["fallback"]
     assert fb.kind is FallbackKind.CORRUPT_RUN and fb.startswith("exact recompute: checksum mismatch")
-    exact = eng.resume(None, new, strategy="exact", max_new_tokens=1)
+    exact = engine.resume(None, new, strategy="exact", max_new_tokens=1)
     assert (res.logits - exact.logits).abs().max().item() <= TOL and res.output_ids == exact.output_ids
 
 
@@ -212,10 +207,10 @@ def test_engine_fallback_kinds(eng, pair):
     (CorruptCheckpoint("bad bytes"), FallbackKind.CORRUPT_CHECKPOINT, "corrupt checkpoint: "),
     (StoreUnavailable("connection refused"), FallbackKind.STORE_UNAVAILABLE, "store unavailable: "),
 ])
-def test_store_fallback_kinds(eng, pair, exc, kind, label, monkeypatch):
+def test_store_fallback_kinds(engine, pair, exc, kind, label, monkeypatch):
     old, new = pair
     store = MemoryStore()
-    ckpt = eng.checkpoint(old)
+    ckpt = engine.checkpoint(old)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
 
@@ -223,53 +218,53 @@ def test_store_fallback_kinds(eng, pair, exc, kind, label, monkeypatch):
         raise exc
 
     monkeypatch.setattr(store, "get", fail)
-    _, reason = load_for_resume(eng, store, key)
+    _, reason = load_for_resume(engine, store, key)
     assert reason.kind is kind and reason.startswith("exact recompute: " + label)
-    res = resume_from_store(eng, store, key, new, max_new_tokens=2)
+    res = resume_from_store(engine, store, key, new, max_new_tokens=2)
     assert res.stats["fallback"].kind is kind and res.stats["strategy"] == "exact"
 
 
-def test_store_foreign_model_kind(eng, pair):
+def test_store_foreign_model_kind(engine, pair):
     import dataclasses
 
     old, new = pair
     store = MemoryStore()
-    ckpt = eng.checkpoint(old)
+    ckpt = engine.checkpoint(old)
     key = dataclasses.replace(store.key_for(ckpt, thread_id="t", version=1), fingerprint="other:" + "0" * 24)
-    _, reason = load_for_resume(eng, store, key)
+    _, reason = load_for_resume(engine, store, key)
     assert reason.kind is FallbackKind.FOREIGN_MODEL and "another model" in reason
 
 
 # ------------------------------------------------------------- statistics from the resume's own forward
 
 
-def test_exact_resume_takes_the_checkpoint_passes_statistics(eng, pair):
+def test_exact_resume_takes_the_checkpoint_passes_statistics(engine, pair):
     """Oracle: the checkpoint-creation pass over the same ids (the same last query rows, the same keys)."""
     _, new = pair
-    res = eng.resume(None, new, strategy="exact", max_new_tokens=2)
-    ckpt = eng.checkpoint(new)
+    res = engine.resume(None, new, strategy="exact", max_new_tokens=2)
+    ckpt = engine.checkpoint(new)
     assert res.scores is not None and res.scores.shape == (len(new),)
     np.testing.assert_allclose(res.scores, ckpt.scores, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(eng, pair):
+def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(engine, pair):
     import threading
 
     old, new = pair
-    res = eng.resume(eng.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
+    res = engine.resume(engine.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
     assert res.scores is not None and res.scores.sum() == pytest.approx(1.0, abs=1e-5)
     got = []
     holder_has_lock, done = threading.Event(), threading.Event()
 
     def hold():  # another caller's forward holds the model the whole time
-        with eng.forward_lock:
+        with engine.forward_lock:
             holder_has_lock.set()
             done.wait(30)
 
     t = threading.Thread(target=hold)
     t.start()
     assert holder_has_lock.wait(10)
-    worker = threading.Thread(target=lambda: got.append(eng.checkpoint_from(res)))
+    worker = threading.Thread(target=lambda: got.append(engine.checkpoint_from(res)))
     worker.start()
     worker.join(30)
     done.set()
@@ -282,19 +277,19 @@ def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(eng, pai
     import dataclasses
 
     bare = dataclasses.replace(res, scores=None)
-    ck2 = eng.checkpoint_from(bare)
+    ck2 = engine.checkpoint_from(bare)
     assert ck2.scores is not None and ck2.stats["stats_s"] > 0
     # the zero-copy resident view carries the statistics, padded for tokens decoded after the resume
     longer = dataclasses.replace(res, context_ids=np.concatenate([res.context_ids, [5, 6]]))
-    view = eng.as_checkpoint(longer)
+    view = engine.as_checkpoint(longer)
     assert view.scores.shape == (len(new) + 2,) and view.scores[-2:].tolist() == [0.0, 0.0]
 
 
-def test_strategy_options_are_named_and_checked_in_one_place(eng, pair):
+def test_strategy_options_are_named_and_checked_in_one_place(engine, pair):
     old, new = pair
-    ckpt = eng.checkpoint(old)
+    ckpt = engine.checkpoint(old)
     with pytest.raises(TypeError):
-        eng.resume(ckpt, new, strategy="patchkv", kappa=0.1)  # no **options swallowing a typo'd keyword
+        engine.resume(ckpt, new, strategy="patchkv", kappa=0.1)  # no **options swallowing a typo'd keyword
     with pytest.raises(ValueError, match=r"takes no option \['kapa'\].*kappa"):
         get_strategy("patchkv", {"kapa": 0.1})
     with pytest.raises(ValueError, match="takes no option"):
@@ -303,6 +298,6 @@ def test_strategy_options_are_named_and_checked_in_one_place(eng, pair):
         get_strategy("patchkv", {"kappa": 1.5})
     with pytest.raises(ValueError, match="build the instance"):
         get_strategy(PatchKVStrategy(), {"kappa": 0.1})
-    a = eng.resume(ckpt, new, strategy=PatchKVStrategy(dirty_window=1000), max_new_tokens=0)
-    b = eng.resume(ckpt, new, strategy=eng.strategy("patchkv", {"dirty_window": 1000}), max_new_tokens=0)
+    a = engine.resume(ckpt, new, strategy=PatchKVStrategy(dirty_window=1000), max_new_tokens=0)
+    b = engine.resume(ckpt, new, strategy=engine.strategy("patchkv", {"dirty_window": 1000}), max_new_tokens=0)
     assert a.stats.restore_tokens == b.stats.restore_tokens == 0 and torch.equal(a.logits, b.logits)

@@ -21,11 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, start_redis
-from patchkv_agent import PatchKVEngine
 from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
 from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
-from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.eval.tiny import tiny_engine
 from test_recovery import edited_pair
 from patchkv_agent.strategies import get_strategy
 
@@ -37,23 +36,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def eng():
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
+def pair(engine):
+    return edited_pair(engine.spec.vocab_size, n=150, low=3)
 
 
 @pytest.fixture(scope="module")
-def pair(eng):
-    return edited_pair(eng.spec.vocab_size, n=150, low=3)
+def ckpt(engine, pair):
+    return engine.checkpoint(pair[0])
 
 
 @pytest.fixture(scope="module")
-def ckpt(eng, pair):
-    return eng.checkpoint(pair[0])
-
-
-@pytest.fixture(scope="module")
-def exact(eng, pair):
-    return eng.resume(None, pair[1], strategy="exact", max_new_tokens=4)
+def exact(engine, pair):
+    return engine.resume(None, pair[1], strategy="exact", max_new_tokens=4)
 
 
 @pytest.fixture
@@ -97,12 +91,12 @@ def _store(tier, tmp_path, request):
 
 
 @pytest.mark.parametrize("tier", ["memory", "disk", "redis"])
-def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, eng, pair, ckpt, tmp_path, request):
+def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, engine, pair, ckpt, tmp_path, request):
     store = _store(tier, tmp_path, request)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
-    ref = eng.resume(ckpt, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
+    ref = engine.resume(ckpt, pair[1], max_new_tokens=4)
     assert res.stats["fallback"] is None and res.stats["store_tier"] == tier
     assert res.stats["recompute_tokens"] < len(pair[1])  # selective, not a full prefill
     assert torch.equal(res.logits, ref.logits) and res.output_ids == ref.output_ids
@@ -111,7 +105,7 @@ def test_stored_checkpoint_resumes_like_the_in_memory_one(tier, eng, pair, ckpt,
 # ----------------------------------------------------------------------------- faults
 
 
-def test_flipped_payload_byte_on_disk(eng, pair, ckpt, exact, tmp_path):
+def test_flipped_payload_byte_on_disk(engine, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
@@ -124,22 +118,22 @@ def test_flipped_payload_byte_on_disk(eng, pair, ckpt, exact, tmp_path):
         b = f.read(1)
         f.seek(off + n // 2)
         f.write(bytes([b[0] ^ 0x04]))
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, f"blob p.1.{tag}.v_data failed its checksum")
 
 
-def test_flipped_payload_byte_in_memory(eng, pair, exact):
-    ckpt = eng.checkpoint(pair[0])  # its own copy: the fault mutates it
+def test_flipped_payload_byte_in_memory(engine, pair, exact):
+    ckpt = engine.checkpoint(pair[0])  # its own copy: the fault mutates it
     store = MemoryStore()
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     tag = next(iter(ckpt.mixed.tag_rows))
     ckpt.mixed.payloads[0][tag].k_data.view(-1)[3] ^= 0x20
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "checksum")
 
 
-def test_flipped_payload_byte_in_redis(eng, pair, ckpt, exact, redis_server):
+def test_flipped_payload_byte_in_redis(engine, pair, ckpt, exact, redis_server):
     from patchkv_agent.runtime.kvstore import RedisStore
 
     store = RedisStore(redis_server.url)
@@ -147,37 +141,37 @@ def test_flipped_payload_byte_in_redis(eng, pair, ckpt, exact, redis_server):
     store.put(key, ckpt)
     name = store.blob_keys(key)[-1]
     store.client.setrange(name, 0, bytes([store.client.getrange(name, 0, 0)[0] ^ 0x80]))
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "checksum")
 
 
-def test_truncated_disk_file(eng, pair, ckpt, exact, tmp_path):
+def test_truncated_disk_file(engine, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     p = store.path_of(key)
     os.truncate(p, p.stat().st_size - (p.stat().st_size - store.data_offset(key)) // 3)
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "truncated or wrong length")
 
 
-def test_missing_checkpoint(eng, pair, ckpt, exact):
+def test_missing_checkpoint(engine, pair, ckpt, exact):
     store = MemoryStore()
-    res = resume_from_store(eng, store, store.key_for(ckpt, thread_id="t", version=1), pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, store.key_for(ckpt, thread_id="t", version=1), pair[1], max_new_tokens=4)
     assert_exact(res, exact, "never stored")
 
 
-def test_evicted_checkpoint(eng, pair, ckpt, exact):
+def test_evicted_checkpoint(engine, pair, ckpt, exact):
     store = MemoryStore(budget_bytes=int(ckpt.nbytes * 1.5))
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     store.put(store.key_for(ckpt, thread_id="other", version=1), ckpt)  # a newer thread pushes it out
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "evicted")
 
 
 def test_wrong_fingerprint(pair, ckpt, tmp_path):
-    other = PatchKVEngine(tiny_model("llama", seed=1), None, block_size=8, dirty_window=8)
+    other = tiny_engine(seed=1)
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="t", version=1)  # written by the seed-0 model
     store.put(key, ckpt)
@@ -186,28 +180,28 @@ def test_wrong_fingerprint(pair, ckpt, tmp_path):
     assert store.stats.hits == 0  # refused before a byte was read
 
 
-def test_wrong_thread(eng, pair, ckpt, exact, tmp_path):
+def test_wrong_thread(engine, pair, ckpt, exact, tmp_path):
     store = DiskStore(tmp_path, fsync=False)
     ka = store.key_for(ckpt, thread_id="thread-a", version=1)
     kb = store.key_for(ckpt, thread_id="thread-b", version=1)
     store.put(ka, ckpt)
     store.path_of(ka).rename(store.path_of(kb))  # thread a's entry lands under thread b's key
-    res = resume_from_store(eng, store, kb, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, kb, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "belongs to another thread")
 
 
-def test_redis_down_before_resume(eng, pair, ckpt, exact, redis_server):
+def test_redis_down_before_resume(engine, pair, ckpt, exact, redis_server):
     from patchkv_agent.runtime.kvstore import RedisStore
 
     store = RedisStore(redis_server.url, timeout_s=1.0)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     redis_server.stop()
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "store unavailable: Redis unavailable")
 
 
-def test_redis_down_in_the_middle_of_a_read(eng, pair, ckpt, exact, redis_server, monkeypatch):
+def test_redis_down_in_the_middle_of_a_read(engine, pair, ckpt, exact, redis_server, monkeypatch):
     import redis
 
     from patchkv_agent.runtime.kvstore import RedisStore
@@ -221,7 +215,7 @@ def test_redis_down_in_the_middle_of_a_read(eng, pair, ckpt, exact, redis_server
         raise redis.exceptions.ConnectionError("Connection reset by peer")
 
     monkeypatch.setattr(store.client, "mget", mget)
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(res, exact, "Redis unavailable while reading")
 
 
@@ -244,26 +238,26 @@ def _flip_meta_bit(store, key):
 
 
 @pytest.mark.parametrize("tier", ["disk", "redis"])
-def test_non_utf8_metadata_is_an_exact_resume_every_time(tier, eng, pair, ckpt, exact, tmp_path, request):
+def test_non_utf8_metadata_is_an_exact_resume_every_time(tier, engine, pair, ckpt, exact, tmp_path, request):
     """Finding: one flipped bit in an entry's metadata (non-UTF-8) raised UnicodeDecodeError out of
     resume_from_store, and every later call on that thread failed the same way."""
     store = _store(tier, tmp_path, request)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
     _flip_meta_bit(store, key)
-    first = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    first = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(first, exact, "corrupt checkpoint")
-    again = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
+    again = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
     assert_exact(again, exact, "quarantined as corrupt")
     assert store.stats.quarantined == 1 and store.keys() == []
 
 
-def test_registry_generate_survives_damaged_metadata(eng, pair, exact, tmp_path):
+def test_registry_generate_survives_damaged_metadata(engine, pair, exact, tmp_path):
     """The same fault through ThreadRegistry.generate: exact with the reason, then the thread goes on."""
     from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 
     store = DiskStore(tmp_path, fsync=False)
-    reg = ThreadRegistry(eng, store=store)
+    reg = ThreadRegistry(engine, store=store)
     k = thread_key("t")
     reg.generate(k, pair[0], strategy="exact", max_new_tokens=0)
     reg.offload(k, release=True)
@@ -278,7 +272,7 @@ def test_registry_generate_survives_damaged_metadata(eng, pair, exact, tmp_path)
     reg.close()
 
 
-def test_background_delete_on_a_dead_redis_logs_one_line(eng, pair, ckpt, redis_server, caplog):
+def test_background_delete_on_a_dead_redis_logs_one_line(engine, pair, ckpt, redis_server, caplog):
     """Finding: background delete failures on a dead Redis logged a ~40-line traceback each."""
     import logging
 
@@ -288,7 +282,7 @@ def test_background_delete_on_a_dead_redis_logs_one_line(eng, pair, ckpt, redis_
     store = RedisStore(redis_server.url, timeout_s=0.5)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
-    reg = ThreadRegistry(eng, store=store)
+    reg = ThreadRegistry(engine, store=store)
     redis_server.stop()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -299,29 +293,28 @@ def test_background_delete_on_a_dead_redis_logs_one_line(eng, pair, ckpt, redis_
     assert "Redis unavailable" in recs[0].getMessage()
 
 
-def test_misuse_raises_and_names_the_fix(eng, pair, ckpt):
+def test_misuse_raises_and_names_the_fix(engine, pair, ckpt):
     a, b = MemoryStore(deployment="a"), MemoryStore(deployment="b")
     key = a.key_for(ckpt, thread_id="t", version=1)
     a.put(key, ckpt)
     with pytest.raises(ValueError, match="store.key_for"):
-        resume_from_store(eng, b, key, pair[1])
+        resume_from_store(engine, b, key, pair[1])
     with pytest.raises(ValueError, match="choose one of"):
-        resume_from_store(eng, a, key, pair[1], strategy="magic")
+        resume_from_store(engine, a, key, pair[1], strategy="magic")
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        resume_from_store(eng, a, key, [1, 2, 10**6])
+        resume_from_store(engine, a, key, [1, 2, 10**6])
     with pytest.raises(TypeError, match="CheckpointKey"):
-        resume_from_store(eng, a, ("t", 1), pair[1])
+        resume_from_store(engine, a, ("t", 1), pair[1])
 
 
 # ----------------------------------------------------------------------------- cross-process
 
 WRITER = textwrap.dedent("""
     import sys
-    from patchkv_agent.eval.tiny import tiny_model
-    from patchkv_agent import PatchKVEngine
+    from patchkv_agent.eval.tiny import tiny_engine
     from patchkv_agent.runtime.kvstore import DiskStore, RedisStore
-    eng = PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-    ckpt = eng.checkpoint([int(t) for t in sys.argv[3].split(",")])
+    engine = tiny_engine()
+    ckpt = engine.checkpoint([int(t) for t in sys.argv[3].split(",")])
     for store in [DiskStore(sys.argv[1], fsync=True)] + ([RedisStore(sys.argv[2])] if sys.argv[2] != "-" else []):
         key = store.key_for(ckpt, thread_id="worker-thread", version=7)
         assert store.put(key, ckpt).stored
@@ -348,7 +341,7 @@ def offloaded_elsewhere(pair, tmp_path_factory):
 
 
 @pytest.mark.parametrize("tier", ["disk", "redis"])
-def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offloaded_elsewhere):
+def test_offload_in_one_process_resume_in_another(tier, engine, pair, ckpt, offloaded_elsewhere):
     where, key = offloaded_elsewhere
     if tier == "disk":
         store = DiskStore(where["disk"])
@@ -359,8 +352,8 @@ def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offload
 
         store = RedisStore(where["redis"])
     assert store.keys() == [key]
-    res = resume_from_store(eng, store, key, pair[1], max_new_tokens=4)
-    ref = eng.resume(ckpt, pair[1], max_new_tokens=4)
+    res = resume_from_store(engine, store, key, pair[1], max_new_tokens=4)
+    ref = engine.resume(ckpt, pair[1], max_new_tokens=4)
     assert res.stats["fallback"] is None
     assert torch.equal(res.logits, ref.logits) and res.output_ids == ref.output_ids
 
@@ -371,28 +364,28 @@ def test_offload_in_one_process_resume_in_another(tier, eng, pair, ckpt, offload
 @settings(max_examples=40, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(edit_pairs(max_len=120))
-def test_property_recover_through_a_store_over_random_edits(eng, tmp_path, case):
+def test_property_recover_through_a_store_over_random_edits(engine, tmp_path, case):
     """Over random edits (every kind, see ``edit_pairs``): diff, plan and recovery hold their properties
     (``check_recovery``: exact partition, full repair set == exact), and the store is transparent (same
     result as the in-memory checkpoint, also with a full repair set)."""
     _, old, new = case
-    ckpt = eng.checkpoint(old)
-    check_recovery(eng, old, new, ckpt=ckpt)
+    ckpt = engine.checkpoint(old)
+    check_recovery(engine, old, new, ckpt=ckpt)
     store = DiskStore(tmp_path, fsync=False)
     key = store.key_for(ckpt, thread_id="p", version=len(old))
     store.put(key, ckpt)
-    full = resume_from_store(eng, store, key, new, max_new_tokens=0, strategy=get_strategy("patchkv", {"dirty_window": 10**6}))
-    exact = eng.resume(None, new, strategy="exact", max_new_tokens=0)
+    full = resume_from_store(engine, store, key, new, max_new_tokens=0, strategy=get_strategy("patchkv", {"dirty_window": 10**6}))
+    exact = engine.resume(None, new, strategy="exact", max_new_tokens=0)
     assert full.stats["fallback"] is None
     assert (full.logits - exact.logits).abs().max().item() <= TOL
-    sel = resume_from_store(eng, store, key, new, max_new_tokens=0)
-    ref = eng.resume(ckpt, new, max_new_tokens=0)
+    sel = resume_from_store(engine, store, key, new, max_new_tokens=0)
+    ref = engine.resume(ckpt, new, max_new_tokens=0)
     assert torch.equal(sel.logits, ref.logits)
     assert sel.stats["recompute_tokens"] == ref.stats["recompute_tokens"] <= len(new)
 
 
-def test_property_runner_counts_examples_and_covers_every_edit_kind(eng):
-    p = run_properties(eng, 40, seed=3)
+def test_property_runner_counts_examples_and_covers_every_edit_kind(engine):
+    p = run_properties(engine, 40, seed=3)
     assert p["examples"] == 40 and p["failures"] == 0, p["failed"]
     assert sum(p["kinds"].values()) == 40 and p["restoring_examples"] > 0 and p["max_full_diff"] <= TOL
     seen = set()
@@ -409,7 +402,7 @@ def test_property_runner_counts_examples_and_covers_every_edit_kind(eng):
     assert seen == set(EDIT_KINDS)
 
 
-def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
+def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(engine, pair):
     import dataclasses
 
     from patchkv_agent.core.diff import diff_versions
@@ -417,7 +410,7 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
 
     old, new = pair
     edit = diff_versions(old, new)
-    plan = get_strategy("patchkv").plan(eng.settings, eng.checkpoint(old), edit)
+    plan = get_strategy("patchkv").plan(engine.settings, engine.checkpoint(old), edit)
     check_plan(edit, plan)
     assert plan.n_restore > 0
     dropped = dataclasses.replace(plan, restore_new_positions=plan.restore_new_positions[1:],
@@ -429,17 +422,17 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(eng, pair):
                                   restore_old_positions=np.append(plan.restore_old_positions, len(old) - 1))
     with pytest.raises(PropertyViolation):
         check_plan(edit, no_last)
-    p = run_properties(eng, 10, seed=0, tol=0.0)  # fp32 noise is > 0: failures are counted, the run goes on
+    p = run_properties(engine, 10, seed=0, tol=0.0)  # fp32 noise is > 0: failures are counted, the run goes on
     assert p["examples"] == 10 and 0 < p["failures"] <= 10 and "differs from exact" in p["failed"][0]["error"]
 
 
 # ----------------------------------------------------------------------------- load
 
 
-def test_stress_16_threads_x_5_versions_equal_solo_runs(eng):
+def test_stress_16_threads_x_5_versions_equal_solo_runs(engine):
     from patchkv_agent.eval.stress import format_summary, run_stress
 
-    s = run_stress(threads=16, versions=5, budget_entries=2.0, engine=eng, tool_s=0.01)
+    s = run_stress(threads=16, versions=5, budget_entries=2.0, engine=engine, tool_s=0.01)
     print(format_summary(s))
     assert s["solo_match"], s["mismatches"]
     assert s["resumes"] == 16 * 4 and s["selective_resumes"] + sum(s["fallbacks"].values()) == s["resumes"]
@@ -487,7 +480,7 @@ def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
 # ----------------------------------------------------------------------------- fault mode (issue 13)
 
 
-def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(eng):
+def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
     """``stress --faults`` in small: bit flips in metadata and payloads, a SIGKILLed writer process, Redis
     pauses and restarts (when redis-server is installed), budget pressure. Every result equals the thread
     run alone, 0 exceptions escape, 0 acknowledged entries are lost."""
@@ -495,7 +488,7 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(eng):
 
     from patchkv_agent.eval.faults import format_fault_summary, run_fault_stress
 
-    s = run_fault_stress(threads=6, versions=3, engine=eng, writer_kills=1, inject_rate=0.6, budget_entries=4,
+    s = run_fault_stress(threads=6, versions=3, engine=engine, writer_kills=1, inject_rate=0.6, budget_entries=4,
                          progress=False)
     print(format_fault_summary(s))
     assert s["ok"], json.dumps({k: v for k, v in s.items() if k != "per_tier"})
@@ -510,12 +503,12 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(eng):
         assert f["redis_restart"] == 1 and f["redis_pause"] == 2
 
 
-def test_fault_stress_counts_lost_entries_and_escaped_exceptions(eng, monkeypatch):
+def test_fault_stress_counts_lost_entries_and_escaped_exceptions(engine, monkeypatch):
     """The checks can fail: a store that acknowledges puts it does not keep, and a checkpoint pass that
     raises, are both counted and fail the run."""
     from patchkv_agent.eval import faults as F
 
-    real = eng.checkpoint_from
+    real = engine.checkpoint_from
     calls = []
 
     def flaky(res):
@@ -530,8 +523,8 @@ def test_fault_stress_counts_lost_entries_and_escaped_exceptions(eng, monkeypatc
 
     monkeypatch.setattr(F, "MemoryStore", lambda deployment, budget_bytes=None: (
         Forgetful if budget_bytes is not None else MemoryStore)(deployment=deployment, budget_bytes=budget_bytes))
-    monkeypatch.setattr(eng, "checkpoint_from", flaky)
-    s = F.run_fault_stress(threads=2, versions=3, engine=eng, tiers=("memory",), writer_kills=0, inject_rate=0.0,
+    monkeypatch.setattr(engine, "checkpoint_from", flaky)
+    s = F.run_fault_stress(threads=2, versions=3, engine=engine, tiers=("memory",), writer_kills=0, inject_rate=0.0,
                            progress=False)
     assert not s["ok"] and s["escaped_exceptions"] == 1 and s["lost_acknowledged"] >= 2
     assert "injected engine failure" in s["per_tier"]["memory"]["escaped"][0]

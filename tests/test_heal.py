@@ -6,17 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from patchkv_agent import PatchKVEngine
 from test_recovery import assert_cache_equal, edited_pair, oracle
-from patchkv_agent.eval.tiny import tiny_model
 from patchkv_agent.strategies import get_strategy
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return PatchKVEngine(tiny_model("llama"), profile=None, dirty_window=8, block_size=16)
+ENGINE = dict(block_size=16)  # the `engine` fixture (conftest.py)
 
 
 def _kv_equal(res, ref_cache, n_layers):

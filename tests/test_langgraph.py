@@ -42,9 +42,7 @@ PASSAGE_B = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de M
              "the engineer Gustave Eiffel, whose company designed and built it for the 1889 World's Fair. ") * 2
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return chat_engine()
+ENGINE = chat_engine  # the `engine` fixture (conftest.py)
 
 
 def cfg(thread_id: str, **extra) -> dict:

@@ -40,14 +40,6 @@ def test_normalize_answer():
     assert normalize_answer("  The  U.S.A., an  Apple ") == "usa apple"
 
 
-@pytest.fixture(scope="module")
-def eng():
-    from patchkv_agent import PatchKVEngine
-    from patchkv_agent.eval.tiny import tiny_model
-
-    return PatchKVEngine(tiny_model("llama"), None, block_size=8, dirty_window=8)
-
-
 @torch.no_grad()
 def _oracle_tf(model, context: list[int], ref: list[int]) -> float:
     """Teacher forcing by one full forward of context + ref[:-1]: argmax at each step vs ref."""
@@ -57,26 +49,26 @@ def _oracle_tf(model, context: list[int], ref: list[int]) -> float:
     return sum(int(a == b) for a, b in zip(preds, ref)) / len(ref)
 
 
-def test_teacher_forced_agreement_equals_a_full_forward(eng):
+def test_teacher_forced_agreement_equals_a_full_forward(engine):
     rng = np.random.default_rng(1)
     old = rng.integers(3, 211, 70).tolist()
     new = old[:20] + rng.integers(3, 211, 6).tolist() + old[24:]
-    ckpt = eng.checkpoint(old)
-    ref = eng.resume(None, new, strategy="exact", max_new_tokens=6)
+    ckpt = engine.checkpoint(old)
+    ref = engine.resume(None, new, strategy="exact", max_new_tokens=6)
     # the exact result fed its own greedy continuation agrees at every step
-    assert teacher_forced_agreement(eng, ref, ref.output_ids) == 1.0 == _oracle_tf(eng.model, new, list(ref.output_ids))
+    assert teacher_forced_agreement(engine, ref, ref.output_ids) == 1.0 == _oracle_tf(engine.model, new, list(ref.output_ids))
     # against an arbitrary reference, the exact path equals the full-forward oracle step by step
     arbitrary = rng.integers(3, 211, 8).tolist()
     arbitrary[0] = int(ref.logits.argmax())
-    assert teacher_forced_agreement(eng, ref, arbitrary) == _oracle_tf(eng.model, new, arbitrary)
-    assert teacher_forced_agreement(eng, ref, []) == 1.0
+    assert teacher_forced_agreement(engine, ref, arbitrary) == _oracle_tf(engine.model, new, arbitrary)
+    assert teacher_forced_agreement(engine, ref, []) == 1.0
     # a patchkv resume with a window over the whole suffix is exact: its fidelity to exact is perfect
-    full = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 10_000}), max_new_tokens=6)
-    f = fidelity(eng, full, ref)
+    full = engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 10_000}), max_new_tokens=6)
+    f = fidelity(engine, full, ref)
     assert f["top1_agree"] and f["exact_continuation"] and f["tf_agree"] == 1.0
     assert f["first_token_kl"] < 1e-8
-    direct = eng.resume(ckpt, new, strategy="direct", max_new_tokens=6)
-    d = fidelity(eng, direct, ref)
+    direct = engine.resume(ckpt, new, strategy="direct", max_new_tokens=6)
+    d = fidelity(engine, direct, ref)
     assert d["first_token_kl"] == first_token_kl(ref.logits, direct.logits) > 0
-    assert d["tf_agree"] == teacher_forced_agreement(eng, direct, ref.output_ids)
+    assert d["tf_agree"] == teacher_forced_agreement(engine, direct, ref.output_ids)
     assert not math.isnan(d["tf_agree"])

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from patchkv_agent.eval.noise_floor import FLOORS, fake_quant, parse_floors, run_floor
-from patchkv_agent.eval.tiny import tiny_engine
 
 
 def test_fake_quant_rounds_as_each_format_stores():
@@ -29,8 +28,8 @@ def test_fake_quant_rounds_as_each_format_stores():
         fake_quant(x, "kv-int3")
 
 
-def test_a_floor_cache_stores_rounded_rows_and_scores_against_exact(one_torch_thread):
-    eng = tiny_engine("llama")
+def test_a_floor_cache_stores_rounded_rows_and_scores_against_exact(engine, one_torch_thread):
+    eng = engine
     ids = np.random.default_rng(3).integers(0, eng.spec.vocab_size, 120)
     ref = eng.resume(None, ids, strategy="exact", max_new_tokens=6)
     seen = []
@@ -60,10 +59,10 @@ def test_parse_floors():
         parse_floors("kv-bf16,fp4")
 
 
-def test_bench_reports_floors_beside_the_strategies(tmp_path, one_torch_thread):
+def test_bench_reports_floors_beside_the_strategies(engine, tmp_path, one_torch_thread):
     from patchkv_agent.eval.bench import run_bench
 
-    eng = tiny_engine("llama")
+    eng = engine
     rng = np.random.default_rng(0)
     v0 = rng.integers(0, eng.spec.vocab_size, 150).tolist()
     v1 = v0[:60] + rng.integers(0, eng.spec.vocab_size, 8).tolist() + v0[70:]

@@ -22,6 +22,7 @@ from patchkv_agent.eval.agent_workloads import (CLEAR_HOP, CLEAR_HOP_DEPTH, SUMM
 from patchkv_agent.eval.prepared_bench import (ToolLatency, markdown_prepared, plot_prepared, prepared_loop_episode,
                                                summarize_prepared)
 from patchkv_agent.eval.traces import plain_messages, validate_trace
+from tiny_models import chat_engine
 
 TOL = 1e-4
 
@@ -49,21 +50,17 @@ def _synthetic(n: int = 40, seed: int = 0) -> History:
     return History(id=f"syn{seed}", source="synthetic", system="You are a research assistant.", messages=tuple(msgs))
 
 
-@pytest.fixture(scope="module")
-def eng():
-    from tiny_models import chat_engine
-
-    return chat_engine()
+ENGINE = chat_engine  # the `engine` fixture (conftest.py)
 
 
-def _count(eng):
+def _count(engine):
     from patchkv_agent.eval.agent_workloads import from_langchain
 
-    return lambda msgs: len(eng.encode(plain_messages(from_langchain(msgs))))
+    return lambda msgs: len(engine.encode(plain_messages(from_langchain(msgs))))
 
 
-def _render(eng):
-    return lambda msgs: eng.encode_array(plain_messages(msgs))
+def _render(engine):
+    return lambda msgs: engine.encode_array(plain_messages(msgs))
 
 
 # ----------------------------------------------------------------------------------- long histories
@@ -100,10 +97,10 @@ def test_context_scales_the_settings_and_the_default_keeps_todays_episodes():
 
 # ----------------------------------------------------------------------------------- the predictor
 
-def test_the_loop_predicts_with_the_workloads_own_editor_and_never_reads_the_next_version(eng):
+def test_the_loop_predicts_with_the_workloads_own_editor_and_never_reads_the_next_version(engine):
     from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware
 
-    render = _render(eng)
+    render = _render(engine)
     ep = build_agent_loop_episodes(CLEAR_HOP, n=1, context=8000, max_versions=3, histories="research")[0]
     real = [np.asarray(render(v["messages"])) for v in ep.trace["versions"]]
     wait = ep.waits[0]
@@ -124,13 +121,13 @@ def test_the_loop_predicts_with_the_workloads_own_editor_and_never_reads_the_nex
     assert not np.array_equal(real[1][: len(moved.token_ids)], moved.token_ids)
 
 
-def test_a_summarizing_editors_prediction_follows_its_setting(eng):
+def test_a_summarizing_editors_prediction_follows_its_setting(engine):
     from langchain.agents.middleware import SummarizationMiddleware
 
     from patchkv_agent.eval.agent_editors import ExtractiveSummarizer
 
-    render = _render(eng)
-    count = _count(eng)
+    render = _render(engine)
+    count = _count(engine)
     ep = build_agent_loop_episodes("agent-summarize", n=1, histories="research", count_tokens=count,
                                    max_tokens=3900, min_tokens=1000, max_versions=3, calls=12)[0]
     k = ep.trace["meta"]["edits"].index("summarize")
@@ -150,15 +147,15 @@ def test_a_summarizing_editors_prediction_follows_its_setting(eng):
 # ----------------------------------------------------------------------------------- the loop
 
 @pytest.mark.parametrize("workload,setting", [(CLEAR_HOP, None), ("agent-summarize", (1500, 4))])
-def test_prepared_calls_are_hits_whose_first_token_equals_exact(eng, one_torch_thread, workload, setting):
+def test_prepared_calls_are_hits_whose_first_token_equals_exact(engine, one_torch_thread, workload, setting):
     from patchkv_agent.eval.agent_workloads import _loop_episode
 
-    ep = _loop_episode(_synthetic(), workload, setting, count_tokens=_count(eng), min_tokens=1200, max_tokens=2600,
+    ep = _loop_episode(_synthetic(), workload, setting, count_tokens=_count(engine), min_tokens=1200, max_tokens=2600,
                        max_versions=3, fit_unedited=True)
     assert ep is not None and len(ep.waits) == 2
     assert any(e != "none" for e in ep.trace["meta"]["edits"][1:])
     # cover: each tool lasts until the preparation is over (no timing in the test)
-    rows = prepared_loop_episode(eng, ep, ToolLatency.parse("0"), cover=True, exact_reference=True,
+    rows = prepared_loop_episode(engine, ep, ToolLatency.parse("0"), cover=True, exact_reference=True,
                                  max_new_tokens=4)
     assert len(rows) == 2
     for r in rows:
@@ -174,18 +171,18 @@ def test_prepared_calls_are_hits_whose_first_token_equals_exact(eng, one_torch_t
                                                                                               "append")
 
 
-def test_a_wrong_prediction_is_no_hit_and_says_why(eng, one_torch_thread):
+def test_a_wrong_prediction_is_no_hit_and_says_why(engine, one_torch_thread):
     from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware
 
     from patchkv_agent.eval.agent_workloads import AgentLoopEpisode, _loop_episode
 
-    ep = _loop_episode(_synthetic(), CLEAR_HOP, None, count_tokens=_count(eng), min_tokens=1200, max_tokens=2600,
+    ep = _loop_episode(_synthetic(), CLEAR_HOP, None, count_tokens=_count(engine), min_tokens=1200, max_tokens=2600,
                        max_versions=2, fit_unedited=True)
     edit = ep.waits[0].middleware.edits[0]
     wrong = ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=edit.trigger, keep=edit.keep + 3)],
                                      token_counter=ep.waits[0].middleware.token_counter)
     bad = AgentLoopEpisode(trace=ep.trace, waits=(ep.waits[0].with_middleware(wrong),))
-    (r,) = prepared_loop_episode(eng, bad, ToolLatency.parse("0"), cover=True, max_new_tokens=2)
+    (r,) = prepared_loop_episode(engine, bad, ToolLatency.parse("0"), cover=True, max_new_tokens=2)
     assert r["prediction_correct"] is False and r["prepared"] in ("miss", "partial")
     assert "differs from the prediction" in r["prepared_reason"] and r["prepared_wasted"] > 0
 
@@ -232,10 +229,10 @@ def test_summary_arithmetic_markdown_and_plot(tmp_path):
 
 # ----------------------------------------------------------------------------------- command line
 
-def test_cli_bench_loop_prepared_smoke(tmp_path, monkeypatch, eng, one_torch_thread):
+def test_cli_bench_loop_prepared_smoke(tmp_path, monkeypatch, engine, one_torch_thread):
     from patchkv_agent import cli
 
-    monkeypatch.setattr(cli, "_engine", lambda args: eng)
+    monkeypatch.setattr(cli, "_engine", lambda args: engine)
     argv = ["bench-loop", "--workloads", CLEAR_HOP, "--n", "1", "--versions", "2", "--context", "2500",
             "--tool-latency", "search=0,*=0", "--cover-preparation", "--max-new-tokens", "1", "--out-dir",
             str(tmp_path)]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.eval.tiny import FAMILIES, ROPE_VARIANTS, tiny_model
+from patchkv_agent.eval.tiny import FAMILIES, ROPE_VARIANTS, tiny_engine, tiny_model
 from patchkv_agent.strategies import get_strategy
+from tiny_models import family_engine
 
 TOL = 1e-4
 
@@ -44,20 +45,16 @@ def assert_cache_equal(cache, ref_cache, n_layers):
         assert (a.values - b.values).abs().max().item() <= TOL, f"layer {layer} values"
 
 
-_ENGINES: dict[str, PatchKVEngine] = {}
-
-
-def engine(family: str) -> PatchKVEngine:
-    if family not in _ENGINES:
-        _ENGINES[family] = PatchKVEngine(tiny_model(family), None, block_size=8, dirty_window=8)
-    return _ENGINES[family]
+def engine_of(family: str):
+    """The tiny engine of ``family`` (shared by the tests of this module, which do not change it)."""
+    return family_engine(family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("strategy", ["exact", "prefix"])
 @pytest.mark.parametrize("pair", [edited_pair, multi_edit_pair])
 def test_exact_strategies_equal_full_prefill(family, strategy, pair):
-    eng = engine(family)
+    eng = engine_of(family)
     old, new = pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     res = eng.resume(ckpt, new, strategy=strategy, max_new_tokens=1)
@@ -69,7 +66,7 @@ def test_exact_strategies_equal_full_prefill(family, strategy, pair):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patchkv_with_full_window_equals_exact(family):
-    eng = engine(family)
+    eng = engine_of(family)
     old, new = multi_edit_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     res = eng.resume(ckpt, new, strategy=get_strategy("patchkv", {"dirty_window": 10**6}), max_new_tokens=1)
@@ -81,7 +78,7 @@ def test_patchkv_with_full_window_equals_exact(family):
 
 @pytest.mark.parametrize("family", FAMILIES + ROPE_VARIANTS)
 def test_direct_rope_correction_is_exact_at_layer0(family):
-    eng = engine(family)
+    eng = engine_of(family)
     assert eng.spec.rope_supported, eng.spec.rope_unsupported_reason
     old, new = multi_edit_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
@@ -103,7 +100,7 @@ def test_direct_rope_correction_is_exact_at_layer0(family):
 
 def test_direct_differs_from_exact_beyond_layer0():
     """Deeper layers of restored rows carry stale history: direct is not exact (drift is real)."""
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     res = eng.resume(eng.checkpoint(old), new, strategy="direct", max_new_tokens=1)
     fresh = eng.checkpoint(new)
@@ -112,7 +109,7 @@ def test_direct_differs_from_exact_beyond_layer0():
 
 
 def test_unsupported_rope_falls_back_to_exact_and_says_so():
-    eng = PatchKVEngine(tiny_model("dynamic"), None, block_size=8, dirty_window=8)
+    eng = tiny_engine("dynamic")
     assert not eng.spec.rope_supported
     old, new = edited_pair(eng.spec.vocab_size)
     res = eng.resume(eng.checkpoint(old), new, strategy="direct", max_new_tokens=1)
@@ -123,7 +120,7 @@ def test_unsupported_rope_falls_back_to_exact_and_says_so():
 
 
 def test_patchkv_recomputes_window_and_last_block_only():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     # random ids: the lexical reader signal is off here, so the plan is the window + last block alone
     res = eng.resume(eng.checkpoint(old), new, strategy=get_strategy("patchkv", {"readers": "none"}), max_new_tokens=1)
@@ -139,7 +136,7 @@ def test_patchkv_recomputes_window_and_last_block_only():
 
 
 def test_mixed_precision_restore_is_close_and_smaller():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = multi_edit_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     assert ckpt.mixed is not None and ckpt.mixed.nbytes < ckpt.nbytes
@@ -155,7 +152,7 @@ def test_mixed_precision_restore_is_close_and_smaller():
 
 
 def test_corrupted_run_falls_back_to_exact_and_says_why():
-    eng = engine("llama")
+    eng = engine_of("llama")
     old, new = edited_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(old)
     for tag in ckpt.mixed.tag_rows:  # corrupt every payload of layer 0: one of them is restored
@@ -168,7 +165,7 @@ def test_corrupted_run_falls_back_to_exact_and_says_why():
 
 
 def test_continuation_from_cache_matches_generate():
-    eng = engine("qwen2")
+    eng = engine_of("qwen2")
     old, new = edited_pair(eng.spec.vocab_size)
     res = eng.resume(eng.checkpoint(old), new, strategy="prefix", max_new_tokens=6)
     ids = torch.tensor([new])
@@ -189,7 +186,7 @@ def test_continuation_from_cache_matches_generate():
 
 
 def test_resumed_state_becomes_next_checkpoint():
-    eng = engine("llama")
+    eng = engine_of("llama")
     v0, v1 = edited_pair(eng.spec.vocab_size)
     v2 = v1[:70] + [3, 4, 5] + v1[80:]
     r1 = eng.resume(eng.checkpoint(v0), v1, strategy="prefix", max_new_tokens=1)
@@ -209,7 +206,7 @@ def test_resumed_state_becomes_next_checkpoint():
     ([[1, 2]], "flat"),
 ])
 def test_bad_input_is_refused_before_compute(bad, match):
-    eng = engine("llama")
+    eng = engine_of("llama")
     with pytest.raises(ValueError, match=match):
         eng.checkpoint(bad)
     ckpt = eng.checkpoint([1, 2, 3, 4])
@@ -218,14 +215,14 @@ def test_bad_input_is_refused_before_compute(bad, match):
 
 
 def test_checkpoint_from_another_model_is_refused():
-    a, b = engine("llama"), PatchKVEngine(tiny_model("llama", seed=1), None)
+    a, b = engine_of("llama"), tiny_engine(seed=1, block_size=None, dirty_window=None)
     ckpt = b.checkpoint([1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match="another model"):
         a.resume(ckpt, [1, 2, 3, 9, 5])
 
 
 def test_unknown_strategy_and_missing_checkpoint():
-    eng = engine("llama")
+    eng = engine_of("llama")
     with pytest.raises(ValueError, match="choose one of"):
         eng.resume(eng.checkpoint([1, 2, 3]), [1, 2, 4], strategy="magic")
     with pytest.raises(ValueError, match="needs a checkpoint"):
@@ -235,7 +232,7 @@ def test_unknown_strategy_and_missing_checkpoint():
 
 
 def test_tensor_input_and_identical_versions():
-    eng = engine("gemma3")
+    eng = engine_of("gemma3")
     old, _ = edited_pair(eng.spec.vocab_size)
     ckpt = eng.checkpoint(torch.tensor(old))
     res = eng.resume(ckpt, torch.tensor(old), strategy="patchkv", max_new_tokens=1)
@@ -245,7 +242,7 @@ def test_tensor_input_and_identical_versions():
 
 
 def test_resume_from_resident_result_without_offload():
-    eng = engine("qwen3")
+    eng = engine_of("qwen3")
     v0, v1 = edited_pair(eng.spec.vocab_size)
     v2 = v1[:60] + [7, 8] + v1[64:]
     r1 = eng.resume(eng.checkpoint(v0), v1, strategy="prefix", max_new_tokens=1)

@@ -18,11 +18,8 @@ from patchkv_agent.eval.traces import RESULT_FIELDS, read_results, write_traces
 STRATS = "exact,prefix,patchkv"
 
 
-@pytest.fixture(scope="module")
-def eng(one_torch_thread):
-    from patchkv_agent.eval.tiny import tiny_engine
-
-    return tiny_engine(profile="auto")
+ENGINE = dict(profile="auto")  # the `engine` fixture (conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _trace(i: int, vocab: int = 211, n_versions: int = 3, length: int = 60) -> dict:
@@ -36,13 +33,13 @@ def _trace(i: int, vocab: int = 211, n_versions: int = 3, length: int = 60) -> d
 
 
 @pytest.fixture
-def loads(eng, monkeypatch):
+def loads(engine, monkeypatch):
     """Replace the CLI's model loading by the tiny engine; the list records each load."""
     calls = []
 
     def fake(args):
         calls.append(args.model)
-        return eng
+        return engine
 
     monkeypatch.setattr(cli, "_engine", fake)
     return calls
@@ -52,7 +49,7 @@ def _run(*argv) -> int:
     return cli.main(["replay", *map(str, argv), "--strategies", STRATS, "--max-new-tokens", "2"])
 
 
-def test_replay_writes_every_row_like_the_library(eng, loads, tmp_path, capsys):
+def test_replay_writes_every_row_like_the_library(engine, loads, tmp_path, capsys):
     traces = [_trace(0), _trace(1, n_versions=2)]
     write_traces(traces, tmp_path / "t.jsonl")
     assert _run(tmp_path / "t.jsonl", "--out", tmp_path / "r.jsonl") == 0
@@ -60,7 +57,7 @@ def test_replay_writes_every_row_like_the_library(eng, loads, tmp_path, capsys):
     assert [(r["id"], r["version"], r["strategy"]) for r in rows] == [
         (t["id"], k, s) for t in traces for k in range(1, len(t["versions"])) for s in STRATS.split(",")]
     assert all(f in r for r in rows for f in RESULT_FIELDS)
-    lib = list(replay_episode(eng, traces[0], STRATS.split(","), max_new_tokens=2))
+    lib = list(replay_episode(engine, traces[0], STRATS.split(","), max_new_tokens=2))
     assert [r["output_ids"] for r in rows[:6]] == [r["output_ids"] for r in lib]
     assert loads == ["smollm2-135m"] and "wrote 9 rows" in capsys.readouterr().out
 
@@ -109,8 +106,8 @@ def test_negative_limit_is_an_error_and_limit_takes_the_first_episodes(loads, tm
     assert {r["id"] for r in read_results(tmp_path / "r.jsonl")} == {"tiny/0"}
 
 
-def test_a_failing_episode_keeps_the_finished_rows_and_the_others_run(loads, eng, tmp_path, capsys):
-    too_long = _trace(7, length=eng.spec.max_positions + 10, n_versions=2)  # valid format, refused by the engine
+def test_a_failing_episode_keeps_the_finished_rows_and_the_others_run(loads, engine, tmp_path, capsys):
+    too_long = _trace(7, length=engine.spec.max_positions + 10, n_versions=2)  # valid format, refused by the engine
     write_traces([_trace(0, n_versions=2), too_long, _trace(1, n_versions=2)], tmp_path / "t.jsonl")
     assert _run(tmp_path / "t.jsonl", "--out", tmp_path / "r.jsonl") == 1
     rows = read_results(tmp_path / "r.jsonl")
@@ -118,7 +115,7 @@ def test_a_failing_episode_keeps_the_finished_rows_and_the_others_run(loads, eng
     assert "episode tiny/7 failed and was skipped" in capsys.readouterr().err
 
 
-def test_rows_are_on_disk_as_they_finish_and_resume_skips_them(loads, eng, tmp_path, monkeypatch):
+def test_rows_are_on_disk_as_they_finish_and_resume_skips_them(loads, engine, tmp_path, monkeypatch):
     traces = [_trace(0), _trace(1)]
     write_traces(traces, tmp_path / "t.jsonl")
     out = tmp_path / "r.jsonl"
@@ -126,7 +123,7 @@ def test_rows_are_on_disk_as_they_finish_and_resume_skips_them(loads, eng, tmp_p
     full = read_results(out)
 
     # a crash in the middle of episode tiny/1: the rows finished before it are on disk
-    real = eng.resume
+    real = engine.resume
     count = {"n": 0}
 
     def crashing(ckpt, ids, strategy="patchkv", **kw):
@@ -136,7 +133,7 @@ def test_rows_are_on_disk_as_they_finish_and_resume_skips_them(loads, eng, tmp_p
                 raise RuntimeError("killed")
         return real(ckpt, ids, strategy=strategy, **kw)
 
-    monkeypatch.setattr(eng, "resume", crashing)
+    monkeypatch.setattr(engine, "resume", crashing)
     with pytest.raises(RuntimeError, match="killed"):
         _run(tmp_path / "t.jsonl", "--out", out)
     partial = read_results(out)
@@ -144,7 +141,7 @@ def test_rows_are_on_disk_as_they_finish_and_resume_skips_them(loads, eng, tmp_p
         [(r["id"], r["version"], r["strategy"]) for r in full[:8]]  # tiny/0 whole, tiny/1 v1 exact + prefix
     with open(out, "a") as f:
         f.write('{"id": "tiny/1", "vers')  # and a cut-off line, as a kill mid-write leaves
-    monkeypatch.setattr(eng, "resume", real)
+    monkeypatch.setattr(engine, "resume", real)
 
     seen = []
     orig = cli._run_replay

@@ -1,9 +1,15 @@
-"""Test-only helpers over the one factory of tiny models, :mod:`patchkv_agent.eval.tiny` (no downloads).
+"""Test-only helpers over the one factory of tiny models and engines, :mod:`patchkv_agent.eval.tiny` (no downloads).
 
-Tests build their models and engines with :func:`patchkv_agent.eval.tiny.tiny_model` /
-:func:`~patchkv_agent.eval.tiny.tiny_engine`; this module only shares one chat model between the
-LangGraph / chat-model tests: :func:`chat_engine`, an engine over the tiny llama with 4096 positions
-(char-level chat contexts run ~1k tokens) and the char-level tokenizer.
+Tests build their engines with :func:`patchkv_agent.eval.tiny.tiny_engine` (default: the tiny llama, 8-token
+blocks and dirty window, no profile; its keywords give every variant: family, seed, sizes, blocks, tokenizer,
+engine options), mostly through conftest.py's module-scoped ``engine`` fixture (a module's ``ENGINE`` names its
+variant). This module adds presets over that factory:
+
+- :func:`chat_engine`: the engine the LangGraph / chat-model tests share: the tiny llama with 4096 positions
+  (char-level chat contexts run ~1k tokens; the model built once per seed) and the char-level tokenizer;
+- :func:`family_engine`: one engine per family and keywords for the whole session (tests parametrized over
+  families that only read the engine);
+- :func:`tiny_profile`: a minimal calibration profile of an engine.
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ def chat_engine(template: str = CHATML, **kwargs):
     opts = dict(block_size=16, dirty_window=16, profile="auto")
     opts.update(kwargs)
     return tiny_engine(model=chat_model(), chat_template=template, **opts)
+
+
+@functools.lru_cache(maxsize=None)
+def family_engine(family: str = "llama", **kwargs):
+    """``tiny_engine(family, **kwargs)``, built once per arguments and shared: only for tests that do not
+    change the engine (settings, weights)."""
+    return tiny_engine(family, **kwargs)
 
 
 def tiny_profile(engine, *, readers: tuple[str, ...] = ("none",), model_name: str = "tiny") -> dict:

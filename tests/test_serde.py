@@ -1,10 +1,11 @@
-"""The trust boundary of files read from outside the process (issue 22).
+"""Checkpointer databases read from outside the process (``replay --from-checkpointer``), through the
+allowlist deserializer of ``patchkv_agent/langgraph/serde.py``.
 
-- checkpointer databases (``replay --from-checkpointer``): read through the allowlist deserializer; a
-  database crafted to run code never runs it (a marker file is never written), other hostile files give
-  one line and a non-zero exit;
-- the dequantized-weights cache (``core.models``): hashed when written, verified on load, rebuilt with
-  a log line when tampered with, replaced, truncated or unreadable.
+- issue 22: a database crafted to run code never runs it (a marker file is never written), other hostile
+  files give one line and a non-zero exit; the serializer reads what LangGraph writes;
+- issue 32, finding 3: ``replay --from-checkpointer`` decoded a database of empty msgpack maps at 74x
+  amplification. Now every blob's values are counted (and containers' declared lengths checked) before it
+  is decoded (the test fails on the code before the fix).
 """
 
 from __future__ import annotations
@@ -214,128 +215,67 @@ def test_the_serializer_reads_what_langgraph_writes_and_round_trips_plain_values
         AllowlistSerializer(max_blob_bytes=10).loads_typed(("msgpack", b"\x90" * 11))
 
 
-# --------------------------------------------------------------------------- the dequantized-weights cache
+# --------------------------------------------------------------------------- decoding costs (issue 32, finding 3)
 
 
-@pytest.fixture
-def fake_gguf(tmp_path, monkeypatch):
-    """A ``.gguf`` path whose "dequantization" saves a tiny llama + char tokenizer (no real model);
-    the list records each build."""
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from patchkv_agent.eval.tiny import tiny_chat_tokenizer, tiny_model
-
-    from patchkv_agent import loading as models
-
-    monkeypatch.setenv("PATCHKV_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF not really, but hashed like one")
-    builds = []
-
-    def build(src, out, attn):
-        builds.append(src)
-        tiny_model("llama", seed=0).save_pretrained(out, safe_serialization=True)
-        tiny_chat_tokenizer().save_pretrained(out)
-
-    monkeypatch.setattr(models, "_build_dequantized", build)
-    models._VERIFIED.clear()
-    torch.manual_seed(0)
-    return gguf, builds
+def _db(path: Path, blob: bytes, type_: str = "msgpack") -> Path:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE checkpoints (thread_id TEXT, checkpoint_ns TEXT, checkpoint_id TEXT, "
+                 "parent_checkpoint_id TEXT, type TEXT, checkpoint BLOB, metadata BLOB)")
+    for i in range(3):
+        conn.execute("INSERT INTO checkpoints VALUES ('t', '', ?, NULL, ?, ?, NULL)", (f"c{i}", type_, blob))
+    conn.commit()
+    conn.close()
+    return path
 
 
-def _weights(model) -> dict:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+EMPTY_MAPS = b"\xdd" + (2_000_000).to_bytes(4, "big") + b"\x80" * 2_000_000  # 2 MB of empty maps: ~150 MB decoded
+HOSTILE_BLOBS = {
+    "empty maps": ("msgpack", EMPTY_MAPS),
+    "empty maps inside an extension": ("msgpack", ormsgpack.packb(
+        {"v": 4, "channel_values": {"x": ormsgpack.Ext(7, EMPTY_MAPS)}})),
+    "a length beyond the blob": ("msgpack", b"\xdf\xff\xff\xff\xff" + b"\xc0" * 16),
+    "JSON empty objects": ("json", b"[" + b"{}," * 1_500_000 + b"{}]"),
+}
 
 
-def _same(a: dict, b: dict) -> bool:
-    import torch
+@pytest.mark.parametrize("case", list(HOSTILE_BLOBS))
+def test_a_blob_that_would_decode_far_beyond_its_size_is_refused_before_decoding(tmp_path, case, monkeypatch):
+    from patchkv_agent import cli
+    from patchkv_agent.eval.replay import traces_from_checkpointer
 
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    type_, blob = HOSTILE_BLOBS[case]
+    db = _db(tmp_path / "amp.sqlite", blob, type_)
 
+    def never(*a, **k):
+        raise AssertionError("the blob was decoded")
 
-def _cache_dir(gguf: Path) -> Path:
-    from patchkv_agent.loading import gguf_cache_path
-
-    return gguf_cache_path(gguf)
-
-
-def _flip(path: Path, at: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x5A
-    path.write_bytes(bytes(data))
-
-
-def _other_model(path: Path) -> None:
-    from safetensors.torch import save_file
-    from patchkv_agent.eval.tiny import tiny_model
-
-    save_file({k: v.contiguous() for k, v in tiny_model("llama", seed=1).state_dict().items()
-               if k != "lm_head.weight"}, str(path), metadata={"format": "pt"})
+    monkeypatch.setattr(ormsgpack, "unpackb", never)
+    monkeypatch.setattr(json, "loads", never)
+    with pytest.raises(ValueError, match=r"more than \d+ values|more than the \d+ bytes left") as e:
+        traces_from_checkpointer(f"sqlite:{db}")
+    assert "\n" not in str(e.value) and "amp.sqlite" in str(e.value)
+    loads = []
+    monkeypatch.setattr(cli, "_engine", lambda args: loads.append(args))
+    with pytest.raises(SystemExit) as ex:
+        cli.main(["replay", "--from-checkpointer", f"sqlite:{db}", "--out", str(tmp_path / "r.jsonl")])
+    assert ex.value.code == 2 and "\n" not in str(ex.value) and loads == []
 
 
-def _unreadable(path: Path) -> None:
-    path.unlink()
-    path.mkdir()
+def test_the_census_accepts_what_langgraph_writes():
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
+    from patchkv_agent.langgraph.serde import AllowlistSerializer, msgpack_census
 
-@pytest.mark.parametrize("tamper,reason", [
-    (lambda d: _flip(d / "model.safetensors", -100), "does not match its recorded sha256"),
-    (lambda d: _other_model(d / "model.safetensors"), "does not match its recorded sha256|bytes, the manifest"),
-    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]), "truncated"),
-    (lambda d: _unreadable(d / "model.safetensors"), "not a regular file"),
-    (lambda d: (d / "patchkv_manifest.json").unlink(), "no patchkv_manifest.json"),
-    (lambda d: (d / "patchkv_manifest.json").write_text("{not json"), "unreadable patchkv_manifest.json"),
-    (lambda d: (d / "pytorch_model.bin").write_bytes(b"pickle"), "unexpected \\['pytorch_model.bin'\\]"),
-    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace("64", "65", 1)),
-     "config.json does not match"),
-])
-def test_a_tampered_weight_cache_is_rebuilt_with_a_log_line(fake_gguf, tamper, reason, caplog):
-    from patchkv_agent.loading import load_model
-
-    gguf, builds = fake_gguf
-    model, _ = load_model(str(gguf))
-    good = _weights(model)
-    assert len(builds) == 1 and (_cache_dir(gguf) / "patchkv_manifest.json").is_file()
-    tamper(_cache_dir(gguf))
-    with caplog.at_level("WARNING", logger="patchkv_agent.core.models"):
-        again, _ = load_model(str(gguf))
-    assert len(builds) == 2, "the tampered cache was loaded instead of rebuilt"
-    assert _same(_weights(again), good)
-    lines = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
-    assert len(lines) == 1 and __import__("re").search(reason, lines[0]), lines
-    assert not list(_cache_dir(gguf).parent.glob("*.bad-*"))  # the bad copy is gone
-
-
-def test_an_intact_cache_is_hashed_once_per_process(fake_gguf, monkeypatch):
-    from patchkv_agent import loading as models
-
-    gguf, builds = fake_gguf
-    first, _ = models.load_model(str(gguf))
-    hashed = []
-    real = models._sha256
-    monkeypatch.setattr(models, "_sha256", lambda p: hashed.append(Path(p).name) or real(p))
-    for _ in range(2):
-        again, _ = models.load_model(str(gguf))
-        assert _same(_weights(again), _weights(first))
-    assert len(builds) == 1
-    assert hashed == ["tiny.gguf", "tiny.gguf"]  # the source's own key; no cached file hashed again
-    files = sorted(p.name for p in _cache_dir(gguf).iterdir() if p.name != "patchkv_manifest.json")
-    del hashed[:]
-    models._VERIFIED.clear()  # a new process: every cached file hashed once
-    models.load_model(str(gguf))
-    assert hashed == ["tiny.gguf", *files] and len(builds) == 1
-
-
-def test_a_forged_manifest_over_a_broken_file_is_rebuilt_when_loading_fails(fake_gguf, caplog):
-    from patchkv_agent.loading import load_model, write_cache_manifest
-
-    gguf, builds = fake_gguf
-    good = _weights(load_model(str(gguf))[0])
-    d = _cache_dir(gguf)
-    (d / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
-    write_cache_manifest(d, json.loads((d / "patchkv_manifest.json").read_text())["source_sha256"])
-    with caplog.at_level("WARNING", logger="patchkv_agent.core.models"):
-        again, _ = load_model(str(gguf))
-    assert len(builds) == 2 and _same(_weights(again), good)
-    assert any("loading it failed" in r.getMessage() for r in caplog.records)
+    msgs = []
+    for i in range(300):
+        msgs += [HumanMessage(f"question {i} " * 20), AIMessage("", tool_calls=[
+            {"name": "search", "args": {"q": f"x{i}", "k": [1, 2.5, None]}, "id": f"c{i}"}]),
+            ToolMessage("result " * 50, tool_call_id=f"c{i}")]
+    type_, blob = JsonPlusSerializer().dumps_typed({"v": 4, "channel_values": {"messages": msgs}})
+    assert 0 < msgpack_census(blob) < 100_000
+    got = AllowlistSerializer().loads_typed((type_, blob))
+    assert got["channel_values"]["messages"] == msgs
+    with pytest.raises(ValueError, match="more than 1000 values"):
+        AllowlistSerializer(max_objects=1000).loads_typed((type_, blob))

@@ -24,11 +24,6 @@ TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def eng():
-    return tiny_engine()
-
-
 def ctx(seed: int, n: int = 120, vocab: int = 211) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
@@ -65,7 +60,7 @@ def _direct_run(e: PatchKVEngine, vs: list[list[int]]) -> list[tuple[list[int], 
     return out
 
 
-def test_two_registries_and_direct_callers_share_one_engine(eng):
+def test_two_registries_and_direct_callers_share_one_engine(engine):
     """Two registries on one engine plus direct checkpoint/resume callers, all at once, from 6 threads:
     every result equals the same work run alone (crashed on e3677db: 'this model is already inside another
     AttentionCapture' / 'attn and resid must be 1-D')."""
@@ -73,10 +68,10 @@ def test_two_registries_and_direct_callers_share_one_engine(eng):
         f"d-{i}": versions(20 + i) for i in range(2)}
     solo = {}
     for name, vs in jobs.items():
-        solo[name] = (_direct_run(eng, vs) if name.startswith("d") else
-                      _registry_run(ThreadRegistry(eng), thread_key(name), vs))
-    r1, r2 = ThreadRegistry(eng), ThreadRegistry(eng)
-    assert r1.forward_lock is eng.forward_lock is r2.forward_lock
+        solo[name] = (_direct_run(engine, vs) if name.startswith("d") else
+                      _registry_run(ThreadRegistry(engine), thread_key(name), vs))
+    r1, r2 = ThreadRegistry(engine), ThreadRegistry(engine)
+    assert r1.forward_lock is engine.forward_lock is r2.forward_lock
     got, errors = {}, []
     barrier = threading.Barrier(len(jobs))
 
@@ -85,7 +80,7 @@ def test_two_registries_and_direct_callers_share_one_engine(eng):
             barrier.wait()
             vs = jobs[name]
             if name.startswith("d"):
-                got[name] = _direct_run(eng, vs)
+                got[name] = _direct_run(engine, vs)
             else:
                 got[name] = _registry_run(r1 if name.startswith("r1") else r2, thread_key(name), vs)
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -104,23 +99,23 @@ def test_two_registries_and_direct_callers_share_one_engine(eng):
             assert (lg_a - lg_b).abs().max().item() <= TOL, name
 
 
-def test_forward_lock_is_reentrant_and_held_by_resume(eng):
+def test_forward_lock_is_reentrant_and_held_by_resume(engine):
     old = ctx(3)
-    ckpt = eng.checkpoint(old)
-    with eng.forward_lock:  # a caller holding it can still call the engine (re-entrant)
-        r = eng.resume(ckpt, old[:60] + [5, 6, 7] + old[64:], strategy="patchkv", max_new_tokens=2)
+    ckpt = engine.checkpoint(old)
+    with engine.forward_lock:  # a caller holding it can still call the engine (re-entrant)
+        r = engine.resume(ckpt, old[:60] + [5, 6, 7] + old[64:], strategy="patchkv", max_new_tokens=2)
     assert r.stats["fallback"] is None
     held = threading.Event()
     release = threading.Event()
     done = []
 
     def holder():
-        with eng.forward_lock:
+        with engine.forward_lock:
             held.set()
             release.wait(30)
 
     def resumer():
-        done.append(eng.resume(None, old, strategy="exact", max_new_tokens=1))
+        done.append(engine.resume(None, old, strategy="exact", max_new_tokens=1))
 
     t1 = threading.Thread(target=holder)
     t1.start()
@@ -263,70 +258,70 @@ BAD_IDS = [
 
 
 @pytest.mark.parametrize("ids, words", BAD_IDS, ids=[f"{i}-{w}" for i, (_, w) in enumerate(BAD_IDS)])
-def test_bad_ids_are_rejected_at_every_entry(eng, ids, words):
-    ckpt = eng.checkpoint(ctx(7))
-    reg = ThreadRegistry(eng)
-    for call in (lambda: eng.checkpoint(ids),
-                 lambda: eng.resume(None, ids, strategy="exact"),
-                 lambda: eng.resume(ckpt, ids, strategy="patchkv"),
+def test_bad_ids_are_rejected_at_every_entry(engine, ids, words):
+    ckpt = engine.checkpoint(ctx(7))
+    reg = ThreadRegistry(engine)
+    for call in (lambda: engine.checkpoint(ids),
+                 lambda: engine.resume(None, ids, strategy="exact"),
+                 lambda: engine.resume(ckpt, ids, strategy="patchkv"),
                  lambda: reg.generate(thread_key("t"), ids),
-                 lambda: resume_from_store(eng, MemoryStore(), MemoryStore().key_for(ckpt, thread_id="t", version=1),
+                 lambda: resume_from_store(engine, MemoryStore(), MemoryStore().key_for(ckpt, thread_id="t", version=1),
                                            ids)):
         with pytest.raises(InvalidInput, match=words):
             call()
     assert reg.keys() == [] or reg.handle(thread_key("t")) is None  # nothing half-created
 
 
-def test_bad_ids_are_both_value_and_type_errors(eng):
+def test_bad_ids_are_both_value_and_type_errors(engine):
     with pytest.raises(ValueError):
-        eng.resume(None, [1.5], strategy="exact")
+        engine.resume(None, [1.5], strategy="exact")
     with pytest.raises(TypeError):
-        eng.resume(None, ["5"], strategy="exact")
+        engine.resume(None, ["5"], strategy="exact")
 
 
-def test_good_id_containers_are_accepted_unchanged(eng):
+def test_good_id_containers_are_accepted_unchanged(engine):
     ids = ctx(8, n=40)
-    ref = eng.resume(None, ids, strategy="exact", max_new_tokens=2)
+    ref = engine.resume(None, ids, strategy="exact", max_new_tokens=2)
     for form in (tuple(ids), np.asarray(ids, dtype=np.int32), np.asarray(ids, dtype=np.uint16),
                  torch.tensor(ids, dtype=torch.int32), [np.int64(t) for t in ids]):
-        r = eng.resume(None, form, strategy="exact", max_new_tokens=2)
+        r = engine.resume(None, form, strategy="exact", max_new_tokens=2)
         assert r.output_ids == ref.output_ids and np.array_equal(r.context_ids, np.asarray(ids))
 
 
-def test_encode_rejects_a_dict_and_validates_ids(eng):
+def test_encode_rejects_a_dict_and_validates_ids(engine):
     with pytest.raises(InvalidInput, match="wrap the message in a list"):
-        eng.encode({"role": "user", "content": "hi"})
+        engine.encode({"role": "user", "content": "hi"})
     with pytest.raises(InvalidInput, match="float"):
-        eng.encode([1.7, 5.2])
-    assert eng.encode(np.array([4, 5])) == [4, 5]
+        engine.encode([1.7, 5.2])
+    assert engine.encode(np.array([4, 5])) == [4, 5]
 
 
 @pytest.mark.parametrize("bad", [-1, 2.5, "3", None, True, float("nan")])
-def test_bad_max_new_tokens_fail_before_any_compute(eng, bad):
+def test_bad_max_new_tokens_fail_before_any_compute(engine, bad):
     ids = ctx(9, n=30)
-    reg = ThreadRegistry(eng)
-    for call in (lambda: eng.resume(None, ids, strategy="exact", max_new_tokens=bad),
+    reg = ThreadRegistry(engine)
+    for call in (lambda: engine.resume(None, ids, strategy="exact", max_new_tokens=bad),
                  lambda: reg.generate(thread_key("m"), ids, max_new_tokens=bad)):
         with pytest.raises(InvalidInput, match="max_new_tokens must be a non-negative int"):
             call()
     assert reg.handle(thread_key("m")) is None  # the registry did not advance the thread
 
 
-def test_max_new_tokens_is_clipped_to_the_remaining_positions(eng):
-    n_max = eng.spec.max_positions
+def test_max_new_tokens_is_clipped_to_the_remaining_positions(engine):
+    n_max = engine.spec.max_positions
     ids = ctx(10, n=n_max - 2)
-    r = eng.resume(None, ids, strategy="exact", max_new_tokens=10)
+    r = engine.resume(None, ids, strategy="exact", max_new_tokens=10)
     assert len(r.output_ids) <= 2
-    ref = eng.resume(None, ids, strategy="exact", max_new_tokens=2)
+    ref = engine.resume(None, ids, strategy="exact", max_new_tokens=2)
     assert r.output_ids == ref.output_ids
-    reg = ThreadRegistry(eng)
+    reg = ThreadRegistry(engine)
     assert len(reg.generate(thread_key("c"), ids, max_new_tokens=10).output_ids) <= 2
     full = ctx(11, n=n_max)
-    assert eng.resume(None, full, strategy="exact", max_new_tokens=0).output_ids == []
+    assert engine.resume(None, full, strategy="exact", max_new_tokens=0).output_ids == []
     with pytest.raises(InvalidInput, match="already fill the model's"):
-        eng.resume(None, full, strategy="exact", max_new_tokens=1)
+        engine.resume(None, full, strategy="exact", max_new_tokens=1)
     with pytest.raises(InvalidInput, match="maximum of"):
-        eng.resume(None, ctx(12, n=n_max + 1), strategy="exact", max_new_tokens=0)
+        engine.resume(None, ctx(12, n=n_max + 1), strategy="exact", max_new_tokens=0)
 
 
 @pytest.mark.parametrize("bad", ["-1", "2.5", "three", ""])

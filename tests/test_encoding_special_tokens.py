@@ -35,9 +35,7 @@ def weather(city: str) -> str:
     return city
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return chat_engine()
+ENGINE = chat_engine  # the `engine` fixture (conftest.py)
 
 
 def _conversation(tool_text: str) -> list:

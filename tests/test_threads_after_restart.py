@@ -30,9 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 A, B = thread_key("a"), thread_key("b")
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return chat_engine()
+ENGINE = chat_engine  # the `engine` fixture (conftest.py)
 
 
 def ctx(seed: int, n: int = 200) -> list[int]:

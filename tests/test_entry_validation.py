@@ -44,11 +44,6 @@ TAGS = np.array([Tag.K4V4, Tag.K8V4, Tag.K8V8, Tag.FP16, Tag.K4V4, Tag.K8V8], dt
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tiny_engine(seed=0)
-
-
-@pytest.fixture(scope="module")
 def base(engine):
     """A checkpoint of 48 tokens whose mixed runs hold every format (K4V4 included), and an edited context."""
     rng = np.random.default_rng(7)
