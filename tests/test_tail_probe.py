@@ -19,7 +19,7 @@ from patchkv_agent.core import layerwise
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.layerwise import row_deviation
 from patchkv_agent.core.plan import LengthModel, PlanDraft, plan_repair, rule_last_block, rule_recency
-from patchkv_agent.eval.tiny import tiny_model
+from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.strategies import PatchKVStrategy
 from test_recovery import edited_pair
 
@@ -29,8 +29,7 @@ WINDOW = 48
 
 
 def make_engine(family: str = "llama") -> PatchKVEngine:
-    return PatchKVEngine(tiny_model(family, 0, layers=LAYERS), None, block_size=8, dirty_window=4,
-                         mixed_precision=False, readers="none", profile=None)
+    return tiny_engine(family, layers=LAYERS, dirty_window=4, mixed_precision=False, readers="none")
 
 
 def run(eng, ckpt, new, **options):

@@ -37,7 +37,7 @@ DEFAULT_REWRITE_SHARE = 0.35
 # next-action agreement on held-out agent-clear resumes, docs/calibration.md "The agent stage: selecting recent_window")
 DEFAULT_RECENT_WINDOW = 0
 # small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
-# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, runs/results/LOG.md "Small restores")
+# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, runs/results/LOG.md "The small-restore rule")
 DEFAULT_MIN_RESTORE_SHARE = 0.0
 # measured tail rule (rule_recency with tail_threshold > 0): the layer at which the probed tail blocks' fresh K/V
 # are compared with the restored rows. Layer 0's rows depend on the token alone (restored rows equal fresh ones up
