@@ -234,3 +234,21 @@ def test_a_stored_entry_with_hostile_stats_is_corrupt(stats):
     old["stats"] = OLD_STATS  # an entry written before provenance was typed
     old["meta_xxh3"] = meta_checksum(old)
     assert decode_checkpoint(old, blobs, key).provenance.exact_rows == 87
+
+
+def test_the_middleware_adds_its_fields_through_the_call_part():
+    from langchain_core.messages import AIMessage
+
+    from patchkv_agent.langgraph.middleware import annotate
+
+    st = ResumeStats(_engine_part(offload_s=2.0)).with_runtime(base=BaseKind.BACKGROUND, offload_wait_s=0.5)
+    st = st.with_call(tool_mode="json", output_tokens=3)
+    msg = AIMessage(content="x", response_metadata={"patchkv": st.to_json(), "model_name": "m"})
+    annotate(msg, 1.25)
+    got = ResumeStats.from_json(msg.response_metadata["patchkv"])
+    assert got.call == CallPart(tool_mode="json", output_tokens=3, tool_s=1.25, offload_hidden_share=0.75)
+    assert got.engine.to_dict() == st.engine.to_dict() and got.runtime == st.runtime
+    odd = {"strategy": "mine"}  # not stats a PatchKVChatModel wrote: left alone, never raised
+    msg = AIMessage(content="x", response_metadata={"patchkv": odd})
+    annotate(msg, 1.0)
+    assert msg.response_metadata["patchkv"] is odd and odd == {"strategy": "mine"}

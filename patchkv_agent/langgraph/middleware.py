@@ -55,11 +55,15 @@ def response_message(result: Any) -> AIMessage | None:
 
 def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
     """Set ``tool_s`` and ``offload_hidden_share`` in the call part of a response's PatchKV stats (the message's
-    ``response_metadata["patchkv"]`` becomes the JSON form of the stats with them)."""
+    ``response_metadata["patchkv"]`` becomes the JSON form of the stats with them); metadata that does not read
+    as :class:`~patchkv_agent.results.ResumeStats` is left as it is."""
     raw = msg.response_metadata.get("patchkv") if msg is not None else None
     if not isinstance(raw, dict):
         return
-    st = ResumeStats.from_json(raw)
+    try:
+        st = ResumeStats.from_json(raw)
+    except (KeyError, TypeError, ValueError):  # not stats a PatchKVChatModel wrote: left as they are
+        return
     off, wait, hidden = st.offload_s, st.offload_wait_s or 0.0, None
     if st.base in (BaseKind.RESIDENT, BaseKind.PREPARED):  # resumed without the offload: none of it waited for
         hidden = 1.0
