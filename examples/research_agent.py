@@ -188,7 +188,7 @@ def build_graph(model: PatchKVChatModel, ex: dict, search: PassageSearch, args, 
             registry.fork(key, shadow)   # both start from the same exact version 1
             ref = None
         else:
-            ref = registry.generate(shadow, model.render(msgs)[1], strategy="prefix", max_new_tokens=1).stats
+            ref = registry.generate(shadow, model.render(msgs)[1], strategy="prefix", max_new_tokens=1).stats.to_json()
         row = {"turn": state["turn"], "edit": EDITS.get(state["turn"], "initial" if state["turn"] == 1 else "append"),
                "patchkv": st, "prefix": ref, "answer": ai.content.strip(), "f1": token_f1(ai.content, ex["answers"]),
                "tool_s": (state.get("log") or [{}])[-1].get("tool_s")}

@@ -6,8 +6,9 @@ Public entry point: :class:`PatchKVEngine` (checkpoint a context version, resume
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RuntimeStats", "RecoverySettings", "Fallback", "FallbackKind",
-           "Checkpoint", "__version__"]
+__all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "EnginePart", "RuntimePart", "CallPart", "BaseKind",
+           "PreparedOutcome", "RecoverySettings", "Fallback", "FallbackKind", "Checkpoint", "CheckpointProvenance",
+           "Source", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,7 +17,7 @@ def __getattr__(name: str):
         from .engine import PatchKVEngine
 
         return PatchKVEngine
-    if name in ("ResumeResult", "ResumeStats", "RuntimeStats"):
+    if name in ("ResumeResult", "ResumeStats", "EnginePart", "RuntimePart", "CallPart", "BaseKind", "PreparedOutcome"):
         from . import results
 
         return getattr(results, name)
@@ -28,6 +29,10 @@ def __getattr__(name: str):
         from .core import fallback
 
         return getattr(fallback, name)
+    if name in ("CheckpointProvenance", "Source"):
+        from .core import provenance
+
+        return getattr(provenance, name)
     if name == "Checkpoint":
         from .core.checkpoint import Checkpoint
 

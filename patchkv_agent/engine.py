@@ -6,9 +6,10 @@ recomputes, and decodes greedily. Validates input before any compute (one valida
 :mod:`patchkv_agent.core.inputs`); an unsupported case (RoPE kind, a corrupt run, weights changed in
 place since the checkpoint) takes the exact path and says so in ``stats["fallback"]`` (a
 :class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
-:class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; stats are
-:class:`ResumeStats`. The engine owns the model's forward lock and its attention capture: any number
-of registries and direct callers may share one engine.
+:class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; the engine writes the
+:class:`~patchkv_agent.results.EnginePart` of a result's :class:`ResumeStats` and a checkpoint's
+:class:`~patchkv_agent.core.provenance.CheckpointProvenance`. The engine owns the model's forward lock and
+its attention capture: any number of registries and direct callers may share one engine.
 
 Knows models, diff, plan, strategies and recovery; knows nothing about the runtime or LangGraph.
 """
@@ -41,7 +42,8 @@ from .kernels import native
 from .core.weights import WeightWatch, model_lock
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
-from .results import ResumeResult, ResumeStats
+from .core.provenance import CheckpointProvenance, Source
+from .results import EnginePart, PrepareStats, ResumeResult, ResumeStats
 from .strategies import Strategy, get_strategy
 from .strategies.resume import run_resume, scores_for
 
@@ -402,11 +404,11 @@ class PatchKVEngine:
                 scores = cap.scores()
             ckpt = self._offload(ids, out.keys, out.values, scores, fp)
         t1 = time.perf_counter()
-        ckpt = replace(ckpt, words=self._words_for(ids, None))  # once per version: resumes carry them on
-        ckpt.stats.update(words_s=time.perf_counter() - t1)
-        ckpt.stats.update(offload_s=time.perf_counter() - t0, prefill_s=out.stats.recompute_s,
-                          stats_s=getattr(cap, "elapsed_s", None), source="prefill")
-        return ckpt
+        words = self._words_for(ids, None)  # once per version: resumes carry them on
+        prov = ckpt.provenance.replace(words_s=time.perf_counter() - t1, offload_s=time.perf_counter() - t0,
+                                       prefill_s=out.stats.recompute_s, stats_s=getattr(cap, "elapsed_s", None),
+                                       source=Source.PREFILL)
+        return replace(ckpt, words=words, provenance=prov)
 
     def _words_for(self, ids: np.ndarray, words: np.ndarray | None) -> np.ndarray | None:
         """Word ids of ``ids`` from ``words`` (those of ``ids[:len(words)]``): as they are, extended over
@@ -432,17 +434,11 @@ class PatchKVEngine:
                                 block_size=settings.block_size, policy=settings.precision_policy, timings=stages)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         t1 = time.perf_counter()
-        ckpt = Checkpoint(
-            token_ids=np.asarray(ids, dtype=np.int64).copy(),
-            keys=[_host(k[0].detach()) for k in keys],
-            values=[_host(v[0].detach()) for v in values],
-            fingerprint=fp,
-            scores=scores,
-            mixed=mixed,
-            stats={"quantize_s": t1 - t0, **stages},
-        )
-        ckpt.stats["copy_s"] = time.perf_counter() - t1
-        return ckpt
+        token_ids = np.asarray(ids, dtype=np.int64).copy()
+        host_k, host_v = [_host(k[0].detach()) for k in keys], [_host(v[0].detach()) for v in values]
+        prov = CheckpointProvenance(quantize_s=t1 - t0, copy_s=time.perf_counter() - t1, **stages)
+        return Checkpoint(token_ids=token_ids, keys=host_k, values=host_v, fingerprint=fp, scores=scores, mixed=mixed,
+                          provenance=prov)
 
     @torch.no_grad()
     def checkpoint_from(self, result: ResumeResult) -> Checkpoint:
@@ -459,9 +455,10 @@ class PatchKVEngine:
             result: a :class:`ResumeResult` of this engine.
 
         Returns:
-            A :class:`Checkpoint` of ``result.context_ids``; ``stats`` has ``offload_s``, ``stats_s`` (0.0
-            when the resume's statistics were reused), ``quantize_s`` (with mixed runs split into
-            ``value_residual_s``, ``key_residual_s``, ``tags_s``, ``pack_s``), ``copy_s`` and ``source``.
+            A :class:`Checkpoint` of ``result.context_ids``; its ``provenance`` has ``source``
+            (``Source.RESUME``), ``exact_rows``, ``offload_s``, ``stats_s`` (0.0 when the resume's statistics
+            were reused), ``quantize_s`` (with mixed runs split into ``value_residual_s``, ``key_residual_s``,
+            ``tags_s``, ``pack_s``) and ``copy_s``.
         """
         ids = result.context_ids
         n = len(ids)
@@ -483,11 +480,11 @@ class PatchKVEngine:
                     stats_s = time.perf_counter() - t0
         else:
             fp = result.fingerprint
-        ckpt = replace(self._offload(ids, result.keys, result.values, scores, fp),
-                       words=self._words_for(ids, result.words))
-        ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume",
-                          exact_rows=result.exact_rows)
-        return ckpt
+        ckpt = self._offload(ids, result.keys, result.values, scores, fp)
+        words = self._words_for(ids, result.words)
+        prov = ckpt.provenance.replace(offload_s=time.perf_counter() - t0, stats_s=stats_s, source=Source.RESUME,
+                                       exact_rows=result.exact_rows)
+        return replace(ckpt, words=words, provenance=prov)
 
     @torch.no_grad()
     def heal(self, result: ResumeResult) -> ResumeResult:
@@ -505,8 +502,8 @@ class PatchKVEngine:
 
         Returns:
             ``result`` itself when nothing is approximate; otherwise a copy whose K/V equal a full prefill of
-            its ids (to fp tolerance), ``exact_rows`` = all rows, and ``stats["heal_s"]`` /
-            ``stats["healed_rows"]`` recorded (the resume's own stats are copied, not changed).
+            its ids (to fp tolerance), ``exact_rows`` = all rows, and ``stats.heal_s`` /
+            ``stats.healed_rows`` recorded in its engine part (the resume's own stats are not changed).
         """
         if not result.approx_rows:
             return result
@@ -522,7 +519,7 @@ class PatchKVEngine:
                               [v[0] for v in result.values])
             scores = cap.scores() if cap is not None and cap.n_records else None
         dt = time.perf_counter() - t0
-        stats = replace(result.stats, heal_s=dt, healed_rows=n - start, extras=dict(result.stats.extras))
+        stats = result.stats.with_engine(heal_s=dt, healed_rows=n - start)
         return replace(result, keys=out.keys, values=out.values, exact_rows=n, stats=stats,
                        scores=scores[:n] if scores is not None and len(scores) >= n else result.scores)
 
@@ -543,7 +540,8 @@ class PatchKVEngine:
         Returns:
             A :class:`ResumeResult` (``strategy`` ``"prepared"``, no decode) whose ``context_ids`` are the
             prepared ids (fewer when stopped) and whose K/V equal a full prefill of them;
-            ``stats.extras`` has ``reused_rows``, ``computed_rows``, ``chunks``, ``stopped``, ``forward_s``.
+            ``stats.prepare`` (a :class:`~patchkv_agent.results.PrepareStats`) has ``reused_rows``,
+            ``computed_rows``, ``chunks``, ``stopped``, ``forward_s``.
 
         Raises:
             InvalidInput: bad ids.
@@ -560,13 +558,13 @@ class PatchKVEngine:
                              base_values=base.values if reuse else None, reuse_rows=reuse, lock=self.forward_lock,
                              chunk_tokens=chunk_tokens, should_stop=should_stop, capture_factory=self._capture)
         done = len(prep.token_ids)
-        stats = ResumeStats(strategy="prepared", prompt_tokens=done, prefix_tokens=prep.reused_rows, new_tokens=0,
-                            suffix_tokens=0, recompute_tokens=prep.computed_rows,
-                            recompute_ratio=prep.computed_rows / max(1, done - prep.reused_rows), restore_tokens=0,
-                            payload_bytes=0, ttft_s=prep.elapsed_s, plan_s=0.0, restore_s=0.0,
-                            recompute_s=prep.forward_s, offload_s=None, stats_s=None, quantize_s=None, fallback=None,
-                            extras={"reused_rows": prep.reused_rows, "computed_rows": prep.computed_rows,
-                                    "chunks": prep.chunks, "stopped": prep.stopped, "forward_s": prep.forward_s})
+        work = PrepareStats(reused_rows=prep.reused_rows, computed_rows=prep.computed_rows, chunks=prep.chunks,
+                            stopped=prep.stopped, forward_s=prep.forward_s)
+        stats = ResumeStats(EnginePart(
+            strategy="prepared", prompt_tokens=done, prefix_tokens=prep.reused_rows, new_tokens=0, suffix_tokens=0,
+            recompute_tokens=prep.computed_rows, recompute_ratio=prep.computed_rows / max(1, done - prep.reused_rows),
+            restore_tokens=0, payload_bytes=0, ttft_s=prep.elapsed_s, plan_s=0.0, restore_s=0.0,
+            recompute_s=prep.forward_s, offload_s=None, stats_s=None, quantize_s=None, fallback=None, prepare=work))
         return ResumeResult(logits=prep.logits, output_ids=[], cache=None, stats=stats, context_ids=prep.token_ids,
                             keys=prep.keys, values=prep.values, fingerprint=self.spec.fingerprint,
                             scores=prep.scores, exact_rows=done)
@@ -610,8 +608,8 @@ class PatchKVEngine:
                           keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
                           fingerprint=result.fingerprint or self.spec.fingerprint, scores=scores_for(result),
                           mixed=None, words=self._words_for(ids, result.words),
-                          stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
-                                 "exact_rows": result.exact_rows})
+                          provenance=CheckpointProvenance(offload_s=0.0, quantize_s=0.0, source=Source.RESIDENT,
+                                                          exact_rows=result.exact_rows))
 
     # ---------------------------------------------------------------- resume
 

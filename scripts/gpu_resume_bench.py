@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             _sync(device)
             out["checkpoints"].append({"tokens": n, "checkpoint_ms": (time.perf_counter() - t) * 1e3,
                                        "source": source,
-                                       **{k[:-2] + "_ms": (v * 1e3 if isinstance(v, float) else v) for k, v in ckpt.stats.items()
+                                       **{k[:-2] + "_ms": (v * 1e3 if isinstance(v, float) else v) for k, v in ckpt.provenance.to_json().items()
                                           if k.endswith("_s")}})
         except Exception as e:  # noqa: BLE001 - this length fails, the next one may not
             out["errors"].append({"tokens": n, "stage": "checkpoint", "error": f"{type(e).__name__}: {e}"[:500]})

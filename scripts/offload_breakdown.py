@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     rows = {"resume_statistics": [], "tail_recapture": []}
     for _ in range(args.repeats):
         for name, r in (("resume_statistics", res), ("tail_recapture", dataclasses.replace(res, scores=None))):
-            st = eng.checkpoint_from(r).stats
+            st = eng.checkpoint_from(r).provenance.to_json()
             rows[name].append({k: float(st.get(k) or 0.0) for k in ("offload_s", "stats_s", "quantize_s", "copy_s",
                                                                     "value_residual_s", "key_residual_s", "tags_s",
                                                                     "pack_s")})

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         sync()
         th = reg._peek(reg.active(a))  # the preparation's own stats (reading, not driving, the registry)
         prep = th.preparation.result if th is not None and th.preparation is not None else None
-        st = dict(prep.stats.extras) if prep is not None else {}
+        st = prep.stats.prepare.to_dict() if prep is not None else {}
         # a new version of A so that the next preparation is one again
         reg.generate(a, np.concatenate([pred_a, rng.integers(0, vocab, 4)]), max_new_tokens=0)
         return time.perf_counter() - t0 if res is not None else float("nan"), st

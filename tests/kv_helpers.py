@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
+from patchkv_agent.core.provenance import CheckpointProvenance
 from patchkv_agent.runtime.kvstore import CheckpointKey, encode_checkpoint
 from patchkv_agent.eval.redis_server import RedisProcess
 
@@ -29,11 +30,12 @@ def make_ckpt(seed: int = 0, n: int = 40, layers: int = 2, heads: int = 2, head_
     scores /= scores.sum()
     m = build_mixed(keys, values, scores, block_size=8) if mixed else None
     return Checkpoint(token_ids=rng.integers(0, 200, n).astype(np.int64), keys=keys, values=values,
-                      fingerprint=fingerprint, scores=scores, mixed=m, stats={"offload_s": 0.1, "source": "test"})
+                      fingerprint=fingerprint, scores=scores, mixed=m, provenance=CheckpointProvenance(offload_s=0.1))
 
 
 def assert_same_checkpoint(a: Checkpoint, b: Checkpoint) -> None:
     assert np.array_equal(a.token_ids, b.token_ids) and a.fingerprint == b.fingerprint
+    assert a.provenance == b.provenance
     assert (a.scores is None) == (b.scores is None)
     if a.scores is not None:
         assert np.array_equal(a.scores, b.scores)

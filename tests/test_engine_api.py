@@ -1,8 +1,9 @@
-"""The engine's typed surface: RecoverySettings (what strategies read), ResumeStats (the stats dict's
-schema) and Fallback (why a resume was exact), on a tiny llama."""
+"""The engine's typed surface: RecoverySettings (what strategies read), ResumeStats (typed parts, one JSON
+form), CheckpointProvenance and Fallback (why a resume was exact), on a tiny llama."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from patchkv_agent import Fallback, FallbackKind, PatchKVEngine, RecoverySettings, ResumeStats
+from patchkv_agent.results import EnginePart
 from patchkv_agent.core.checkpoint import CorruptCheckpoint
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_repair
@@ -140,20 +142,26 @@ def test_strategies_read_settings_not_the_engine(engine, pair):
 
 def test_resume_stats_are_typed_and_read_as_the_result_rows_dict(engine, pair):
     old, new = pair
-    named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "small_restore", "heal_s", "healed_rows")
-    assert ResumeStats.field_names() == named
+    named = OLD_KEYS + ("approx_rows", "nonfinite_values", "head_rewrite", "small_restore", "heal_s", "healed_rows",
+                        "restore_kernel")
+    assert EnginePart.field_names() == named
+    keys = named[:len(OLD_KEYS)] + ("fallback_kind",) + named[len(OLD_KEYS):]  # the JSON form's keys, in order
     res = engine.resume(engine.checkpoint(old), new, strategy="patchkv", max_new_tokens=2)
-    assert isinstance(res.stats, ResumeStats) and res.stats.extras == {"restore_kernel": res.stats["restore_kernel"]}
-    assert tuple(res.stats) == named + ("restore_kernel",)
+    assert isinstance(res.stats, ResumeStats) and isinstance(res.stats.engine, EnginePart)
+    assert res.stats.runtime is None and res.stats.call is None and dict(res.stats.extras) == {}
+    assert tuple(res.stats) == keys and res.stats.restore_kernel in ("native", "torch", "triton")
     exact = engine.resume(None, new, strategy="exact", max_new_tokens=0)
-    assert tuple(exact.stats) == named + ("restore_kernel",) and exact.stats.approx_rows == 0
+    assert tuple(exact.stats) == keys and exact.stats.approx_rows == 0
     assert res.stats["approx_rows"] == res.stats.approx_rows == len(new) - res.exact_rows > 0
     assert exact.stats.offload_s is None and exact.stats.fallback is None and "extras" not in exact.stats
+    assert exact.stats.base is None and "base" not in exact.stats  # no runtime part: its fields read as None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        res.stats.engine.ttft_s = 0.0
     json.dumps(res.stats.to_json())  # a trace row's fields are JSON values
-    back = ResumeStats.from_dict(dict(res.stats))
+    back = ResumeStats.from_json(json.loads(json.dumps(res.stats.to_json())))
     assert back == res.stats and back.recompute_tokens == res.stats.recompute_tokens
     with pytest.raises(KeyError, match="ttft_s"):
-        ResumeStats.from_dict({k: v for k, v in res.stats.items() if k != "ttft_s"})
+        ResumeStats.from_json({k: v for k, v in res.stats.to_json().items() if k != "ttft_s"})
     healed = engine.heal(res)
     assert healed.stats.healed_rows == res.stats.approx_rows and res.stats.heal_s is None  # the copy, not res
 
@@ -163,8 +171,12 @@ def test_cacheblend_stats_keep_their_extras(engine, pair):
     e = tiny_engine(model=engine.model, mixed_precision=False)
     res = e.resume(e.checkpoint(old), new, strategy="cacheblend", max_new_tokens=1)
     assert tuple(res.stats)[:len(OLD_KEYS)] == OLD_KEYS
-    assert {"cacheblend_full_layers", "cacheblend_selected", "cacheblend_selected_positions"} <= set(res.stats)
-    assert "restore_kernel" not in res.stats
+    extras = {"cacheblend_full_layers", "cacheblend_full_tokens", "cacheblend_selected",
+              "cacheblend_selected_positions"}
+    assert set(res.stats.extras) == extras and tuple(res.stats)[-4:] == tuple(res.stats.extras)  # strategy-owned, last
+    assert res.stats.restore_kernel is None
+    back = ResumeStats.from_json(res.stats.to_json())  # arrays come back as lists
+    assert back.extras["cacheblend_selected_positions"] == res.stats.extras["cacheblend_selected_positions"].tolist()
 
 
 # ----------------------------------------------------------------------------- Fallback
@@ -271,14 +283,14 @@ def test_checkpoint_from_reuses_the_resume_statistics_without_a_forward(engine, 
     t.join()
     assert got, "checkpoint_from waited for the forward lock although it needs no forward"
     ck = got[0]
-    assert ck.stats["stats_s"] == 0.0 and ck.stats["quantize_s"] >= 0 and "copy_s" in ck.stats
+    assert ck.provenance.stats_s == 0.0 and ck.provenance.quantize_s >= 0 and ck.provenance.copy_s >= 0
     np.testing.assert_array_equal(ck.scores, res.scores)
     # a result without statistics still gets them (the tail pass, under the lock)
     import dataclasses
 
     bare = dataclasses.replace(res, scores=None)
     ck2 = engine.checkpoint_from(bare)
-    assert ck2.scores is not None and ck2.stats["stats_s"] > 0
+    assert ck2.scores is not None and ck2.provenance.stats_s > 0
     # the zero-copy resident view carries the statistics, padded for tokens decoded after the resume
     longer = dataclasses.replace(res, context_ids=np.concatenate([res.context_ids, [5, 6]]))
     view = engine.as_checkpoint(longer)

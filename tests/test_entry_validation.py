@@ -303,7 +303,7 @@ def test_checkpoint_never_raises_for_kv_beyond_fp16_and_keeps_those_blocks_full(
     assert unsafe.any()
     blocks = np.unique(np.flatnonzero(unsafe) // 8)
     assert (ckpt.mixed.tags[blocks] == Tag.FP16).all()  # held at the source precision (fp32), never quantized
-    assert ckpt.stats["kept_full_tokens"] == int(np.isin(np.arange(48) // 8, blocks).sum())
+    assert ckpt.provenance.kept_full_tokens == int(np.isin(np.arange(48) // 8, blocks).sum())
     for layer in ckpt.mixed.payloads:  # every quantized payload is finite: nothing overflowed into a scale
         for tag, p in layer.items():
             if tag != "FP16":

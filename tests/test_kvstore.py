@@ -161,11 +161,11 @@ def test_overwrite_same_key_replaces_and_counts_once(tier):
     s = tier.open()
     c = make_ckpt(2)
     key, r1 = put_entry(s, c)
-    c2 = dataclasses.replace(c, stats={"source": "second"}, mixed=None)
+    c2 = dataclasses.replace(c, provenance=c.provenance.replace(offload_s=0.2), mixed=None)
     r2 = s.put(key, c2)
     assert s.keys() == [key] and s.nbytes() == r2.nbytes < r1.nbytes
     got = s.get(key)
-    assert got.mixed is None and got.stats["source"] == "second"
+    assert got.mixed is None and got.provenance == c2.provenance
 
 
 def test_lru_eviction_order_under_budget(tier):

@@ -146,7 +146,7 @@ def test_disk_crash_between_replace_steps_never_loses_both_copies(tmp_path, when
     s = DiskStore(tmp_path, deployment="dep")
     old = make_ckpt(110)
     key, _ = put_entry(s, old)
-    new = dataclasses.replace(old, stats={"source": "replacement"})  # same key, new content
+    new = dataclasses.replace(old, provenance=old.provenance.replace(offload_s=0.2))  # same key, new content
     _crash_in_child(s, key, new, when)
     leftovers = [p.name for p in s.dir.iterdir() if p.name.startswith(".tmp-")]
     assert len(leftovers) == (1 if when == "before" else 0)
@@ -155,8 +155,8 @@ def test_disk_crash_between_replace_steps_never_loses_both_copies(tmp_path, when
     assert not [p for p in s2.dir.iterdir() if p.name.startswith(".tmp-")]
     assert s2.keys() == [key]
     got = s2.get(key)
-    assert got.stats["source"] == ("test" if when == "before" else "replacement")
-    assert_same_checkpoint(dataclasses.replace(got, stats=old.stats), old)
+    assert got.provenance.offload_s == (0.1 if when == "before" else 0.2)
+    assert_same_checkpoint(dataclasses.replace(got, provenance=old.provenance), old)
 
 
 def test_disk_half_done_replace_of_the_previous_layout_is_restored(tmp_path):

@@ -29,6 +29,7 @@ from patchkv_agent.langgraph import (
     patchkv_node,
 )
 from patchkv_agent.eval.traces import version_ids
+from patchkv_agent.results import BaseKind, PreparedOutcome, ResumeStats
 from patchkv_agent.runtime.threads import ThreadRegistry
 from patchkv_agent.eval.workloads import validate_trace
 from patchkv_agent.eval.tiny import CHATML_TOOLS
@@ -278,6 +279,11 @@ def test_create_agent_with_middleware_end_to_end_and_recorder(engine):
     # the tool wait (0.3 s) prepared this call's context up to the tool result: only the result was computed
     assert st["base"] == "prepared" and st["prepared"] == "hit" and st["approx_rows"] == 0, st
     assert st["offload_wait_s"] == 0.0 and st["tool_s"] >= 0.3 and st["offload_hidden_share"] == 1.0
+    # one JSON form: it reads back as the typed parts, the chat model's and the middleware's fields in the call's
+    typed = ResumeStats.from_json(st)
+    assert typed.to_json() == st and typed.runtime.base is BaseKind.PREPARED
+    assert typed.runtime.prepared is PreparedOutcome.HIT and typed.call.thread_key == ("x", "")
+    assert typed.call.tool_s == st["tool_s"] and typed.call.offload_hidden_share == 1.0 and typed.call.output_tokens
     # the recorder saw both versions exactly as the model did
     (trace,) = rec.episodes()
     validate_trace(trace)

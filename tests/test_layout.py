@@ -43,7 +43,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     f"{PKG}.eval": ("cli",),
     f"{PKG}.calibration": ("cli",),
 }
-TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.profiles", f"{PKG}.results")
+TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.core.provenance", f"{PKG}.profiles", f"{PKG}.results")
 
 
 def _within(module: str, prefix: str) -> bool:

@@ -41,19 +41,19 @@ def test_prepare_equals_a_full_prefill_and_reuses_only_exact_rows(family, one_to
     base = eng.resume(None, old, strategy="exact", max_new_tokens=0)
     for chunk in (5, 64, 4096):
         p = eng.prepare(base, new, chunk_tokens=chunk)
-        assert p.stats.extras["reused_rows"] == 90 and p.exact_rows == len(new)
+        assert p.stats.prepare.reused_rows == 90 and p.exact_rows == len(new)
         assert _rows_equal(p, full) < TOL and float((p.logits - full.logits).abs().max()) < TOL
     # a base whose rows from 40 on are approximate gives only its 40 exact rows
     approx = eng.resume(eng.checkpoint(old), np.concatenate([old[:40], old[41:]]), strategy="direct",
                         max_new_tokens=0)
     assert approx.exact_rows is not None and approx.exact_rows <= 40
     p = eng.prepare(approx, new, chunk_tokens=32)
-    assert p.stats.extras["reused_rows"] == approx.exact_rows
+    assert p.stats.prepare.reused_rows == approx.exact_rows
     assert _rows_equal(p, full) < TOL
     # stopped between chunks: the rows done are exact, and fewer
     calls = iter([False, False, True])
     p = eng.prepare(base, new, chunk_tokens=16, should_stop=lambda: next(calls))
-    assert p.stats.extras["stopped"] and len(p.context_ids) == 90 + 32
+    assert p.stats.prepare.stopped and len(p.context_ids) == 90 + 32
     assert _rows_equal(p, eng.resume(None, new[:122], strategy="exact", max_new_tokens=0)) < TOL
 
 
@@ -152,7 +152,7 @@ def test_a_barely_started_preparation_gives_way_to_a_resident_base_that_recomput
     predicted = np.concatenate([ctx[:100], ctx[150:]])
     th = reg._peek(reg.active(k))
     stopped = reg.engine.prepare(th.resident, predicted, chunk_tokens=8, should_stop=lambda: True)
-    assert len(stopped.context_ids) == stopped.stats.extras["reused_rows"]  # no chunk ran
+    assert len(stopped.context_ids) == stopped.stats.prepare.reused_rows  # no chunk ran
     with th.lock:  # what a preparation stopped before its first chunk leaves behind
         th.preparation = Preparation(version=th.version, predict=None, chunk_tokens=8, stage="done",
                                      ids=predicted, result=stopped)

@@ -448,22 +448,3 @@ def test_an_open_stream_pins_its_thread_against_eviction(engine):
     assert r.stats["prefix_tokens"] == len(ca) + 2 and toks
     reg.close()
 
-
-def test_a_patchkv_report_round_trips_its_json_and_takes_the_call_part_typed():
-    from patchkv_agent.results import BaseKind, CallStats, PatchKVReport, RuntimeStats
-    from patchkv_agent.eval.tiny import tiny_engine
-
-    eng = tiny_engine()
-    res = eng.resume(None, list(range(3, 40)), strategy="exact", max_new_tokens=1)
-    stats = res.stats.extend(RuntimeStats, base=BaseKind.BACKGROUND, offload_wait_s=0.02, thread_id="t")
-    rep = PatchKVReport(stats, CallStats(tool_mode="auto", sampling={"temperature": 0.0}))
-    js = rep.to_json()
-    json.dumps(js)
-    assert js["base"] == "background" and js["tool_mode"] == "auto" and js["tool_s"] is None
-    back = PatchKVReport.from_json(js)
-    assert back.stats.base is BaseKind.BACKGROUND and back.call == rep.call and back.to_json() == js
-    later = back.with_call(tool_s=0.5)
-    assert later.to_json() == {**js, "tool_s": 0.5} and back.call.tool_s is None  # copies, nothing edited
-    with pytest.raises(TypeError):
-        back.with_call(not_a_field=1)
-    assert {str(k) for k in BaseKind} == {"resident", "prepared", "background", "evicted", "restart", "none"}

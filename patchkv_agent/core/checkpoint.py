@@ -2,8 +2,9 @@
 
 A :class:`Checkpoint` holds, for one thread version, every layer's K/V rows ``[H, N, D]`` in CPU
 memory at full precision (what the ``prefix``/``direct``/``cacheblend`` baselines restore), the
-token ids, the model fingerprint, per-token attention scores from the checkpoint pass, the off-path
-costs of writing it, and (optionally) a :class:`MixedKV`: the same rows grouped into blocks, each
+token ids, the model fingerprint, per-token attention scores from the checkpoint pass, its provenance
+(:class:`~patchkv_agent.core.provenance.CheckpointProvenance`: how it was computed, what writing it cost),
+and (optionally) a :class:`MixedKV`: the same rows grouped into blocks, each
 block tagged FP16 / K8V8 / K8V4 / K4V4 by the precision policy, blocks of one tag clustered into runs, one
 :class:`~patchkv_agent.kernels.RunPayload` per (layer, run) with an xxhash checksum.
 Checkpoints are immutable once built, so publication is atomic: a reader holds either the whole
@@ -16,7 +17,6 @@ from __future__ import annotations
 import time
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ import xxhash
 
 from ..kernels import RunPayload, key_residual_sq, quantize_gather, value_residual_layers
 from .plan import DEFAULT_BLOCK_SIZE
+from .provenance import CheckpointProvenance
 from .precision import FP16_SAFE, PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
 
 
@@ -235,7 +236,9 @@ class Checkpoint:
         keys, values: per layer ``[num_kv_heads, N, head_dim]`` CPU tensors (post-RoPE keys).
         fingerprint: :func:`patchkv_agent.core.models.fingerprint` of the model that wrote it.
         scores: float32 ``[N]`` normalized attention mass per token from the checkpoint pass, or None.
-        stats: off-path costs (``offload_s``, ``stats_s``, ``quantize_s``) and provenance.
+        provenance: how the K/V were computed (:class:`~patchkv_agent.core.provenance.Source`), how many
+            leading rows are exact, and the off-path costs of writing it (``offload_s``, ``stats_s``,
+            ``quantize_s``, ...).
         mixed: the mixed-precision runs (``patchkv`` restores from these), or None.
         words: int64 ``[N]`` word ids of ``token_ids`` (the lexical reader signal's per-version data,
             :class:`~patchkv_agent.core.lexicon.WordIndex`), carried so the next resume maps only its
@@ -247,7 +250,7 @@ class Checkpoint:
     values: list[torch.Tensor]
     fingerprint: str
     scores: np.ndarray | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    provenance: CheckpointProvenance = field(default_factory=CheckpointProvenance)
     mixed: MixedKV | None = None
     words: np.ndarray | None = field(default=None, repr=False)
 

@@ -82,6 +82,19 @@ class Fallback(str):
         obj.kind, obj.detail = kind, detail
         return obj
 
+    @classmethod
+    def from_text(cls, kind: FallbackKind | str, text: str) -> "Fallback":
+        """The Fallback whose text is ``text`` (its JSON form) and whose kind is ``kind``.
+
+        Raises:
+            ValueError: an unknown kind, or a text that is not a fallback text of that kind.
+        """
+        kind = FallbackKind(kind)
+        head = FALLBACK_PREFIX + _LABELS[kind]
+        if not isinstance(text, str) or not text.startswith(head):
+            raise ValueError(f"not the text of a {kind.value} fallback: {str(text)[:80]!r}")
+        return cls(kind, text[len(head):])
+
     def __reduce__(self):
         return (Fallback, (self.kind.value, self.detail))
 

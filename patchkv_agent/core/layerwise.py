@@ -250,8 +250,7 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
     return RecoveryOutput(
         logits=logits, keys=buf.keys, values=buf.values, plan=ran,
         stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(keep),
-                            payload_bytes=buf.payload_bytes,
-                            extras={"restore_kernel": buf.kernel, **probe_stats}),
+                            payload_bytes=buf.payload_bytes, restore_kernel=buf.kernel, extras=probe_stats),
     )
 
 

@@ -150,20 +150,23 @@ def check_attn_implementation(model) -> None:
 
 @dataclass(kw_only=True)
 class RecoveryStats:
-    """What one recovery measured (the engine folds it into its :class:`~patchkv_agent.results.ResumeStats`).
+    """What one recovery measured (the engine folds it into its :class:`~patchkv_agent.results.EnginePart`).
 
     Attributes:
         restore_s: restoring checkpoint rows (RoPE-corrected) into the buffers.
         recompute_s: the forward over the recomputed rows until the first-token logits.
         recompute_tokens: rows run through the model.
         payload_bytes: checkpoint bytes the restore read.
-        extras: executor-specific fields (``restore_kernel``; CacheBlend's ``cacheblend_*``).
+        restore_kernel: the restore's kernel path (``native``, ``torch``, ``triton``; None: nothing restored).
+        extras: the fields one strategy's executor owns (CacheBlend's ``cacheblend_*``); they become the
+            result's strategy extras and may not reuse a result field's name.
     """
 
     restore_s: float
     recompute_s: float
     recompute_tokens: int
     payload_bytes: int = 0
+    restore_kernel: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -460,7 +463,7 @@ def execute(
     return RecoveryOutput(
         logits=logits, keys=buf.keys, values=buf.values,
         stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(buf.recompute),
-                            payload_bytes=buf.payload_bytes, extras={"restore_kernel": buf.kernel}),
+                            payload_bytes=buf.payload_bytes, restore_kernel=buf.kernel),
     )
 
 

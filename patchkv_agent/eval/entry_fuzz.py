@@ -108,7 +108,7 @@ def base_entries(seed: int = 0) -> list[tuple[Any, dict[str, Any], dict[str, np.
         mixed = quantize_mixed(keys, values, np.array(BASE_TAGS, dtype=np.int8), block_size=bs)
         ids = np.random.default_rng(seed + i).integers(0, 200, n).astype(np.int64)
         ckpt = Checkpoint(token_ids=ids, keys=keys, values=values, fingerprint="llama:fuzz",
-                          scores=np.full(n, 1.0 / n, dtype=np.float32), mixed=mixed, stats={"source": "fuzz"})
+                          scores=np.full(n, 1.0 / n, dtype=np.float32), mixed=mixed)
         key = CheckpointKey.of(ckpt, deployment="fuzz", thread_id=f"t{i}", version=1)
         meta, blobs = editable(ckpt, key)
         out.append((ckpt, meta, blobs, key))

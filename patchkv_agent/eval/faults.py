@@ -312,8 +312,10 @@ def _writer_main(root: str, seed: int) -> None:
         slot = i % 3
         g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
         kv = [torch.randn(2, 2048, 64, generator=g) for _ in range(4)]  # 4 x 1 MiB
-        ckpt = Checkpoint(token_ids=rng.integers(0, 1000, 2048).astype(np.int64), keys=kv[:2], values=kv[2:],
-                          fingerprint="writer:synthetic", scores=None, stats={"i": i}, mixed=None)
+        ids = rng.integers(0, 1000, 2048).astype(np.int64)
+        ids[0] = i  # which write this is: the reader checks it against the key's version
+        ckpt = Checkpoint(token_ids=ids, keys=kv[:2], values=kv[2:], fingerprint="writer:synthetic", scores=None,
+                          mixed=None)
         key = store.key_for(ckpt, thread_id=f"w{slot}", version=i)
         for attempt in range(2):  # the second put replaces the entry just written
             out.write(f"BEGIN {key.to_json()}\n")
@@ -370,7 +372,7 @@ def run_writer_kills(root: str, kills: int, seed: int, faults: Counter) -> dict[
             res["checked"] += 1
             try:
                 got = store.get(key)
-                assert got.stats["i"] == key.version
+                assert int(got.token_ids[0]) == key.version
             except (CheckpointMissing, CorruptCheckpoint, StoreUnavailable, AssertionError) as e:
                 res["lost"].append({"key": key.describe(), "why": str(e)[:300]})
         store.close()

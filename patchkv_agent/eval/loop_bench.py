@@ -63,12 +63,10 @@ def loop_episode(registry: ThreadRegistry, key, versions: Sequence[np.ndarray], 
         e2e = time.perf_counter() - t0  # stream() returns once the first token's logits exist
         for _ in stream:
             pass
-        st = stream.stats
-        rows.append({"version": k, "e2e_ttft_s": e2e, "ttft_s": st.get("ttft_s"), "plan_s": st.get("plan_s"),
-                     "offload_wait_s": st.get("offload_wait_s"), "base": st.get("base"),
-                     "strategy": st.get("strategy"), "recompute_tokens": st.get("recompute_tokens"),
-                     "prompt_tokens": st.get("prompt_tokens"),
-                     "fallback": None if st.get("fallback") is None else str(st.get("fallback"))})
+        st = stream.stats.to_json(arrays=False)
+        fields = ("ttft_s", "plan_s", "offload_wait_s", "base", "strategy", "recompute_tokens", "prompt_tokens",
+                  "fallback")
+        rows.append({"version": k, "e2e_ttft_s": e2e, **{f: st.get(f) for f in fields}})
     return rows
 
 

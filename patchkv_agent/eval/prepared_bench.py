@@ -163,7 +163,8 @@ def _call(reg: ThreadRegistry, key, ids, strategy: str, max_new_tokens: int, eng
     out, text = _decode(engine, stream, max_new_tokens) if max_new_tokens else ([], "")
     if not max_new_tokens:
         stream.close()
-    return {"e2e": e2e, "stats": stream.stats, "logits": stream.result.logits, "out": out, "text": text}
+    return {"e2e": e2e, "stats": stream.stats.to_json(arrays=False), "logits": stream.result.logits, "out": out,
+            "text": text}
 
 
 def _agree(a: dict, ref: dict, engine) -> bool:

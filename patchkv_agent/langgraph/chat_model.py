@@ -6,7 +6,9 @@ else ``configurable.thread_id`` + namespace of the run config, else ``default_th
 that thread's previous context version through a :class:`~patchkv_agent.runtime.threads.ThreadRegistry`
 (diff, plan, restore, recompute), then decodes token by token: greedy, or sampled with ``temperature`` /
 ``top_p`` / ``seed`` (same seed, same context: same output). The resume stats of each call are in
-``AIMessage.response_metadata["patchkv"]``.
+``AIMessage.response_metadata["patchkv"]``: the JSON form of its
+:class:`~patchkv_agent.results.ResumeStats`, whose call part this model fills (tool mode, thread key,
+grammar, sampling).
 
 Tools (``bind_tools``): rendered with ``tools=`` by chat templates that use it; otherwise (SmolLM2's
 template ignores it) the JSON protocol of :mod:`~patchkv_agent.langgraph.tools` is appended to the
@@ -47,7 +49,7 @@ from langchain_core.runnables.config import ensure_config, run_in_executor
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..core.sampling import Sampler, SamplingParams
-from ..results import CallStats, PatchKVReport
+from ..results import SamplingInfo
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .predict import check_not_pending
@@ -511,16 +513,15 @@ class PatchKVChatModel(BaseChatModel):
             finish = "tool_calls"  # every call complete (even if text after them was cut off)
         else:
             finish = "stop" if complete else "length"
-        call = CallStats(tool_mode=mode, thread_key=list(key) if key else None,
-                         grammar=spec["kind"] if processor is not None else None,
-                         sampling={"temperature": opt["params"].temperature, "top_p": opt["params"].top_p,
-                                   "seed": opt["params"].seed},
-                         grammar_mask_s=processor.mask_s if processor is not None else None,
-                         grammar_steps=processor.steps if processor is not None else None)
-        stats = PatchKVReport(res.stats, call).to_json()
+        params, grammar = opt["params"], processor is not None
+        stats = res.stats.with_call(
+            tool_mode=mode, thread_key=tuple(key) if key else None, grammar=spec["kind"] if grammar else None,
+            sampling=SamplingInfo(temperature=params.temperature, top_p=params.top_p, seed=params.seed),
+            grammar_mask_s=processor.mask_s if grammar else None, grammar_steps=processor.steps if grammar else None)
+        res.stats = stats
         yield "final", {
             "content": parsed.content, "tail": parsed.content[len(emitted):], "parsed": parsed,
-            "response_metadata": {"patchkv": stats, "model_name": self.model_name, "finish_reason": finish},
+            "response_metadata": {"patchkv": stats.to_json(), "model_name": self.model_name, "finish_reason": finish},
             "usage_metadata": {"input_tokens": len(ids), "output_tokens": len(out),
                                "total_tokens": len(ids) + len(out)},
         }

@@ -16,7 +16,10 @@
   the cache of the summarizer's ``PatchKVChatModel``; greedy decoding only).
 - ``wrap_tool_call``: makes sure the offload has started (idempotent) and times the tool, so the next
   response's ``response_metadata["patchkv"]`` reports ``tool_s`` beside ``offload_s`` /
-  ``offload_wait_s`` (``offload_hidden_share``: the part of the offload that the tools hid).
+  ``offload_wait_s`` (``offload_hidden_share``: the part of the offload that the tools hid). Both are
+  fields of the stats' :class:`~patchkv_agent.results.CallPart`: the middleware reads the response's stats
+  back (:meth:`~patchkv_agent.results.ResumeStats.from_json`), adds its fields there and writes the JSON
+  form again.
 
 Use it with a ``PatchKVChatModel`` sharing the same registry. Knows LangChain's middleware interface,
 the registry, and the thread keys; no tensors.
@@ -32,7 +35,7 @@ from typing import Any, Awaitable, Callable
 from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.messages import AIMessage
 
-from ..results import BaseKind, PatchKVReport
+from ..results import BaseKind, ResumeStats
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .chat_model import PatchKVChatModel
 from .keys import thread_key_from_config, using_thread_key
@@ -51,22 +54,24 @@ def response_message(result: Any) -> AIMessage | None:
 
 
 def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
-    """Set the call part's ``tool_s`` and ``offload_hidden_share`` in a response's PatchKV report: the report is
-    read whole (:class:`~patchkv_agent.results.PatchKVReport`), given those fields and written back whole."""
-    st = msg.response_metadata.get("patchkv") if msg is not None else None
-    if not isinstance(st, dict):
+    """Set ``tool_s`` and ``offload_hidden_share`` in the call part of a response's PatchKV stats (the message's
+    ``response_metadata["patchkv"]`` becomes the JSON form of the stats with them); metadata that does not read
+    as :class:`~patchkv_agent.results.ResumeStats` is left as it is."""
+    raw = msg.response_metadata.get("patchkv") if msg is not None else None
+    if not isinstance(raw, dict):
         return
-    report = PatchKVReport.from_json(st)
-    s = report.stats
-    base = getattr(s, "base", None)
-    off, wait = s.offload_s, getattr(s, "offload_wait_s", None) or 0.0
-    hidden = report.call.offload_hidden_share
-    if base in (BaseKind.RESIDENT, BaseKind.PREPARED):  # resumed without the offload: nothing of it was waited for
+    try:
+        st = ResumeStats.from_json(raw)
+    except (KeyError, TypeError, ValueError):  # not stats a PatchKVChatModel wrote: left as they are
+        return
+    off, wait, hidden = st.offload_s, st.offload_wait_s or 0.0, None
+    if st.base in (BaseKind.RESIDENT, BaseKind.PREPARED):  # resumed without the offload: none of it waited for
         hidden = 1.0
-    elif base is BaseKind.BACKGROUND and off:
+    elif st.base is BaseKind.BACKGROUND and off:
         hidden = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
-    report = report.with_call(tool_s=tool_s if tool_s is not None else report.call.tool_s, offload_hidden_share=hidden)
-    msg.response_metadata["patchkv"] = report.to_json()
+    fields = {k: v for k, v in (("tool_s", tool_s), ("offload_hidden_share", hidden)) if v is not None}
+    if fields:
+        msg.response_metadata["patchkv"] = st.with_call(**fields).to_json()
 
 
 class PatchKVMiddleware(AgentMiddleware):

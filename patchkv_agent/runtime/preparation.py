@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..results import ResumeResult
+from ..results import PreparedOutcome, ResumeResult
 from .keys import ThreadKey
 from .state import Phase, Prediction, Preparation, ThreadState, shared_prefix
 
@@ -151,14 +151,16 @@ class PreparationMixin:
         with th.lock:
             prep.result, prep.stage = res, "done"
         self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
-                            "computed": res.stats.extras.get("computed_rows"),
-                            "stopped": res.stats.extras.get("stopped"), "prepare_s": res.stats.ttft_s})
+                            "computed": res.stats.prepare.computed_rows, "stopped": res.stats.prepare.stopped,
+                            "prepare_s": res.stats.ttft_s})
         self._enforce_resident_budget(keep=th.key)
         return prep.predict_s + res.stats.ttft_s
 
     def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool,
                           strategy: Any = "patchkv") -> tuple[ResumeResult | None, dict]:
-        """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, stats)``.
+        """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, fields)``;
+        ``fields`` are the :class:`~patchkv_agent.results.RuntimePart`'s ``prepared*`` values, and
+        ``_shared_resident`` (the ids the call shares with the resident context) for the registry.
 
         A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
         predicting is abandoned."""
@@ -180,20 +182,19 @@ class PreparationMixin:
         if res is not None:
             out["prepared_compute_s"] = res.stats.ttft_s
         if res is None:
-            kind = "failed" if stage == "done" and prep.reason else "unfinished"
+            kind = PreparedOutcome.FAILED if stage == "done" and prep.reason else PreparedOutcome.UNFINISHED
             out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage} when the call came")
             return None, out
-        done, reused = len(res.context_ids), int(res.stats.extras.get("reused_rows", 0))
-        computed = int(res.stats.extras.get("computed_rows", 0))
+        done, reused, computed = len(res.context_ids), res.stats.prepare.reused_rows, res.stats.prepare.computed_rows
         sp = shared_prefix(res.context_ids, ids)
         sr = shared_prefix(prev, ids) if prev is not None else 0
         full = prep.ids is not None and done == len(prep.ids)
         out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)),
                    _shared_resident=sr)
         if not use:
-            out.update(prepared="miss", prepared_reason="the call asked for the exact strategy")
+            out.update(prepared=PreparedOutcome.MISS, prepared_reason="the call asked for the exact strategy")
         elif sp == done and full:
-            out.update(prepared="hit", prepared_reason=prep.reason)
+            out.update(prepared=PreparedOutcome.HIT, prepared_reason=prep.reason)
             return res, out
         elif sp >= sr and sp > 0:
             why = (f"the call's context differs from the prediction at token {sp} of {len(prep.ids)}" if full
@@ -203,14 +204,15 @@ class PreparationMixin:
             mine = self.engine.planned_recompute(res, ids, strategy)
             theirs = self.engine.planned_recompute(resident, ids, strategy) if resident is not None else mine + 1
             if theirs < mine:
-                out.update(prepared="miss", prepared_reason=f"{why}; the resident base recomputes fewer rows "
-                           f"({theirs} vs {mine})")
+                out.update(prepared=PreparedOutcome.MISS,
+                           prepared_reason=f"{why}; the resident base recomputes fewer rows ({theirs} vs {mine})")
                 return None, out
-            out.update(prepared="partial", prepared_reason=why)
+            out.update(prepared=PreparedOutcome.PARTIAL, prepared_reason=why)
             return res, out
         else:
-            out.update(prepared="miss", prepared_reason=f"the call's context differs from the prediction at token "
-                       f"{sp} of {len(prep.ids)}; the resident context shares {sr}")
+            out.update(prepared=PreparedOutcome.MISS,
+                       prepared_reason=f"the call's context differs from the prediction at token {sp} of "
+                       f"{len(prep.ids)}; the resident context shares {sr}")
         return None, out
 
     def phase(self, key: ThreadKey | None) -> Phase:

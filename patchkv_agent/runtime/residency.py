@@ -16,6 +16,7 @@ import logging
 from typing import Iterator
 
 from ..core.fallback import Fallback, FallbackKind
+from ..results import BaseKind
 from .keys import ThreadKey
 from .kvstore import CheckpointKey, StoreUnavailable
 from .state import ThreadState, kv_bytes
@@ -29,14 +30,15 @@ class ResidencyMixin:
     """The store and budget methods of :class:`~patchkv_agent.runtime.threads.ThreadRegistry` (see the module
     docstring); not used on its own."""
 
-    def _set_store_entry(self, th: ThreadState, key: CheckpointKey | None, version: int = 0, source: str = "") -> None:
+    def _set_store_entry(self, th: ThreadState, key: CheckpointKey | None, version: int = 0,
+                         source: BaseKind | None = None) -> None:
         """Make ``key`` the thread's store entry (caller holds ``th.lock``); its previous entry is deleted."""
         old = th.store_key
         th.store_key, th.store_version, th.store_source = key, version, source
         if old is not None and old != key:
             self._delete_quietly(old)
 
-    def _put_store(self, th: ThreadState, ckpt, version: int, source: str) -> None:
+    def _put_store(self, th: ThreadState, ckpt, version: int, source: BaseKind | None) -> None:
         """Put ``ckpt`` as ``version`` of ``th`` into the store (caller holds ``th.lock``).
 
         Not stored (larger than the whole budget, tier unreachable): the thread has no KV and its next
@@ -97,7 +99,7 @@ class ResidencyMixin:
                     if prep.result is not None:
                         total -= kv_bytes(prep.result)
                 if self.on_evict == "offload":
-                    th.pending = self._submit_offload(th, "evicted")
+                    th.pending = self._submit_offload(th, BaseKind.EVICTED)
                     self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
                 else:
                     th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "

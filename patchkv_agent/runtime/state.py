@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..core.fallback import Fallback
-from ..results import ResumeResult
+from ..results import BaseKind, ResumeResult
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
@@ -99,14 +99,14 @@ class ThreadState:
     resident: ResumeResult | None = None   # KV of `version` (context + decoded tokens), cache dropped
     checkpoint: Any = None                 # offloaded KV of `checkpoint_version`
     checkpoint_version: int = 0
-    checkpoint_source: str = ""            # "background", "evicted"
+    checkpoint_source: BaseKind | None = None  # BACKGROUND or EVICTED: what a resume from it reports
     pending: Future | None = None
     lost: Fallback | None = None           # why the KV of `version` is gone (next resume says so)
     store_key: CheckpointKey | None = None  # this thread's entry in the registry's store (one at most)
     store_version: int = 0                 # the context version that entry holds
-    store_source: str = ""                 # "background", "evicted", "restart", or the forked thread's
+    store_source: BaseKind | None = None   # BACKGROUND, EVICTED, RESTART, or the forked thread's
     streams: int = 0                       # open TokenStreams: their commit is pending, so no eviction
     last_used: float = 0.0
     healing: threading.Event | None = None  # set when the pending job's heal stage is over
-    heal_stats: dict | None = None         # the last heal of the resident version (heal_s, healed_rows)
+    heal_stats: tuple[float | None, int | None] | None = None  # the resident version's last heal: (heal_s, healed_rows)
     preparation: Preparation | None = None  # the next context, prepared while the tools run

@@ -55,8 +55,8 @@ class TokenStream:
 
     @property
     def stats(self) -> Any:
-        """The resume stats (``result.stats``, a :class:`~patchkv_agent.results.RuntimeStats`), with
-        ``decode_s`` once the stream has ended."""
+        """The resume stats (``result.stats``, a :class:`~patchkv_agent.results.ResumeStats`), with the
+        decode's ``decode_s`` and ``output_tokens`` in its call part once the stream has ended."""
         return self.result.stats
 
     def __iter__(self) -> "TokenStream":
@@ -91,8 +91,8 @@ class TokenStream:
         if self._done:
             return
         self._done = True
-        self.result.stats.decode_s = self._decode_s
-        self.result.stats.output_tokens = len(self.result.output_ids)
+        self.result.stats = self.result.stats.with_call(decode_s=self._decode_s,
+                                                        output_tokens=len(self.result.output_ids))
         if self._commit is not None:
             self._commit(self.result, self._cache)
 

@@ -76,7 +76,7 @@ import numpy as np
 from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
-from ..results import BaseKind, ResumeResult, RuntimeStats
+from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
@@ -292,7 +292,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 return
             th.version, th.token_ids = v, None
             th.resident, th.checkpoint = None, None
-            self._set_store_entry(th, found, v, "restart")
+            self._set_store_entry(th, found, v, BaseKind.RESTART)
             th.lost = None if found is not None else Fallback(
                 FallbackKind.NOT_HELD,
                 f"the graph checkpoint refers to KV of context version {v} "
@@ -398,10 +398,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 such as a grammar); None: greedy.
 
         Returns:
-            A :class:`TokenStream`; its ``result.stats`` holds the engine's resume stats plus
-            ``thread_id``, ``checkpoint_ns``, ``version``, ``base_version``, ``base`` (where the base KV
-            came from), ``requested_strategy``, ``offload_wait_s`` and ``fallback`` (a :class:`~patchkv_agent.results.RuntimeStats`);
-            resumed from a store, also ``store_tier``, ``store_get_s`` and ``store_key``.
+            A :class:`TokenStream`; its ``result.stats`` holds the engine's part and the registry's
+            :class:`~patchkv_agent.results.RuntimePart` (``thread_id``, ``checkpoint_ns``, ``version``,
+            ``base_version``, ``base``: a :class:`~patchkv_agent.results.BaseKind`, ``requested_strategy``,
+            ``offload_wait_s``, the preparation's ``prepared*``; resumed from a store, also ``store_tier``,
+            ``store_get_s`` and ``store_key``), and ``fallback`` says why a base it expected was not used.
 
         Raises:
             ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
@@ -414,8 +415,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         if key is None:
             with self.forward_lock:
                 res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
-            res.stats = res.stats.extend(RuntimeStats, base=BaseKind.NONE, requested_strategy=strategy,
-                                         offload_wait_s=0.0)
+            res.stats = res.stats.with_runtime(base=BaseKind.NONE, requested_strategy=strategy, offload_wait_s=0.0)
             return TokenStream(self.engine, res, max_new_tokens, sampler)
         primary, key = key, self._choose_context(key, ids)
         with self._lock:
@@ -432,10 +432,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             base_heal = th.heal_stats
             base_approx = th.resident.approx_rows if th.resident is not None else None
             if strategy == "exact":  # no base needed: do not write one
-                base, base_version, source, skey = None, None, "none", None
+                base, base_version, source, skey = None, None, BaseKind.NONE, None
                 fallback = None
             elif prepared is not None:
-                base, base_version, source, skey = self.engine.as_checkpoint(prepared), th.version, "prepared", None
+                base, base_version, skey = self.engine.as_checkpoint(prepared), th.version, None
+                source = BaseKind.PREPARED
                 fallback = None
             else:
                 base, base_version, source, skey = self._base(th)
@@ -444,7 +445,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 res = resume_from_store(self.engine, self.store, skey, ids, strategy=strat, max_new_tokens=0,
                                         forward_lock=self.forward_lock)
                 if res.stats.strategy == "exact" and res.stats.fallback is not None:
-                    base_version, source = None, "none"  # evicted, corrupt, missing: exact, reason recorded
+                    base_version, source = None, BaseKind.NONE  # evicted, corrupt, missing: exact, reason recorded
             else:
                 with self.forward_lock:
                     if base is None:
@@ -461,20 +462,18 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             th.streams += 1  # until the stream's commit: see TokenStream.close
         if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
             self._submit_delete(stale)
-        res.stats = res.stats.extend(
-            RuntimeStats, thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
-            base=BaseKind(source), requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
-            base_approx_rows=base_approx if source == "resident" else None,
-            base_heal_s=(base_heal or {}).get("heal_s"), base_healed_rows=(base_heal or {}).get("healed_rows"))
-        if prep_stats:
-            sr = prep_stats.pop("_shared_resident", None)
-            if sr is not None and len(ids) > sr:  # the share of this call's recompute the tool wait did
-                fg = res.stats.recompute_tokens if source == "prepared" else len(ids) - sr
-                prep_stats["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (len(ids) - sr)))
-            for k, v in prep_stats.items():
-                setattr(res.stats, k, v)
-        if res.stats.fallback is None and fallback is not None:
-            res.stats.fallback = fallback
+        sr = prep_stats.pop("_shared_resident", None)
+        if sr is not None and len(ids) > sr:  # the share of this call's recompute the tool wait did
+            fg = res.stats.recompute_tokens if source is BaseKind.PREPARED else len(ids) - sr
+            prep_stats["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (len(ids) - sr)))
+        heal_s, healed_rows = base_heal or (None, None)
+        res.stats = res.stats.with_runtime(
+            thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
+            base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
+            base_approx_rows=base_approx if source is BaseKind.RESIDENT else None,
+            base_heal_s=heal_s, base_healed_rows=healed_rows, **prep_stats)
+        if res.stats.fallback is None and fallback is not None:  # the base it expected is gone: say why
+            res.stats = res.stats.with_engine(fallback=fallback)
         self._enforce_resident_budget(keep=key)
         return TokenStream(self.engine, res, max_new_tokens, sampler,
                            commit=functools.partial(self._commit, th, version))
@@ -507,12 +506,12 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         current version (``checkpoint`` None, ``store_key`` set), else nothing.
         """
         if th.resident is not None:
-            return self.engine.as_checkpoint(th.resident), th.version, "resident", None
+            return self.engine.as_checkpoint(th.resident), th.version, BaseKind.RESIDENT, None
         if th.checkpoint is not None:
             return th.checkpoint, th.checkpoint_version, th.checkpoint_source, None
         if th.store_key is not None and th.store_version == th.version:
             return None, th.version, th.store_source, th.store_key
-        return None, None, "none", None
+        return None, None, BaseKind.NONE, None
 
     def _commit(self, th: ThreadState, version: int, res: ResumeResult, cache) -> None:
         """Make the decoded tokens' KV part of the thread's resident version (if still current)."""
@@ -572,7 +571,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 if release:
                     th.resident = None
                 return th.pending
-            th.pending = self._submit_offload(th, "background", release)
+            th.pending = self._submit_offload(th, BaseKind.BACKGROUND, release)
             return th.pending
 
     @staticmethod
@@ -596,7 +595,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         th = self._thread(self.active(key), create=False) if key is not None else None
         return self._wait_pending(th) if th is not None else 0.0
 
-    def _submit_offload(self, th: ThreadState, source: str, release: bool = False) -> Future:
+    def _submit_offload(self, th: ThreadState, source: BaseKind, release: bool = False) -> Future:
         """Queue an offload job of ``th``'s current version (caller holds ``th.lock``). The job owns its heal
         event (set once its heal stage is over; None: nothing to heal): a job that runs late, after its
         thread moved on, sets only its own event, never the one a newer job's resume is waiting on."""
@@ -630,7 +629,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             log.exception("background offload of thread %s failed", th.key)
         return time.perf_counter() - t0
 
-    def _offload_job(self, th: ThreadState, version: int, source: str, release: bool = False,
+    def _offload_job(self, th: ThreadState, version: int, source: BaseKind, release: bool = False,
                      healing: threading.Event | None = None) -> float | None:
         """Write ``version``'s resident KV as a checkpoint: a snapshot under the thread lock, the checkpoint
         (quantization, copies; no forward, so no forward lock) outside it, then installed only if the
@@ -651,11 +650,9 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                     with th.lock:
                         if th.version == version and th.resident is snap:
                             th.resident = snap = healed
-                            th.heal_stats = {"heal_s": healed.stats.get("heal_s"),
-                                             "healed_rows": healed.stats.get("healed_rows")}
+                            th.heal_stats = (healed.stats.heal_s, healed.stats.healed_rows)
                             self.events.append({"event": "heal", "key": th.key, "version": version,
-                                                "rows": healed.stats.get("healed_rows"),
-                                                "heal_s": healed.stats.get("heal_s")})
+                                                "rows": healed.stats.healed_rows, "heal_s": healed.stats.heal_s})
             finally:
                 healing.set()
             with th.lock:
@@ -671,7 +668,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
             else:
                 self._put_store(th, ckpt, version, source)
-            if source == "evicted" or release:
+            if source == BaseKind.EVICTED or release:
                 th.resident = None
             dt = time.perf_counter() - t0
         self._enforce_offload_budget(keep=th.key)

@@ -24,7 +24,7 @@ from ..core.fallback import Fallback, FallbackKind
 from ..core.plan import plan_full
 from ..core.recovery import execute, greedy_decode, to_dynamic_cache
 from ..core.settings import RecoverySettings
-from ..results import ResumeResult, ResumeStats
+from ..results import EnginePart, ResumeResult, ResumeStats
 from .base import Strategy
 
 __all__ = ["run_resume", "exact_rows_of", "scores_for"]
@@ -34,8 +34,7 @@ def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
     """Leading exact rows of a checkpoint's K/V (None: all of them)."""
     if ckpt is None:
         return None
-    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
-    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
+    return ckpt.provenance.exact_rows
 
 
 def scores_for(result: ResumeResult) -> np.ndarray | None:
@@ -119,7 +118,14 @@ def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: C
     n_restore = len(plan.restore_new_positions)
     prefix_tokens = min(edit.prefix_len, len(new))
     denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-    stats = ResumeStats(
+    exact_rows = len(new)
+    if n_restore:
+        exact_rows = int(np.min(plan.restore_new_positions))
+    base_exact = exact_rows_of(ckpt) if strat.uses_checkpoint else None
+    if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
+        exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
+    prov = ckpt.provenance if ckpt is not None else None
+    stats = ResumeStats(EnginePart(
         strategy=strat.name,
         prompt_tokens=len(new),
         prefix_tokens=prefix_tokens,
@@ -133,25 +139,18 @@ def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: C
         plan_s=plan_s,
         restore_s=out.stats.restore_s,
         recompute_s=out.stats.recompute_s,
-        offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
-        stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
-        quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
+        offload_s=prov.offload_s if prov is not None else None,
+        stats_s=prov.stats_s if prov is not None else None,
+        quantize_s=prov.quantize_s if prov is not None else None,
         fallback=fallback,
-        extras=dict(out.stats.extras),  # strategy-specific extras
+        approx_rows=len(new) - exact_rows,
+        restore_kernel=out.stats.restore_kernel,
+        extras=out.stats.extras,  # the strategy's own fields
         # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
         nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
         head_rewrite=bool(getattr(plan, "head_rewrite", False)),
         small_restore=bool(getattr(plan, "small_restore", False)),
-    )
-    exact_rows = len(new)
-    if n_restore:
-        exact_rows = int(np.min(plan.restore_new_positions))
-    base_exact = exact_rows_of(ckpt) if strat.uses_checkpoint else None
-    if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
-        exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
-    stats.approx_rows = len(new) - exact_rows
+    ))
     return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
                         context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
                         scores=scores, exact_rows=exact_rows, words=new_words)
-
-

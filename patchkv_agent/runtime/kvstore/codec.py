@@ -1,7 +1,9 @@
 """Checkpoint <-> (metadata dict + named binary blobs), every blob checksummed, and the checkpoint key.
 
 A :class:`~patchkv_agent.core.checkpoint.Checkpoint` becomes a JSON-safe metadata dict (the key it was stored
-under, the fingerprint, stats, the mixed-precision layout, and per blob its dtype, shape, length and
+under, the fingerprint, its provenance under ``stats`` (:meth:`CheckpointProvenance.to_json
+<patchkv_agent.core.provenance.CheckpointProvenance.to_json>`; entries written before it was typed hold the
+same keys), the mixed-precision layout, and per blob its dtype, shape, length and
 xxh3-64) plus one raw byte blob per tensor: ``token_ids``, ``scores``, ``k.<layer>``, ``v.<layer>``,
 ``mixed.tags``, ``mixed.rows.<tag>``, ``p.<layer>.<tag>.<field>`` (the :class:`RunPayload` tensors).
 :func:`decode_checkpoint` checks every blob's length and checksum, the metadata's own checksum, and
@@ -32,6 +34,7 @@ import xxhash
 from ...kernels import RunPayload
 from ...core.precision import Run, Tag
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint, MixedKV
+from ...core.provenance import CheckpointProvenance
 
 SCHEMA = 1
 _PAYLOAD_HEADER = ("tag", "n_rows", "num_kv_heads", "head_dim", "block_size", "v_group")
@@ -139,10 +142,6 @@ def _arrays(ckpt: Checkpoint) -> list[tuple[str, torch.Tensor | np.ndarray]]:
     return out
 
 
-def _json_safe(stats: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in stats.items() if isinstance(v, (str, int, float, bool)) or v is None}
-
-
 def encode_checkpoint(ckpt: Checkpoint, key: CheckpointKey) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Metadata and blobs of ``ckpt`` stored under ``key``.
 
@@ -168,7 +167,7 @@ def encode_checkpoint(ckpt: Checkpoint, key: CheckpointKey) -> tuple[dict[str, A
         blobs[name] = view
         table.append(_describe(name, x, view))
     meta: dict[str, Any] = {"schema": SCHEMA, "key": json.loads(key.to_json()), "fingerprint": ckpt.fingerprint,
-                            "n_layers": len(ckpt.keys), "stats": _json_safe(ckpt.stats), "blobs": table,
+                            "n_layers": len(ckpt.keys), "stats": ckpt.provenance.to_json(), "blobs": table,
                             "mixed": None}
     m = ckpt.mixed
     if m is not None:
@@ -244,6 +243,10 @@ def _check_layout(meta: Mapping[str, Any]) -> int:
         raise CorruptCheckpoint(f"n_layers {str(n_layers)[:24]} is out of range")
     if not isinstance(meta.get("fingerprint"), str) or not isinstance(stats, dict):
         raise CorruptCheckpoint("fingerprint or stats field has the wrong type")
+    try:  # the provenance (an old entry's stats dict reads the same): unknown keys and bad values are refused
+        CheckpointProvenance.from_json(stats)
+    except ValueError as e:
+        raise CorruptCheckpoint(f"stats field: {e}") from None
     if "store" in meta and not (isinstance(meta["store"], dict)
                                 and all(isinstance(v, str) for v in meta["store"].values())):
         raise CorruptCheckpoint("the store field has the wrong type")
@@ -599,7 +602,7 @@ def _decode(meta: Mapping[str, Any], blobs: Mapping[str, bytes | bytearray | mem
                         payloads=payloads, checksums=[{t: int(c) for t, c in layer.items()}
                                                       for layer in mm["checksums"]])
     return Checkpoint(token_ids=token_ids, keys=keys, values=values, fingerprint=meta["fingerprint"],
-                      scores=scores, stats=dict(meta["stats"]), mixed=mixed)
+                      scores=scores, provenance=CheckpointProvenance.from_json(meta["stats"]), mixed=mixed)
 
 
 def verify_blobs(meta: Mapping[str, Any], blobs: Mapping[str, np.ndarray], key: CheckpointKey) -> None:

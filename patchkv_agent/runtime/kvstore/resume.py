@@ -3,7 +3,7 @@
 :func:`resume_from_store` is the one place where store failures turn into fallbacks. Whatever goes wrong
 between the store and the engine (the entry is missing or evicted, its bytes are damaged, it belongs to
 another thread or model, the tier is unreachable) the caller gets the exact result of a full prefill with
-``stats["fallback"]`` naming the reason; never stale or foreign KV, never an exception for a condition
+``stats.fallback`` naming the reason; never stale or foreign KV, never an exception for a condition
 the caller cannot fix. An entry whose declared K/V do not fit the engine's model (layers, KV heads, head_dim,
 positions) although it carries the model's fingerprint is refused before its blobs are read and
 quarantined like a damaged one. Misuse (a key of another deployment, an unknown strategy, bad token ids) raises
@@ -21,7 +21,6 @@ import time
 from ...core.checkpoint import CorruptCheckpoint
 from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from .base import CheckpointMissing, KVStore, StoreUnavailable
-from ...results import RuntimeStats
 from .codec import CheckpointKey, EntryLimits, ForeignCheckpoint
 
 __all__ = ["load_for_resume", "resume_from_store", "FALLBACK_PREFIX"]
@@ -83,8 +82,9 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
             engine serialises its forward passes with its own ``forward_lock`` in any case.
 
     Returns:
-        The engine's :class:`~patchkv_agent.engine.ResumeResult`; ``stats`` adds ``store_tier``,
-        ``store_get_s`` and ``store_key``, and ``fallback`` is None or why the exact path was taken.
+        The engine's :class:`~patchkv_agent.engine.ResumeResult`; its ``stats`` get a runtime part with
+        ``store_tier``, ``store_get_s``, ``store_key`` and ``requested_strategy``, and ``fallback`` is None or
+        why the exact path was taken.
 
     Raises:
         ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
@@ -103,9 +103,9 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
     with forward_lock if forward_lock is not None else contextlib.nullcontext():
         if ckpt is None:
             res = engine.resume(None, new_token_ids, strategy="exact", max_new_tokens=max_new_tokens)
-            res.stats.fallback = reason
+            res.stats = res.stats.with_engine(fallback=reason)  # the reason this layer ran exactly
         else:
             res = engine.resume(ckpt, new_token_ids, strategy=strat, max_new_tokens=max_new_tokens)
-    res.stats = res.stats.extend(RuntimeStats, store_tier=store.tier, store_get_s=get_s, store_key=key.digest,
-                                 requested_strategy=strat.name)
+    res.stats = res.stats.with_runtime(store_tier=store.tier, store_get_s=get_s, store_key=key.digest,
+                                       requested_strategy=strat.name)
     return res
