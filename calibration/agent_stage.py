@@ -328,6 +328,18 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
             "floor_agree": floor_agree}
 
 
+def _targets(grids: Mapping[str, Any], target: "float | Mapping[str, float]") -> dict[str, float]:
+    """One checked target per workload of ``grids`` (a share for all, or a mapping that must name each)."""
+    if not grids:
+        raise ValueError("no workload grids: nothing to choose from")
+    if isinstance(target, Mapping):
+        missing = [wl for wl in grids if wl not in target]
+        if missing:
+            raise ValueError(f"no target for workload(s) {missing}")
+        return {wl: _check_target(target[wl]) for wl in grids}
+    return dict.fromkeys(grids, _check_target(target))
+
+
 def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
                         target: "float | Mapping[str, float]") -> int:
     """:func:`choose_window` over several workloads: the smallest window whose agreement reaches ``target`` on
@@ -344,15 +356,7 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
         ValueError: no grids, grids over different windows, a workload without a target, or a bad grid or
             target (:func:`choose_window`).
     """
-    if not grids:
-        raise ValueError("no workload grids: nothing to choose from")
-    if isinstance(target, Mapping):
-        missing = [wl for wl in grids if wl not in target]
-        if missing:
-            raise ValueError(f"no target for workload(s) {missing}")
-        targets = {wl: _check_target(target[wl]) for wl in grids}
-    else:
-        targets = dict.fromkeys(grids, _check_target(target))
+    targets = _targets(grids, target)
     per: dict[str, dict[int, tuple[int, int]]] = {}
     for wl, grid in grids.items():
         choose_window(grid, targets[wl])  # validates the grid
@@ -406,15 +410,7 @@ def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], targ
         ValueError: no grids, grids over different keys, a workload without a target, a bad target, or a row
             without resumes.
     """
-    if not grids:
-        raise ValueError("no workload grids: nothing to choose from")
-    if isinstance(target, Mapping):
-        missing = [wl for wl in grids if wl not in target]
-        if missing:
-            raise ValueError(f"no target for workload(s) {missing}")
-        targets = {wl: _check_target(target[wl]) for wl in grids}
-    else:
-        targets = dict.fromkeys(grids, _check_target(target))
+    targets = _targets(grids, target)
     keys = list(next(iter(grids.values())))
     if any(list(g) != keys for g in grids.values()):
         raise ValueError("the workloads' grids hold different candidates")
