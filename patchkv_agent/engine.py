@@ -36,16 +36,10 @@ from .loading import DEFAULT_MODEL, load_model
 from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
 from .core.precision import PrecisionPolicy
 from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
-from .core.recovery import (
-    FullRecompute,
-    check_attn_implementation,
-    execute,
-    greedy_decode,
-    to_dynamic_cache,
-)
+from .core.recovery import FullRecompute, check_attn_implementation, execute
+from .core.runner import ModelRunner, stored_layout
 from .core.settings import RecoverySettings
 from .kernels import native
-from .core.weights import WeightWatch, model_lock
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
 from .results import ResumeResult, ResumeStats
@@ -106,10 +100,14 @@ class PatchKVEngine:
             (``engine.settings = engine.settings.replace(kappa=0.1)``). ``repr(engine)`` shows each
             field and where it came from (:attr:`settings_sources`).
         profile: the :class:`~patchkv_agent.profiles.Profile` the settings started from, or None.
-        forward_lock: a re-entrant lock held around every forward pass through the model
+        runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner` (its forward lock, attention
+            capture, weight watch, cache layout and device; nothing is set on the model). Every engine built
+            over the same model instance gets the same runner (:meth:`ModelRunner.of`).
+        model: the model (``runner.model``).
+        forward_lock: the runner's re-entrant lock, held around every forward pass through the model
             (``checkpoint``, ``checkpoint_from``, ``resume``; runtime decode steps take it too): one
-            forward at a time per model, whatever number of registries and direct callers share it,
-            so the attention capture of a checkpoint pass never sees another caller's forward.
+            forward at a time per model, whatever number of engines, registries and direct callers share
+            it, so the attention capture of a checkpoint pass never sees another caller's forward.
         spec: the :class:`ModelSpec`; ``spec.fingerprint`` follows in-place weight changes (see
             :meth:`refresh_fingerprint`).
 
@@ -136,7 +134,9 @@ class PatchKVEngine:
         profile_dirs: Sequence[str | Path] = (),
     ):
         check_attn_implementation(model)
-        self.model = model.eval()
+        # engines over one model instance share its runner: one forward lock, capture and weight watch per model
+        self.runner: ModelRunner = ModelRunner.of(model.eval())
+        self._weights_seen = self.runner.weights_version()  # the weights spec.fingerprint is of
         self.tokenizer = tokenizer
         # the lexical reader signal compares words, not token ids (None without a tokenizer: token ids)
         self.words: WordIndex | None = (WordIndex.from_tokenizer(tokenizer)
@@ -165,18 +165,27 @@ class PatchKVEngine:
         self._settings: RecoverySettings = base.replace(**explicit)
         sources.update(dict.fromkeys(explicit, "argument"))
         self._sources = sources
-        self.device = next(model.parameters()).device
         native.available()  # load (or, once per CPU, build) kernels/native.c here, not on the first resume's plan
-        # one forward at a time per *model*: engines sharing a model instance share the lock (a background
-        # heal of one engine's thread must not run inside another engine's forward or attention capture)
-        self.forward_lock = model_lock(model)
-        self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
-        self._weights = WeightWatch(model)
         self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    @property
+    def model(self):
+        """The model (``runner.model``)."""
+        return self.runner.model
+
+    @property
+    def forward_lock(self):
+        """The model's :class:`~patchkv_agent.core.weights.ForwardLock` (``runner.lock``)."""
+        return self.runner.lock
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (read live from its first parameter)."""
+        return self.runner.device
 
     def _find_profile(self, profile, profile_dirs) -> Profile | None:
         if profile is None or isinstance(profile, Profile):
@@ -360,7 +369,9 @@ class PatchKVEngine:
             ``spec.fingerprint`` after the check.
         """
         with self.forward_lock:
-            if self._weights.changed():
+            version = self.runner.weights_version()
+            if version != self._weights_seen:
+                self._weights_seen = version
                 fp = fingerprint(self.model, self.tokenizer)
                 if fp != self.spec.fingerprint:
                     self._past_fingerprints.add(self.spec.fingerprint)
@@ -390,16 +401,8 @@ class PatchKVEngine:
     # ----------------------------------------------------------- checkpoint
 
     def _capture(self):
-        """The engine's attention capture, reset (call under ``forward_lock``); None without capture support."""
-        try:
-            from .core.capture import AttentionCapture
-        except ImportError:  # statistics are optional for exact strategies
-            return None
-        window = self.settings.capture_window
-        if self._attn_capture is None or self._attn_capture.window != window:
-            self._attn_capture = AttentionCapture(self.model, window=window)
-        self._attn_capture.reset()
-        return self._attn_capture
+        """The model's attention capture for this engine's window, reset (call under ``forward_lock``)."""
+        return self.runner.capture(self.settings.capture_window)
 
     def checkpoint(self, token_ids) -> Checkpoint:
         """Checkpoint-creation pass: prefill with attention statistics, offload every layer's KV to CPU.
@@ -422,11 +425,11 @@ class PatchKVEngine:
             cap = self._capture()
             ids_t = torch.from_numpy(ids)
             if cap is None:
-                out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                out = execute(self.runner, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = None
             else:
                 with cap:
-                    out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                    out = execute(self.runner, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = cap.scores()
             ckpt = self._offload(ids, out.keys, out.values, scores, fp)
         t1 = time.perf_counter()
@@ -456,14 +459,14 @@ class PatchKVEngine:
         settings = self.settings
         stages: dict[str, float] = {}
         if settings.mixed_precision:
-            mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
+            mixed = build_mixed(stored_layout(keys), stored_layout(values), scores,
                                 block_size=settings.block_size, policy=settings.precision_policy, timings=stages)
             mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
         t1 = time.perf_counter()
         ckpt = Checkpoint(
             token_ids=np.asarray(ids, dtype=np.int64).copy(),
-            keys=[_host(k[0].detach()) for k in keys],
-            values=[_host(v[0].detach()) for v in values],
+            keys=[_host(k.detach()) for k in stored_layout(keys)],
+            values=[_host(v.detach()) for v in stored_layout(values)],
             fingerprint=fp,
             scores=scores,
             mixed=mixed,
@@ -505,8 +508,8 @@ class PatchKVEngine:
                         w = min(self.settings.capture_window, n)
                         plan = FullRecompute(new_len=n, prefix_len=n - w)
                         with cap:  # execute writes into fresh tensors: result's K/V stay as they were
-                            execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                                    [v[0] for v in result.values])
+                            execute(self.runner, self.spec, torch.from_numpy(ids), plan, stored_layout(result.keys),
+                                    stored_layout(result.values))
                         scores = cap.scores()
                     stats_s = time.perf_counter() - t0
         else:
@@ -546,8 +549,8 @@ class PatchKVEngine:
             cap = self._capture()
             plan = FullRecompute(new_len=n, prefix_len=start)
             with cap if cap is not None else contextlib.nullcontext():
-                out = execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                              [v[0] for v in result.values])
+                out = execute(self.runner, self.spec, torch.from_numpy(ids), plan, stored_layout(result.keys),
+                              stored_layout(result.values))
             scores = cap.scores() if cap is not None and cap.n_records else None
         dt = time.perf_counter() - t0
         stats = replace(result.stats, heal_s=dt, healed_rows=n - start, extras=dict(result.stats.extras))
@@ -584,9 +587,9 @@ class PatchKVEngine:
             m = min(exact, len(ids) - 1)
             neq = np.flatnonzero(np.asarray(base.context_ids[:m]) != ids[:m])
             reuse = int(neq[0]) if len(neq) else m
-        prep = prepare_exact(self.model, self.spec, ids, base_keys=base.keys if reuse else None,
-                             base_values=base.values if reuse else None, reuse_rows=reuse, lock=self.forward_lock,
-                             chunk_tokens=chunk_tokens, should_stop=should_stop, capture_factory=self._capture)
+        prep = prepare_exact(self.runner, self.spec, ids, base_keys=base.keys if reuse else None,
+                             base_values=base.values if reuse else None, reuse_rows=reuse, chunk_tokens=chunk_tokens,
+                             should_stop=should_stop, capture_window=self.settings.capture_window)
         done = len(prep.token_ids)
         stats = ResumeStats(strategy="prepared", prompt_tokens=done, prefix_tokens=prep.reused_rows, new_tokens=0,
                             suffix_tokens=0, recompute_tokens=prep.computed_rows,
@@ -635,7 +638,7 @@ class PatchKVEngine:
         """
         ids = np.asarray(result.context_ids, dtype=np.int64)
         return Checkpoint(token_ids=ids,
-                          keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
+                          keys=stored_layout(result.keys), values=stored_layout(result.values),
                           fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
                           mixed=None, words=self._words_for(ids, result.words),
                           stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
@@ -719,22 +722,22 @@ class PatchKVEngine:
         with cap if cap is not None else contextlib.nullcontext():
             if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
                 try:
-                    out = strat.execute(self.model, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
+                    out = strat.execute(self.runner, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
                 except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
                     fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
                     plan = plan_full(edit, block_size=settings.block_size)
                     if cap is not None:
                         cap.reset()
             if out is None:
-                out = execute(self.model, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
+                out = execute(self.runner, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
         first = int(out.logits.argmax())
         ttft = time.perf_counter() - t1
         scores = None
         if cap is not None and cap.n_records:
             scores = cap.scores()
             scores = scores[: len(new)] if len(scores) >= len(new) else None
-        cache = to_dynamic_cache(self.model, out.keys, out.values)
-        output_ids = greedy_decode(self.model, cache, out.logits, len(new), max_new_tokens, self.eos_ids)
+        cache = self.runner.dynamic_cache(out.keys, out.values)
+        output_ids = self.runner.greedy_decode(cache, out.logits, len(new), max_new_tokens, self.eos_ids)
         assert not output_ids or output_ids[0] == first
         n_restore = len(plan.restore_new_positions)
         prefix_tokens = min(edit.prefix_len, len(new))

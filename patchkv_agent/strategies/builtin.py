@@ -91,11 +91,11 @@ class PatchKVStrategy(Strategy):
                            rewrite_share=rewrite_share, recent_window=recent_window,
                            min_restore_share=min_restore_share)
 
-    def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
+    def execute(self, runner, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
         if s.restore_precision == "mixed" and ckpt is not None and ckpt.mixed is None:
             s = s.replace(restore_precision="fp16")  # checkpoint written without mixed runs
-        return run_plan(model, spec, s, ckpt, plan, new_ids)
+        return run_plan(runner, spec, s, ckpt, plan, new_ids)
 
     def plan(self, settings, ckpt, edit):
         s = self.resolve(settings)
