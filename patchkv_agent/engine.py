@@ -7,8 +7,15 @@ recomputes, and decodes greedily. Validates input before any compute (one valida
 place since the checkpoint) takes the exact path and says so in ``stats["fallback"]`` (a
 :class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
 :class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; stats are
-:class:`ResumeStats`. The engine owns the model's forward lock and its attention capture: any number
-of registries and direct callers may share one engine.
+:class:`ResumeStats`. Any number of registries and direct callers may share one engine.
+
+What the engine keeps about the model (its forward lock, attention capture, weight watch, cache layout,
+device) is the model's :class:`~patchkv_agent.core.runner.ModelRunner`, shared by every engine over the same
+model instance; nothing is set on the model. K/V pass between the engine's paths in the runner's one layout
+(``[1, H, N, D]`` per layer on the model's device); :mod:`patchkv_agent.offload` is where they become a
+checkpoint (``[H, N, D]`` on the CPU) and the runner's ``dynamic_cache`` where they become the decode cache.
+The resume's critical path is :mod:`patchkv_agent.resume`; this module checks inputs and weights and holds
+the lock around it.
 
 Knows models, diff, plan, strategies and recovery; knows nothing about the runtime or LangGraph.
 """
@@ -25,7 +32,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core.checkpoint import Checkpoint, CorruptCheckpoint, build_mixed, count_nonfinite
+from .core.checkpoint import Checkpoint
 from .core.diff import diff_versions
 from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
@@ -33,7 +40,7 @@ from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
 from .core.models import ModelSpec, fingerprint, model_spec
 from .loading import DEFAULT_MODEL, load_model
-from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel, plan_full
+from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
 from .core.precision import PrecisionPolicy
 from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
 from .core.recovery import FullRecompute, check_attn_implementation, execute
@@ -42,33 +49,13 @@ from .core.settings import RecoverySettings
 from .kernels import native
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
+from .offload import offload, resident_checkpoint, scores_for
 from .results import ResumeResult, ResumeStats
+from .resume import run_resume
 from .strategies import Strategy, get_strategy
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
            "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
-
-
-def _exact_rows_of(ckpt: Checkpoint | None) -> int | None:
-    """Leading exact rows of a checkpoint's K/V (None: all of them)."""
-    if ckpt is None:
-        return None
-    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
-    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
-
-
-def _scores_for(result: ResumeResult) -> np.ndarray | None:
-    """``result.scores`` over ``result.context_ids`` (positions past the resumed context, e.g. decoded
-    tokens a runtime appended, score 0), or None when the resume took none."""
-    sc = result.scores
-    n = len(result.context_ids)
-    if sc is None or len(sc) > n:
-        return None
-    if len(sc) == n:
-        return sc
-    out = np.zeros(n, dtype=np.float32)
-    out[: len(sc)] = sc
-    return out
 
 
 class PatchKVEngine:
@@ -431,7 +418,7 @@ class PatchKVEngine:
                 with cap:
                     out = execute(self.runner, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = cap.scores()
-            ckpt = self._offload(ids, out.keys, out.values, scores, fp)
+            ckpt = offload(ids, out.keys, out.values, scores, fp, self.settings)
         t1 = time.perf_counter()
         ckpt = replace(ckpt, words=self._words_for(ids, None))  # once per version: resumes carry them on
         ckpt.stats.update(words_s=time.perf_counter() - t1)
@@ -452,28 +439,6 @@ class PatchKVEngine:
             return words
         m = len(words)
         return self.words.carry_runs(ids, words, [(0, 0, m)], [(m, n)])
-
-    def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
-        t0 = time.perf_counter()
-        mixed = None
-        settings = self.settings
-        stages: dict[str, float] = {}
-        if settings.mixed_precision:
-            mixed = build_mixed(stored_layout(keys), stored_layout(values), scores,
-                                block_size=settings.block_size, policy=settings.precision_policy, timings=stages)
-            mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
-        t1 = time.perf_counter()
-        ckpt = Checkpoint(
-            token_ids=np.asarray(ids, dtype=np.int64).copy(),
-            keys=[_host(k.detach()) for k in stored_layout(keys)],
-            values=[_host(v.detach()) for v in stored_layout(values)],
-            fingerprint=fp,
-            scores=scores,
-            mixed=mixed,
-            stats={"quantize_s": t1 - t0, **stages},
-        )
-        ckpt.stats["copy_s"] = time.perf_counter() - t1
-        return ckpt
 
     @torch.no_grad()
     def checkpoint_from(self, result: ResumeResult) -> Checkpoint:
@@ -496,7 +461,7 @@ class PatchKVEngine:
         """
         ids = result.context_ids
         n = len(ids)
-        scores = _scores_for(result)
+        scores = scores_for(result)
         t0 = time.perf_counter()
         stats_s = 0.0
         if scores is None or result.fingerprint is None:
@@ -514,7 +479,7 @@ class PatchKVEngine:
                     stats_s = time.perf_counter() - t0
         else:
             fp = result.fingerprint
-        ckpt = replace(self._offload(ids, result.keys, result.values, scores, fp),
+        ckpt = replace(offload(ids, result.keys, result.values, scores, fp, self.settings),
                        words=self._words_for(ids, result.words))
         ckpt.stats.update(offload_s=time.perf_counter() - t0, stats_s=stats_s, source="resume",
                           exact_rows=result.exact_rows)
@@ -636,13 +601,8 @@ class PatchKVEngine:
         Returns:
             A :class:`Checkpoint` sharing ``result``'s K/V tensors; do not mutate them while it is used.
         """
-        ids = np.asarray(result.context_ids, dtype=np.int64)
-        return Checkpoint(token_ids=ids,
-                          keys=stored_layout(result.keys), values=stored_layout(result.values),
-                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=_scores_for(result),
-                          mixed=None, words=self._words_for(ids, result.words),
-                          stats={"offload_s": 0.0, "stats_s": None, "quantize_s": 0.0, "source": "resident",
-                                 "exact_rows": result.exact_rows})
+        words = self._words_for(np.asarray(result.context_ids, dtype=np.int64), result.words)
+        return resident_checkpoint(result, self.spec.fingerprint, words)
 
     # ---------------------------------------------------------------- resume
 
@@ -691,91 +651,11 @@ class PatchKVEngine:
         if ckpt is None and strat.uses_checkpoint:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
         with self.forward_lock:
-            return self._resume(ckpt, new, strat, max_new_tokens)
-
-    def _resume(self, ckpt: Checkpoint | None, new: np.ndarray, strat: Strategy, max_new_tokens: int) -> ResumeResult:
-        fallback: Fallback | None = None
-        if ckpt is not None:
-            fallback = self._validate_checkpoint(ckpt)
+            fallback = self._validate_checkpoint(ckpt) if ckpt is not None else None
             if fallback is not None:  # stale weights: nothing of the checkpoint is used
                 ckpt, strat = None, get_strategy("exact")
-        fp = self.spec.fingerprint
-        settings = self.settings  # one snapshot for the whole resume
-        t0 = time.perf_counter()
-        old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
-        edit = diff_versions(old, new, words=self.words, old_words=ckpt.words if ckpt is not None else None)
-        new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
-        plan = strat.plan(settings, ckpt, edit)
-        restore_new = np.asarray(plan.restore_new_positions)
-        if len(restore_new) and not self.spec.rope_supported:
-            shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
-            if shifted:
-                fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, self.spec.rope_unsupported_reason)
-                plan = plan_full(edit, block_size=settings.block_size)
-        plan_s = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        out = None
-        # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
-        # rows end with the last context token): checkpoint_from then needs no second pass
-        cap = self._capture()
-        with cap if cap is not None else contextlib.nullcontext():
-            if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
-                try:
-                    out = strat.execute(self.runner, self.spec, settings, ckpt, edit, plan, torch.from_numpy(new))
-                except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
-                    fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
-                    plan = plan_full(edit, block_size=settings.block_size)
-                    if cap is not None:
-                        cap.reset()
-            if out is None:
-                out = execute(self.runner, self.spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
-        first = int(out.logits.argmax())
-        ttft = time.perf_counter() - t1
-        scores = None
-        if cap is not None and cap.n_records:
-            scores = cap.scores()
-            scores = scores[: len(new)] if len(scores) >= len(new) else None
-        cache = self.runner.dynamic_cache(out.keys, out.values)
-        output_ids = self.runner.greedy_decode(cache, out.logits, len(new), max_new_tokens, self.eos_ids)
-        assert not output_ids or output_ids[0] == first
-        n_restore = len(plan.restore_new_positions)
-        prefix_tokens = min(edit.prefix_len, len(new))
-        denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
-        stats = ResumeStats(
-            strategy=strat.name,
-            prompt_tokens=len(new),
-            prefix_tokens=prefix_tokens,
-            new_tokens=int(edit.new_token_count),
-            suffix_tokens=int(edit.suffix_len),
-            recompute_tokens=int(out.stats.recompute_tokens),
-            recompute_ratio=out.stats.recompute_tokens / denom,
-            restore_tokens=int(n_restore),
-            payload_bytes=int(out.stats.payload_bytes),
-            ttft_s=ttft,
-            plan_s=plan_s,
-            restore_s=out.stats.restore_s,
-            recompute_s=out.stats.recompute_s,
-            offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
-            stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
-            quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
-            fallback=fallback,
-            extras=dict(out.stats.extras),  # strategy-specific extras
-            # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
-            nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
-            head_rewrite=bool(getattr(plan, "head_rewrite", False)),
-            small_restore=bool(getattr(plan, "small_restore", False)),
-        )
-        exact_rows = len(new)
-        if n_restore:
-            exact_rows = int(np.min(plan.restore_new_positions))
-        base_exact = _exact_rows_of(ckpt) if strat.uses_checkpoint else None
-        if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
-            exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
-        stats.approx_rows = len(new) - exact_rows
-        return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
-                            context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
-                            scores=scores, exact_rows=exact_rows, words=new_words)
+            return run_resume(self.runner, self.spec, self.settings, ckpt, new, strat, max_new_tokens,
+                              words=self.words, eos_ids=self.eos_ids, fallback=fallback)
 
 
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())
@@ -785,9 +665,3 @@ def _short(v) -> str:
     if isinstance(v, LengthModel):
         return f"LengthModel(quantile={v.quantile})" if getattr(v, "quantile", None) is not None else repr(v)
     return repr(v)
-
-
-def _host(x):
-    """A CPU copy of a tensor or RunPayload, pinned when CUDA is present (for non-blocking restores)."""
-    x = x.to("cpu") if not isinstance(x, torch.Tensor) else x.to("cpu", copy=True)
-    return x.pin_memory() if torch.cuda.is_available() else x

@@ -1,0 +1,141 @@
+"""The resume critical path (docs/DESIGN.md section 4, "Resume", steps 1 to 7): diff, plan, restore and
+recompute, decode, and the result's stats.
+
+:func:`run_resume` is what :meth:`PatchKVEngine.resume <patchkv_agent.engine.PatchKVEngine.resume>` runs once it
+has checked the ids and the checkpoint's weights, and while it holds the model's forward lock. The K/V go through
+it in one layout (:mod:`patchkv_agent.core.runner`: ``[1, H, N, D]`` per layer on the model's device): the
+recovery's buffers become the result's ``keys`` / ``values`` and the decode cache adopts them; only the
+checkpoint's rows are read in the storage layout, by the recovery.
+
+Knows the mechanisms (diff, plan, recovery, the model's runner), the strategies and the result types; knows
+nothing about the engine's settings sources, profiles, the runtime or LangGraph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, count_nonfinite
+from .core.diff import diff_versions
+from .core.fallback import Fallback, FallbackKind
+from .core.lexicon import WordIndex
+from .core.models import ModelSpec
+from .core.plan import plan_full
+from .core.recovery import execute
+from .core.runner import ModelRunner
+from .core.settings import RecoverySettings
+from .results import ResumeResult, ResumeStats
+from .strategies import Strategy
+
+__all__ = ["run_resume"]
+
+
+def _exact_rows_of(ckpt: Checkpoint | None) -> int | None:
+    """Leading exact rows of a checkpoint's K/V (None: all of them)."""
+    if ckpt is None:
+        return None
+    v = ckpt.stats.get("exact_rows") if isinstance(ckpt.stats, dict) else None
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 else None
+
+
+def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None,
+               new: np.ndarray, strat: Strategy, max_new_tokens: int, *, words: WordIndex | None,
+               eos_ids: set[int], fallback: Fallback | None = None) -> ResumeResult:
+    """Resume ``new`` from ``ckpt`` with ``strat`` and decode greedily (call under ``runner.lock``).
+
+    Args:
+        runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner`.
+        spec: its :class:`~patchkv_agent.core.models.ModelSpec` (the fingerprint the result carries).
+        settings: the settings of the whole resume (one snapshot).
+        ckpt: the checkpoint of the previous version, checked against the current weights (None: exact).
+        new: validated int64 ids of ``C_new``.
+        strat: the strategy (``exact`` when the checkpoint's weights changed).
+        max_new_tokens: greedy tokens to decode, validated.
+        words: the engine's word index (None: the lexical signal compares token ids).
+        eos_ids: the tokens that end the decode.
+        fallback: why the checkpoint is not used, already known (``WEIGHTS_CHANGED``); None: none yet.
+
+    Returns:
+        The :class:`~patchkv_agent.results.ResumeResult`; an unsupported RoPE under shifted rows or a corrupt
+        run recomputes exactly and says so in ``stats.fallback``.
+    """
+    fp = spec.fingerprint
+    t0 = time.perf_counter()
+    old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
+    edit = diff_versions(old, new, words=words, old_words=ckpt.words if ckpt is not None else None)
+    new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
+    plan = strat.plan(settings, ckpt, edit)
+    restore_new = np.asarray(plan.restore_new_positions)
+    if len(restore_new) and not spec.rope_supported:
+        shifted = np.any(restore_new != np.asarray(plan.restore_old_positions))
+        if shifted:
+            fallback = Fallback(FallbackKind.UNSUPPORTED_ROPE, spec.rope_unsupported_reason)
+            plan = plan_full(edit, block_size=settings.block_size)
+    plan_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    out = None
+    # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
+    # rows end with the last context token): checkpoint_from then needs no second pass
+    cap = runner.capture(settings.capture_window)
+    with cap if cap is not None else contextlib.nullcontext():
+        if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
+            try:
+                out = strat.execute(runner, spec, settings, ckpt, edit, plan, torch.from_numpy(new))
+            except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
+                fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
+                plan = plan_full(edit, block_size=settings.block_size)
+                if cap is not None:
+                    cap.reset()
+        if out is None:
+            out = execute(runner, spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
+    first = int(out.logits.argmax())
+    ttft = time.perf_counter() - t1
+    scores = None
+    if cap is not None and cap.n_records:
+        scores = cap.scores()
+        scores = scores[: len(new)] if len(scores) >= len(new) else None
+    cache = runner.dynamic_cache(out.keys, out.values)
+    output_ids = runner.greedy_decode(cache, out.logits, len(new), max_new_tokens, eos_ids)
+    assert not output_ids or output_ids[0] == first
+    n_restore = len(plan.restore_new_positions)
+    prefix_tokens = min(edit.prefix_len, len(new))
+    denom = max(1, len(new) - min(plan.prefix_len, prefix_tokens))
+    stats = ResumeStats(
+        strategy=strat.name,
+        prompt_tokens=len(new),
+        prefix_tokens=prefix_tokens,
+        new_tokens=int(edit.new_token_count),
+        suffix_tokens=int(edit.suffix_len),
+        recompute_tokens=int(out.stats.recompute_tokens),
+        recompute_ratio=out.stats.recompute_tokens / denom,
+        restore_tokens=int(n_restore),
+        payload_bytes=int(out.stats.payload_bytes),
+        ttft_s=ttft,
+        plan_s=plan_s,
+        restore_s=out.stats.restore_s,
+        recompute_s=out.stats.recompute_s,
+        offload_s=ckpt.stats.get("offload_s") if ckpt is not None else None,
+        stats_s=ckpt.stats.get("stats_s") if ckpt is not None else None,
+        quantize_s=ckpt.stats.get("quantize_s") if ckpt is not None else None,
+        fallback=fallback,
+        extras=dict(out.stats.extras),  # strategy-specific extras
+        # non-finite values the forward produced (logits and its recomputed K/V rows): reported, never raised
+        nonfinite_values=count_nonfinite(out.logits, out.keys, out.values, plan.recompute_positions),
+        head_rewrite=bool(getattr(plan, "head_rewrite", False)),
+        small_restore=bool(getattr(plan, "small_restore", False)),
+    )
+    exact_rows = len(new)
+    if n_restore:
+        exact_rows = int(np.min(plan.restore_new_positions))
+    base_exact = _exact_rows_of(ckpt) if strat.uses_checkpoint else None
+    if base_exact is not None and base_exact < min(plan.prefix_len, prefix_tokens):
+        exact_rows = min(exact_rows, base_exact)  # rows reused from an approximate base stay approximate
+    stats.approx_rows = len(new) - exact_rows
+    return ResumeResult(logits=out.logits, output_ids=output_ids, cache=cache, stats=stats,
+                        context_ids=new, keys=out.keys, values=out.values, edit=edit, fingerprint=fp,
+                        scores=scores, exact_rows=exact_rows, words=new_words)
