@@ -68,6 +68,7 @@ class ModelRunner:
         self.model = model
         self.lock = ForwardLock()
         self._watch = WeightWatch(model)
+        self._watch_guard = threading.Lock()  # the watch's own (a look never waits for a forward)
         self._weights_version = 0
         self._captures: dict[int, Any] = {}  # capture window -> AttentionCapture
         self._first: tuple[weakref.ref, str] | None = None  # (module holding the first parameter, its name)
@@ -121,7 +122,7 @@ class ModelRunner:
         """How many in-place weight changes were seen so far (a look costs ~0.2 ms; see
         :class:`~.weights.WeightWatch`). Each user compares it with the count it last saw: one runner's
         watch serves every engine over the model."""
-        with self.lock:
+        with self._watch_guard:
             if self._watch.changed():
                 self._weights_version += 1
             return self._weights_version
