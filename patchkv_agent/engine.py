@@ -8,8 +8,16 @@ place since the checkpoint) takes the exact path and says so in ``stats["fallbac
 :class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
 :class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; the engine writes the
 :class:`~patchkv_agent.results.EnginePart` of a result's :class:`ResumeStats` and a checkpoint's
-:class:`~patchkv_agent.core.provenance.CheckpointProvenance`. The engine owns the model's forward lock and
-its attention capture: any number of registries and direct callers may share one engine.
+:class:`~patchkv_agent.core.provenance.CheckpointProvenance`. Any number of registries and direct callers may share
+one engine.
+
+What the engine keeps about the model (its forward lock, attention capture, weight watch, cache layout,
+device) is the model's :class:`~patchkv_agent.core.runner.ModelRunner`, shared by every engine over the same
+model instance; nothing is set on the model. K/V pass between the engine's paths in the runner's one layout
+(``[1, H, N, D]`` per layer on the model's device); :mod:`patchkv_agent.offload` is where they become a
+checkpoint (``[H, N, D]`` on the CPU) and the runner's ``dynamic_cache`` where they become the decode cache.
+The resume's critical path is :mod:`patchkv_agent.resume`; this module checks inputs and weights and holds
+the lock around it.
 
 Knows models, diff, plan, strategies and recovery; knows nothing about the runtime or LangGraph.
 """
@@ -25,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core.checkpoint import Checkpoint, build_mixed
+from .core.checkpoint import Checkpoint
 from .core.diff import diff_versions
 from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
@@ -37,15 +45,16 @@ from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
 from .core.precision import PrecisionPolicy
 from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
 from .core.recovery import FullRecompute, check_attn_implementation, execute
+from .core.runner import ModelRunner, stored_layout
 from .core.settings import RecoverySettings
 from .kernels import native
-from .core.weights import WeightWatch, model_lock
 from .profiles import Profile, load_profile
 from .profiles import profile_dirs as profile_dir_list
-from .core.provenance import CheckpointProvenance, Source
+from .core.provenance import Source
+from .offload import offload, resident_checkpoint, scores_for
 from .results import EnginePart, PrepareStats, ResumeResult, ResumeStats
+from .resume import run_resume
 from .strategies import Strategy, get_strategy
-from .strategies.resume import run_resume, scores_for
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
            "InvalidInput", "DEFAULT_BLOCK_SIZE", "DEFAULT_DIRTY_WINDOW"]
@@ -80,10 +89,14 @@ class PatchKVEngine:
             (``engine.settings = engine.settings.replace(kappa=0.1)``). ``repr(engine)`` shows each
             field and where it came from (:attr:`settings_sources`).
         profile: the :class:`~patchkv_agent.profiles.Profile` the settings started from, or None.
-        forward_lock: a re-entrant lock held around every forward pass through the model
+        runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner` (its forward lock, attention
+            capture, weight watch, cache layout and device; nothing is set on the model). Every engine built
+            over the same model instance gets the same runner (:meth:`ModelRunner.of`).
+        model: the model (``runner.model``).
+        forward_lock: the runner's re-entrant lock, held around every forward pass through the model
             (``checkpoint``, ``checkpoint_from``, ``resume``; runtime decode steps take it too): one
-            forward at a time per model, whatever number of registries and direct callers share it,
-            so the attention capture of a checkpoint pass never sees another caller's forward.
+            forward at a time per model, whatever number of engines, registries and direct callers share
+            it, so the attention capture of a checkpoint pass never sees another caller's forward.
         spec: the :class:`ModelSpec`; ``spec.fingerprint`` follows in-place weight changes (see
             :meth:`refresh_fingerprint`).
 
@@ -110,7 +123,9 @@ class PatchKVEngine:
         profile_dirs: Sequence[str | Path] = (),
     ):
         check_attn_implementation(model)
-        self.model = model.eval()
+        # engines over one model instance share its runner: one forward lock, capture and weight watch per model
+        self.runner: ModelRunner = ModelRunner.of(model.eval())
+        self._weights_seen = self.runner.weights_version()  # the weights spec.fingerprint is of
         self.tokenizer = tokenizer
         # the lexical reader signal compares words, not token ids (None without a tokenizer: token ids)
         self.words: WordIndex | None = (WordIndex.from_tokenizer(tokenizer)
@@ -139,18 +154,27 @@ class PatchKVEngine:
         self._settings: RecoverySettings = base.replace(**explicit)
         sources.update(dict.fromkeys(explicit, "argument"))
         self._sources = sources
-        self.device = next(model.parameters()).device
         native.available()  # load (or, once per CPU, build) kernels/native.c here, not on the first resume's plan
-        # one forward at a time per *model*: engines sharing a model instance share the lock (a background
-        # heal of one engine's thread must not run inside another engine's forward or attention capture)
-        self.forward_lock = model_lock(model)
-        self._attn_capture = None  # the engine's one AttentionCapture (used under forward_lock)
-        self._weights = WeightWatch(model)
         self._past_fingerprints: set[str] = set()
         eos = getattr(model.config, "eos_token_id", None)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id if eos is None else eos
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+
+    @property
+    def model(self):
+        """The model (``runner.model``)."""
+        return self.runner.model
+
+    @property
+    def forward_lock(self):
+        """The model's :class:`~patchkv_agent.core.weights.ForwardLock` (``runner.lock``)."""
+        return self.runner.lock
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (read live from its first parameter)."""
+        return self.runner.device
 
     def _find_profile(self, profile, profile_dirs) -> Profile | None:
         if profile is None or isinstance(profile, Profile):
@@ -334,7 +358,9 @@ class PatchKVEngine:
             ``spec.fingerprint`` after the check.
         """
         with self.forward_lock:
-            if self._weights.changed():
+            version = self.runner.weights_version()
+            if version != self._weights_seen:
+                self._weights_seen = version
                 fp = fingerprint(self.model, self.tokenizer)
                 if fp != self.spec.fingerprint:
                     self._past_fingerprints.add(self.spec.fingerprint)
@@ -364,16 +390,8 @@ class PatchKVEngine:
     # ----------------------------------------------------------- checkpoint
 
     def _capture(self):
-        """The engine's attention capture, reset (call under ``forward_lock``); None without capture support."""
-        try:
-            from .core.capture import AttentionCapture
-        except ImportError:  # statistics are optional for exact strategies
-            return None
-        window = self.settings.capture_window
-        if self._attn_capture is None or self._attn_capture.window != window:
-            self._attn_capture = AttentionCapture(self.model, window=window)
-        self._attn_capture.reset()
-        return self._attn_capture
+        """The model's attention capture for this engine's window, reset (call under ``forward_lock``)."""
+        return self.runner.capture(self.settings.capture_window)
 
     def checkpoint(self, token_ids) -> Checkpoint:
         """Checkpoint-creation pass: prefill with attention statistics, offload every layer's KV to CPU.
@@ -396,13 +414,13 @@ class PatchKVEngine:
             cap = self._capture()
             ids_t = torch.from_numpy(ids)
             if cap is None:
-                out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                out = execute(self.runner, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = None
             else:
                 with cap:
-                    out = execute(self.model, self.spec, ids_t, FullRecompute(new_len=len(ids)))
+                    out = execute(self.runner, self.spec, ids_t, FullRecompute(new_len=len(ids)))
                 scores = cap.scores()
-            ckpt = self._offload(ids, out.keys, out.values, scores, fp)
+            ckpt = offload(ids, out.keys, out.values, scores, fp, self.settings)
         t1 = time.perf_counter()
         words = self._words_for(ids, None)  # once per version: resumes carry them on
         prov = ckpt.provenance.replace(words_s=time.perf_counter() - t1, offload_s=time.perf_counter() - t0,
@@ -423,22 +441,6 @@ class PatchKVEngine:
             return words
         m = len(words)
         return self.words.carry_runs(ids, words, [(0, 0, m)], [(m, n)])
-
-    def _offload(self, ids, keys, values, scores, fp: str) -> Checkpoint:
-        t0 = time.perf_counter()
-        mixed = None
-        settings = self.settings
-        stages: dict[str, float] = {}
-        if settings.mixed_precision:
-            mixed = build_mixed([k[0] for k in keys], [v[0] for v in values], scores,
-                                block_size=settings.block_size, policy=settings.precision_policy, timings=stages)
-            mixed = replace(mixed, payloads=[{t: _host(p) for t, p in layer.items()} for layer in mixed.payloads])
-        t1 = time.perf_counter()
-        token_ids = np.asarray(ids, dtype=np.int64).copy()
-        host_k, host_v = [_host(k[0].detach()) for k in keys], [_host(v[0].detach()) for v in values]
-        prov = CheckpointProvenance(quantize_s=t1 - t0, copy_s=time.perf_counter() - t1, **stages)
-        return Checkpoint(token_ids=token_ids, keys=host_k, values=host_v, fingerprint=fp, scores=scores, mixed=mixed,
-                          provenance=prov)
 
     @torch.no_grad()
     def checkpoint_from(self, result: ResumeResult) -> Checkpoint:
@@ -474,17 +476,17 @@ class PatchKVEngine:
                         w = min(self.settings.capture_window, n)
                         plan = FullRecompute(new_len=n, prefix_len=n - w)
                         with cap:  # execute writes into fresh tensors: result's K/V stay as they were
-                            execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                                    [v[0] for v in result.values])
+                            execute(self.runner, self.spec, torch.from_numpy(ids), plan, stored_layout(result.keys),
+                                    stored_layout(result.values))
                         scores = cap.scores()
                     stats_s = time.perf_counter() - t0
         else:
             fp = result.fingerprint
-        ckpt = self._offload(ids, result.keys, result.values, scores, fp)
-        words = self._words_for(ids, result.words)
+        ckpt = replace(offload(ids, result.keys, result.values, scores, fp, self.settings),
+                       words=self._words_for(ids, result.words))
         prov = ckpt.provenance.replace(offload_s=time.perf_counter() - t0, stats_s=stats_s, source=Source.RESUME,
                                        exact_rows=result.exact_rows)
-        return replace(ckpt, words=words, provenance=prov)
+        return replace(ckpt, provenance=prov)
 
     @torch.no_grad()
     def heal(self, result: ResumeResult) -> ResumeResult:
@@ -515,8 +517,8 @@ class PatchKVEngine:
             cap = self._capture()
             plan = FullRecompute(new_len=n, prefix_len=start)
             with cap if cap is not None else contextlib.nullcontext():
-                out = execute(self.model, self.spec, torch.from_numpy(ids), plan, [k[0] for k in result.keys],
-                              [v[0] for v in result.values])
+                out = execute(self.runner, self.spec, torch.from_numpy(ids), plan, stored_layout(result.keys),
+                              stored_layout(result.values))
             scores = cap.scores() if cap is not None and cap.n_records else None
         dt = time.perf_counter() - t0
         stats = result.stats.with_engine(heal_s=dt, healed_rows=n - start)
@@ -554,9 +556,9 @@ class PatchKVEngine:
             m = min(exact, len(ids) - 1)
             neq = np.flatnonzero(np.asarray(base.context_ids[:m]) != ids[:m])
             reuse = int(neq[0]) if len(neq) else m
-        prep = prepare_exact(self.model, self.spec, ids, base_keys=base.keys if reuse else None,
-                             base_values=base.values if reuse else None, reuse_rows=reuse, lock=self.forward_lock,
-                             chunk_tokens=chunk_tokens, should_stop=should_stop, capture_factory=self._capture)
+        prep = prepare_exact(self.runner, self.spec, ids, base_keys=base.keys if reuse else None,
+                             base_values=base.values if reuse else None, reuse_rows=reuse, chunk_tokens=chunk_tokens,
+                             should_stop=should_stop, capture_window=self.settings.capture_window)
         done = len(prep.token_ids)
         work = PrepareStats(reused_rows=prep.reused_rows, computed_rows=prep.computed_rows, chunks=prep.chunks,
                             stopped=prep.stopped, forward_s=prep.forward_s)
@@ -603,13 +605,8 @@ class PatchKVEngine:
         Returns:
             A :class:`Checkpoint` sharing ``result``'s K/V tensors; do not mutate them while it is used.
         """
-        ids = np.asarray(result.context_ids, dtype=np.int64)
-        return Checkpoint(token_ids=ids,
-                          keys=[k[0] for k in result.keys], values=[v[0] for v in result.values],
-                          fingerprint=result.fingerprint or self.spec.fingerprint, scores=scores_for(result),
-                          mixed=None, words=self._words_for(ids, result.words),
-                          provenance=CheckpointProvenance(offload_s=0.0, quantize_s=0.0, source=Source.RESIDENT,
-                                                          exact_rows=result.exact_rows))
+        words = self._words_for(np.asarray(result.context_ids, dtype=np.int64), result.words)
+        return resident_checkpoint(result, self.spec.fingerprint, words)
 
     # ---------------------------------------------------------------- resume
 
@@ -658,16 +655,11 @@ class PatchKVEngine:
         if ckpt is None and strat.uses_checkpoint:
             raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
         with self.forward_lock:
-            return self._resume(ckpt, new, strat, max_new_tokens)
-
-    def _resume(self, ckpt: Checkpoint | None, new: np.ndarray, strat: Strategy, max_new_tokens: int) -> ResumeResult:
-        fallback: Fallback | None = None
-        if ckpt is not None:
-            fallback = self._validate_checkpoint(ckpt)
+            fallback = self._validate_checkpoint(ckpt) if ckpt is not None else None
             if fallback is not None:  # stale weights: nothing of the checkpoint is used
                 ckpt, strat = None, get_strategy("exact")
-        return run_resume(self.model, self.spec, self.settings, strat, ckpt, new, max_new_tokens=max_new_tokens,
-                          words=self.words, eos_ids=self.eos_ids, capture=self._capture(), fallback=fallback)
+            return run_resume(self.runner, self.spec, self.settings, strat, ckpt, new, max_new_tokens=max_new_tokens,
+                              words=self.words, eos_ids=self.eos_ids, fallback=fallback)
 
 
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())
@@ -677,9 +669,3 @@ def _short(v) -> str:
     if isinstance(v, LengthModel):
         return f"LengthModel(quantile={v.quantile})" if getattr(v, "quantile", None) is not None else repr(v)
     return repr(v)
-
-
-def _host(x):
-    """A CPU copy of a tensor or RunPayload, pinned when CUDA is present (for non-blocking restores)."""
-    x = x.to("cpu") if not isinstance(x, torch.Tensor) else x.to("cpu", copy=True)
-    return x.pin_memory() if torch.cuda.is_available() else x

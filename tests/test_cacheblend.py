@@ -29,7 +29,7 @@ def run(eng, old, new, **options):
     strat = CacheBlendStrategy(**options)
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
     plan = strat.plan(eng.settings, ckpt, edit)
-    return ckpt, edit, plan, strat.execute(eng.model, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
+    return ckpt, edit, plan, strat.execute(eng.runner, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "glm", "gemma3"])

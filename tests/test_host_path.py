@@ -250,18 +250,20 @@ def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from patchkv_agent.core.recovery import decode_step, to_dynamic_cache
+    from patchkv_agent.core.runner import ModelRunner
     from patchkv_agent.eval.tiny import tiny_model
 
     model = tiny_model(family)
+    runner = ModelRunner(model)
     cfg = model.config
     n, shape = 40, (1, cfg.num_key_value_heads, 40, cfg.head_dim)
     g = torch.Generator().manual_seed(0)
     keys = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]  # full-length rows per layer
     values = [torch.randn(shape, generator=g) for _ in range(cfg.num_hidden_layers)]
     before = [k.clone() for k in keys]
-    to_dynamic_cache(model, [k.clone() for k in keys], [v.clone() for v in values])  # the first call records the layers
-    adopted = to_dynamic_cache(model, keys, values)  # built from the record
+    runner.dynamic_cache([k.clone() for k in keys], [v.clone() for v in values])  # the first call records the layers
+    adopted = runner.dynamic_cache(keys, values)  # built from the record
+    assert runner._cache_layers is not None and "_patchkv_cache_layers" not in vars(model)
     ref = DynamicCache(config=model.config)
     assert [(type(a), getattr(a, "sliding_window", None)) for a in adopted.layers] == \
         [(type(b), getattr(b, "sliding_window", None)) for b in ref.layers]
@@ -276,7 +278,7 @@ def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
         assert a.keys.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
     tok, pos = 5, n
     for _ in range(30):  # past gemma3's 24-token window
-        la, lb = decode_step(model, adopted, tok, pos), decode_step(model, ref, tok, pos)
+        la, lb = runner.decode_step(adopted, tok, pos), runner.decode_step(ref, tok, pos)
         torch.testing.assert_close(la, lb, rtol=0, atol=0)
         tok, pos = int(la.argmax()), pos + 1
     for k, k0 in zip(keys, before):  # decoding never wrote into the adopted rows
@@ -547,34 +549,36 @@ def test_few_segment_blocks_equal_the_vectorized_cut(seed, monkeypatch):
 
 
 def test_recovery_buffers_follow_a_model_moved_in_place_and_a_replaced_first_parameter():
-    """The model's first parameter is remembered per model (a resume skips ``next(model.parameters())``); its
+    """The model's first parameter is remembered by its runner (a resume skips ``next(model.parameters())``); its
     dtype is read live, and a first parameter that is replaced (and dropped) is looked up again."""
     import gc
 
     from patchkv_agent.core.plan import plan_full
-    from patchkv_agent.core.recovery import RecoveryBuffers, _first_parameter
+    from patchkv_agent.core.recovery import RecoveryBuffers
+    from patchkv_agent.core.runner import ModelRunner
     from patchkv_agent.eval.tiny import tiny_engine
 
     eng = tiny_engine(seed=0, layers=1, heads=2, kv_heads=2, head_dim=16, profile=None)
-    model, spec = eng.model, eng.spec
+    model, spec, runner = eng.model, eng.spec, eng.runner
     ids = np.arange(10, dtype=np.int64) % 50
     plan = plan_full(diff_versions(ids, ids))
-    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
-    first = _first_parameter(model)
+    assert RecoveryBuffers(runner, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
+    first = runner.parameter()
     model.to(torch.float64)  # in place: the same Parameter objects, new data
-    assert _first_parameter(model) is first
-    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float64
+    assert runner.parameter() is first and runner.dtype == torch.float64
+    assert RecoveryBuffers(runner, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float64
     emb = model.get_input_embeddings()
     assert emb.weight is first
     emb.weight = torch.nn.Parameter(first.detach().to(torch.float32))  # replaced: the old one is dropped
     del first
     gc.collect()
-    assert _first_parameter(model) is emb.weight
-    assert RecoveryBuffers(model, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
-    lin = torch.nn.Linear(3, 3)  # a model holding its first parameter itself: remembered without keeping it alive
-    assert _first_parameter(lin) is lin.weight
+    assert runner.parameter() is emb.weight
+    assert RecoveryBuffers(runner, spec, torch.from_numpy(ids), plan).keys[0].dtype == torch.float32
+    lin = torch.nn.Linear(3, 3)  # a model holding its first parameter itself: its runner goes with the last holder
+    lin_runner = ModelRunner.of(lin)
+    assert lin_runner.parameter() is lin.weight and ModelRunner.of(lin) is lin_runner
     gone = __import__("weakref").ref(lin)
-    del lin
+    del lin, lin_runner
     gc.collect()
     assert gone() is None
 

@@ -6,7 +6,7 @@ module level and inside functions alike; imports under ``if TYPE_CHECKING:`` are
 run). An ``from a import b`` counts as an import of ``a.b`` when that is a module, else of ``a``.
 
 Layers, bottom to top (docs/DESIGN.md): kernels < core < results, loading < profiles < strategies <
-engine < runtime < langgraph < eval, calibration, cli.
+resume, offload < engine < runtime < langgraph < eval, calibration, cli.
 """
 
 from __future__ import annotations
@@ -26,16 +26,19 @@ SOURCES = {PKG: ROOT / "patchkv_agent", f"{PKG}.kernels": ROOT / "kernels", f"{P
 # module-name prefix -> the prefixes it must never import (a module "is in" a prefix when it equals it or
 # starts with it + ".")
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    f"{PKG}.kernels": ("core", "results", "loading", "profiles", "strategies", "engine", "runtime", "langgraph",
+    f"{PKG}.kernels": ("core", "results", "loading", "profiles", "strategies", "resume", "offload", "engine",
+                       "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.core": ("results", "loading", "profiles", "strategies", "resume", "offload", "engine", "runtime",
+                    "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.results": ("loading", "profiles", "strategies", "resume", "offload", "engine", "runtime", "langgraph",
                        "eval", "calibration", "cli"),
-    f"{PKG}.core": ("results", "loading", "profiles", "strategies", "engine", "runtime", "langgraph", "eval",
-                    "calibration", "cli"),
-    f"{PKG}.results": ("loading", "profiles", "strategies", "engine", "runtime", "langgraph", "eval", "calibration",
-                       "cli"),
-    f"{PKG}.loading": ("results", "profiles", "strategies", "engine", "runtime", "langgraph", "eval", "calibration",
-                       "cli"),
-    f"{PKG}.profiles": ("strategies", "engine", "runtime", "langgraph", "eval", "calibration", "cli"),
-    f"{PKG}.strategies": ("engine", "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.loading": ("results", "profiles", "strategies", "resume", "offload", "engine", "runtime", "langgraph",
+                       "eval", "calibration", "cli"),
+    f"{PKG}.profiles": ("strategies", "resume", "offload", "engine", "runtime", "langgraph", "eval", "calibration",
+                        "cli"),
+    f"{PKG}.strategies": ("resume", "offload", "engine", "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.resume": ("engine", "runtime", "langgraph", "eval", "calibration", "cli"),
+    f"{PKG}.offload": ("engine", "runtime", "langgraph", "eval", "calibration", "cli"),
     f"{PKG}.engine": ("runtime", "langgraph", "eval", "calibration", "cli"),
     f"{PKG}.runtime": ("langgraph", "eval", "calibration", "cli"),
     f"{PKG}.runtime.kvstore": ("strategies",),

@@ -37,7 +37,7 @@ def run(eng, ckpt, new, **options):
     strat = PatchKVStrategy(**{"recent_window": WINDOW, "precision": "fp16", **options})
     edit = diff_versions(ckpt.token_ids, np.asarray(new))
     plan = strat.plan(eng.settings, ckpt, edit)
-    return plan, strat.execute(eng.model, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
+    return plan, strat.execute(eng.runner, eng.spec, eng.settings, ckpt, edit, plan, torch.tensor(new))
 
 
 def test_rule_recency_probes_the_window_instead_of_recomputing_it():

@@ -8,6 +8,8 @@
 - :mod:`.precision`: per-block FP16 / K8V8 / K8V4 / K4V4 tags.
 - :mod:`.checkpoint`: :class:`~.checkpoint.Checkpoint` (full-precision rows + checksummed mixed runs).
 - :mod:`.recovery`: restore (dequantize + RoPE delta + scatter) and recompute in one forward.
+- :mod:`.runner`: :class:`~.runner.ModelRunner`, what the package keeps per model instance (forward lock,
+  attention capture, weight watch, cache layout, device), beside the model, never on it; the K/V layout.
 - :mod:`.settings`: :class:`~.settings.RecoverySettings`, the frozen settings strategies and the
   checkpoint pass read (block size, length model, kappa, precision, capture window).
 - :mod:`.fallback`: :class:`~.fallback.Fallback` ``(kind, detail)``: why a resume was recomputed exactly.

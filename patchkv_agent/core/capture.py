@@ -26,8 +26,10 @@ from .settings import DEFAULT_CAPTURE_WINDOW
 
 __all__ = ["AttentionCapture", "capture_attention_forward", "default_layers"]
 
-# id(attention module) -> the capture recording it. The registered function is one module-level
-# dispatcher, so several captures (on different models) can share a registered name.
+# id(attention module) -> the capture recording it, only while that capture's `with` block runs (emptied on
+# exit). transformers dispatches attention by a registered name, process-wide, so the registered function is
+# one module-level dispatcher and several captures (on different models) share the name; what a model keeps
+# between passes (its capture per window) lives in its ModelRunner, not here.
 _ACTIVE: dict[int, AttentionCapture] = {}
 
 

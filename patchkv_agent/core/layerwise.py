@@ -35,6 +35,7 @@ from .recovery import (RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCa
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .runner import ModelRunner
     from .settings import RecoverySettings
 
 __all__ = ["LAYERWISE_MODEL_TYPES", "LayerwiseForward", "layerwise_supported", "execute_probed", "row_deviation"]
@@ -161,7 +162,7 @@ def row_deviation(k_old: torch.Tensor, v_old: torch.Tensor, k_new: torch.Tensor,
 
 
 @torch.no_grad()
-def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "Checkpoint", plan,
+def execute_probed(runner: "ModelRunner", spec: ModelSpec, settings: "RecoverySettings", ckpt: "Checkpoint", plan,
                    new_ids: torch.Tensor) -> RecoveryOutput:
     """Run a plan with probed tail blocks (the measured tail rule).
 
@@ -173,7 +174,8 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
     suffix is recomputed whole instead (exact; ``tail_small_restore`` in the extras, the probe's time counted).
 
     Args:
-        model: the HF causal LM (:func:`layerwise_supported` for ``plan.tail_check_layer`` must hold).
+        runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner` (:func:`layerwise_supported` for
+            ``plan.tail_check_layer`` must hold for its model).
         spec: its model spec.
         settings: the resolved settings (``restore_precision`` says whether the mixed runs are read).
         ckpt: the checkpoint of the previous version.
@@ -191,11 +193,12 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
         ValueError: the model has no layer-wise forward, or a plan that does not recompute the last token.
         CorruptCheckpoint: a mixed run failed its checksum.
     """
+    model = runner.model
     why = layerwise_supported(model, spec, plan.tail_check_layer)
     if why is not None:
         raise ValueError(f"the measured tail rule needs a layer-wise forward: {why}")
     t0 = time.perf_counter()
-    buf = RecoveryBuffers(model, spec, new_ids, plan)
+    buf = RecoveryBuffers(runner, spec, new_ids, plan)
     mixed = ckpt.mixed if settings.restore_precision == "mixed" else None
     events = start_restore(buf, ckpt.keys, ckpt.values, mixed)
     t1 = time.perf_counter()
@@ -226,7 +229,7 @@ def execute_probed(model, spec: ModelSpec, settings: "RecoverySettings", ckpt: "
                                    repair_blocks=_frozen(np.arange(len(plan.block_starts))),
                                    restore_blocks=_frozen(np.zeros(0)), small_restore=True)
         probed_s = time.perf_counter() - t1
-        out = execute(model, spec, new_ids, full, ckpt.keys, ckpt.values)
+        out = execute(runner, spec, new_ids, full, ckpt.keys, ckpt.values)
         out.stats.restore_s += t1 - t0
         out.stats.recompute_s += probed_s
         out.stats.extras.update(probe_stats, tail_small_restore=True)

@@ -12,8 +12,10 @@ stopped preparation returns the rows it finished (still exact) as a shorter cont
 On CUDA the chunks run on a stream of their own at the lowest priority; the forward lock is released as
 soon as a chunk is launched, and the stream is synchronized once at the end.
 
-Boundary: tensors, a model and its :class:`~patchkv_agent.core.models.ModelSpec`; knows nothing about
-threads, registries or LangChain (``runtime/threads.py`` schedules it, the engine wraps it).
+Boundary: tensors (the layout of :mod:`.runner`: ``[1, H, N, D]`` per layer), a model's
+:class:`~patchkv_agent.core.runner.ModelRunner` (its lock and capture) and its
+:class:`~patchkv_agent.core.models.ModelSpec`; knows nothing about threads, registries or LangChain
+(``runtime/threads.py`` schedules it, the engine wraps it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 
 from .models import ModelSpec, cache_kwarg
-from .recovery import ScatterCache, _first_parameter, build_masks
+from .recovery import ScatterCache, build_masks
+from .runner import ModelRunner
 
 __all__ = ["PreparedKV", "prepare_exact", "DEFAULT_CHUNK_TOKENS"]
 
@@ -72,24 +75,24 @@ def _stream_for(device: torch.device):
 
 
 @torch.no_grad()
-def prepare_exact(model, spec: ModelSpec, ids: np.ndarray, *, base_keys: list[torch.Tensor] | None = None,
-                  base_values: list[torch.Tensor] | None = None, reuse_rows: int = 0, lock=None,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, should_stop: Callable[[], bool] | None = None,
-                  capture_factory: Callable[[], object] | None = None) -> PreparedKV:
+def prepare_exact(runner: ModelRunner, spec: ModelSpec, ids: np.ndarray, *,
+                  base_keys: list[torch.Tensor] | None = None, base_values: list[torch.Tensor] | None = None,
+                  reuse_rows: int = 0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                  should_stop: Callable[[], bool] | None = None, capture_window: int | None = None) -> PreparedKV:
     """The exact K/V of ``ids``, reusing the base's first ``reuse_rows`` rows (which must be exact for ``ids``).
 
     Args:
-        model: the HF causal LM.
+        runner: the HF causal LM's :class:`~patchkv_agent.core.runner.ModelRunner`; its lock is taken per chunk
+            in background mode.
         spec: its :class:`ModelSpec`.
         ids: int64 ``[n]`` ids of the predicted context.
-        base_keys, base_values: per layer ``[H, >= reuse_rows, D]`` (or ``[1, H, ., D]``) K/V whose leading
-            ``reuse_rows`` rows equal a full prefill of ``ids[:reuse_rows]``.
+        base_keys, base_values: per layer ``[1, H, >= reuse_rows, D]`` K/V whose leading ``reuse_rows`` rows
+            equal a full prefill of ``ids[:reuse_rows]``.
         reuse_rows: rows copied from the base (0: a chunked full prefill).
-        lock: a :class:`~patchkv_agent.core.weights.ForwardLock` taken per chunk in background mode (None:
-            none).
         chunk_tokens: rows per forward.
         should_stop: checked before each chunk; True ends the preparation with the rows done so far.
-        capture_factory: returns the engine's attention capture (called under the lock, for the last chunk).
+        capture_window: the last chunk records attention statistics of its last ``capture_window`` queries
+            (None: none).
 
     Returns:
         A :class:`PreparedKV`.
@@ -102,7 +105,8 @@ def prepare_exact(model, spec: ModelSpec, ids: np.ndarray, *, base_keys: list[to
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if not 0 <= reuse_rows <= n - 1:
         raise ValueError(f"reuse_rows must be in [0, {n - 1}] (the last row is always computed), got {reuse_rows}")
-    param = _first_parameter(model)
+    model, lock = runner.model, runner.lock
+    param = runner.parameter()
     device, dtype = param.device, param.dtype
     shape = (1, spec.num_kv_heads, n, spec.head_dim)
     keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
@@ -112,10 +116,9 @@ def prepare_exact(model, spec: ModelSpec, ids: np.ndarray, *, base_keys: list[to
             raise ValueError("reuse_rows > 0 needs the base's keys and values")
         for dst, src in ((keys, base_keys), (values, base_values)):
             for layer, s in enumerate(src):
-                s = s[0] if s.dim() == 4 else s
                 if s.shape[-2] < reuse_rows:
                     raise ValueError(f"the base holds {s.shape[-2]} rows, reuse_rows is {reuse_rows}")
-                dst[layer][0, :, :reuse_rows].copy_(s[:, :reuse_rows], non_blocking=True)
+                dst[layer][:, :, :reuse_rows].copy_(s[:, :, :reuse_rows], non_blocking=True)
     ids_t = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
     side = _stream_for(device)
     if side is not None:
@@ -131,9 +134,9 @@ def prepare_exact(model, spec: ModelSpec, ids: np.ndarray, *, base_keys: list[to
             break
         b = starts[i + 1] if i + 1 < len(starts) else n
         last = b == n
-        with lock.background() if lock is not None else contextlib.nullcontext():
+        with lock.background():
             t1 = time.perf_counter()
-            cap = capture_factory() if (last and capture_factory is not None) else None
+            cap = runner.capture(capture_window) if (last and capture_window is not None) else None
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 q_pos = torch.arange(a, b, device=device)
                 cache = ScatterCache([k[:, :, :b] for k in keys], [v[:, :, :b] for v in values])

@@ -7,6 +7,10 @@ token at new position p sees every row at positions <= p: prefix, restored and r
 layers also mask rows outside their window). The recomputed K/V rows are scattered into place by a
 cache layer whose ``update`` writes given rows of a preallocated full-length K/V.
 
+K/V are in the layout of :mod:`.runner`: the buffers and the output per layer ``[1, H, N, D]`` on the model's
+device; the rows restored from (a checkpoint's) per layer ``[H, N, D]``. The model is reached through its
+:class:`~.runner.ModelRunner` (device, dtype); the transformers cache a resume decodes on is built there.
+
 Knows models, the transport kernels (``dequantize_scatter_many``) and plans (duck-typed: ``prefix_len``,
 ``restore_old_positions``, ``restore_new_positions``, ``recompute_positions``); knows nothing about
 diffing, planning policy or LangGraph.
@@ -15,13 +19,12 @@ diffing, planning policy or LangGraph.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kernels import RunPayload, ScatterCall, dequantize_scatter_many
 from ..kernels.formats import DEFAULT_V_GROUP, FP16, effective_v_group
@@ -29,6 +32,7 @@ from .models import ModelSpec, cache_kwarg, text_config
 
 if TYPE_CHECKING:
     from .checkpoint import MixedKV
+    from .runner import ModelRunner
 
 
 class PlanLike(Protocol):
@@ -309,7 +313,7 @@ class RecoveryBuffers:
     schedule (CacheBlend's layer-wise recompute).
 
     Args:
-        model: the HF causal LM.
+        runner: the HF causal LM's :class:`~.runner.ModelRunner`.
         spec: its :class:`ModelSpec`.
         new_ids: int64 ``[N_new]`` ids of ``C_new``.
         plan: restore/recompute positions; ``recompute_positions`` must end with ``N_new - 1``.
@@ -326,7 +330,7 @@ class RecoveryBuffers:
         ValueError: the plan does not recompute the last token or does not cover ``C_new`` exactly.
     """
 
-    def __init__(self, model, spec: ModelSpec, new_ids: torch.Tensor, plan: PlanLike):
+    def __init__(self, runner: "ModelRunner", spec: ModelSpec, new_ids: torch.Tensor, plan: PlanLike):
         self.spec = spec
         self.n_new = n_new = int(new_ids.numel())
         self.recompute = np.array(plan.recompute_positions, dtype=np.int64)  # writable copies for torch
@@ -338,7 +342,7 @@ class RecoveryBuffers:
         if self.prefix_len + len(self.restore_new) + len(self.recompute) != n_new:
             raise ValueError(f"plan covers {self.prefix_len}+{len(self.restore_new)}+{len(self.recompute)} rows, "
                              f"context has {n_new}")
-        param = _first_parameter(model)
+        param = runner.parameter()
         self.device, self.dtype = param.device, param.dtype
         shape = (1, spec.num_kv_heads, n_new, spec.head_dim)
         self.keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -410,7 +414,7 @@ def start_restore(buf: RecoveryBuffers, src_k: list[torch.Tensor] | None, src_v:
 
 @torch.no_grad()
 def execute(
-    model,
+    runner: "ModelRunner",
     spec: ModelSpec,
     new_ids: torch.Tensor,
     plan: PlanLike,
@@ -421,7 +425,7 @@ def execute(
     """Run a plan: restore prefix and F rows, recompute the rest in one forward.
 
     Args:
-        model: the HF causal LM (sdpa or eager attention).
+        runner: the :class:`~.runner.ModelRunner` of the HF causal LM (sdpa or eager attention).
         spec: its :class:`ModelSpec`.
         new_ids: int64 ``[N_new]`` token ids of ``C_new``.
         plan: restore/recompute positions; ``recompute_positions`` must include ``N_new - 1``.
@@ -437,7 +441,8 @@ def execute(
         CorruptCheckpoint: a mixed run failed its checksum.
     """
     t0 = time.perf_counter()
-    buf = RecoveryBuffers(model, spec, new_ids, plan)
+    buf = RecoveryBuffers(runner, spec, new_ids, plan)
+    model = runner.model
     device = buf.device
     events = start_restore(buf, src_k, src_v, mixed)
     t1 = time.perf_counter()
@@ -465,139 +470,3 @@ def execute(
         stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(buf.recompute),
                             payload_bytes=buf.payload_bytes, restore_kernel=buf.kernel),
     )
-
-
-_FIRST_PARAMETER: "weakref.WeakKeyDictionary[Any, tuple[weakref.ref, str]]" = weakref.WeakKeyDictionary()
-
-
-def _first_parameter(model) -> torch.Tensor:
-    """``next(model.parameters())``, found once per model (~40 us a resume saved): the module that holds it and
-    its name are remembered (weakly), and each call checks that module still holds that parameter, so a model
-    moved in place (``.to``: device and dtype are read live) or a first parameter that was replaced is followed."""
-    got = _FIRST_PARAMETER.get(model)
-    mod = got[0]() if got is not None else None
-    if mod is not None:
-        param = mod._parameters.get(got[1])
-        if param is not None:
-            return param
-    for mod in model.modules():  # the order model.parameters() walks
-        for name, param in mod._parameters.items():
-            if param is not None:
-                try:
-                    _FIRST_PARAMETER[model] = (weakref.ref(mod), name)  # (mod may be the model: no strong ref)
-                except TypeError:  # a model that cannot be weakly referenced: looked up each time
-                    pass
-                return param
-    return next(model.parameters())  # none: raises StopIteration as before
-
-
-def to_dynamic_cache(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-    """A standard transformers cache holding these K/V, as a prefill would leave it (sliding layers
-    keep their window), so ``model(next_ids, cache=...)`` continues decoding."""
-    cache = _new_dynamic_cache(model)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        if not _adopt(cache, layer, k, v):
-            cache.update(k, v, layer)
-    return cache
-
-
-def _new_dynamic_cache(model) -> DynamicCache:
-    """``DynamicCache(config=model.config)``, without deriving the layer types from the config on every resume.
-
-    Reading a config's per-layer fields through transformers' attribute machinery costs tens of microseconds per
-    cache. The first call per model builds the cache the standard way and records each layer's type (and sliding
-    window); later calls build the same empty layers directly. A layer type other than ``DynamicLayer`` /
-    ``DynamicSlidingWindowLayer`` (chunked, dummy, linear-attention...) or a replaced config is built the standard
-    way every time.
-    """
-    config = model.config
-    memo = getattr(model, "_patchkv_cache_layers", None)
-    if memo is None or memo[0] is not config:
-        cache = DynamicCache(config=config)
-        specs: list[tuple[type, dict[str, Any]]] | None = []
-        for lay in cache.layers:
-            kind = type(lay)
-            if kind is DynamicLayer:
-                specs.append((kind, {}))
-            elif kind is DynamicSlidingWindowLayer:
-                specs.append((kind, {"sliding_window": lay.sliding_window}))
-            else:
-                specs = None
-                break
-        if not cache.layers or cache.offloading or type(cache) is not DynamicCache:
-            specs = None
-        try:
-            model._patchkv_cache_layers = (config, specs)  # one tuple: atomic for concurrent resumes
-        except (AttributeError, TypeError):
-            pass
-        return cache
-    if memo[1] is None:
-        return DynamicCache(config=config)
-    cache = DynamicCache.__new__(DynamicCache)
-    Cache.__init__(cache, layers=[kind(**kw) for kind, kw in memo[1]], offloading=False, offload_only_non_sliding=False)
-    return cache
-
-
-def _adopt(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Hand ``k`` / ``v`` to an empty layer of ``cache`` without a copy, leaving it as ``update`` would.
-
-    ``DynamicLayer.update`` on an empty layer concatenates the states onto an empty tensor: a full copy of
-    the context's K/V on the resume path (138 ms at 128k tokens on a CPU). For the two layer types whose
-    state is exactly (keys, values[, cumulative length]) the tensors are adopted instead; a sliding layer
-    keeps the last ``sliding_window - 1`` rows, as its update does. Any other layer type (or a transformers
-    version whose layers differ) returns False and takes ``update``. The cache then shares storage with
-    ``k`` / ``v``: decoding concatenates (new tensors), nothing writes into them in place.
-    """
-    layers = getattr(cache, "layers", None)
-    if layers is None or layer >= len(layers):
-        return False
-    lay = layers[layer]
-    kind = type(lay)
-    if kind not in (DynamicLayer, DynamicSlidingWindowLayer) or getattr(lay, "is_initialized", True) or getattr(lay, "record_past", False):
-        return False
-    lay.lazy_initialization(k, v)
-    if kind is DynamicSlidingWindowLayer:
-        lay.cumulative_length += k.shape[-2]
-        k, v = k[:, :, -lay.sliding_window + 1:, :], v[:, :, -lay.sliding_window + 1:, :]
-    lay.keys, lay.values = k, v
-    return True
-
-
-
-@torch.no_grad()
-def decode_step(model, cache: Cache, token: int, pos: int) -> torch.Tensor:
-    """One decode step: feed ``token`` at position ``pos`` through ``cache`` (which it extends).
-
-    Args:
-        model: the HF causal LM.
-        cache: the cache holding every earlier position (``to_dynamic_cache`` of a resume).
-        token: the token id at ``pos``.
-        pos: its position (the cache's length).
-
-    Returns:
-        The next token's logits ``[vocab]`` (the model's dtype).
-    """
-    device = _first_parameter(model).device
-    res = model(input_ids=torch.tensor([[int(token)]], device=device),
-                position_ids=torch.tensor([[int(pos)]], device=device), **{cache_kwarg(model): cache}, use_cache=True)
-    return res.logits[0, -1]
-
-
-@torch.no_grad()
-def greedy_decode(model, cache: Cache, first_logits: torch.Tensor, start_pos: int, max_new_tokens: int,
-                  eos_ids: set[int]) -> list[int]:
-    """Greedy continuation from first-token logits; stops after an EOS token (included).
-
-    Each step is :func:`decode_step` (the one the runtime's token streams take too).
-    """
-    out: list[int] = []
-    if max_new_tokens <= 0:
-        return out
-    tok = int(first_logits.argmax())
-    out.append(tok)
-    pos = start_pos
-    while len(out) < max_new_tokens and tok not in eos_ids:
-        tok = int(decode_step(model, cache, tok, pos).argmax())
-        out.append(tok)
-        pos += 1
-    return out

@@ -1,8 +1,7 @@
-"""Per-model runtime facts shared by every engine over one model instance: its forward lock and a cheap
-"did the weights change in place?" check.
+"""The mechanisms behind a model's forward lock and its cheap "did the weights change in place?" check
+(one of each per model instance, held by its :class:`~patchkv_agent.core.runner.ModelRunner`).
 
-- :func:`model_lock`: one re-entrant :class:`ForwardLock` per model instance (weakly keyed: no attribute
-  is added to the model), so engines, registries and background heals over one model never run two
+- :class:`ForwardLock`: re-entrant, so engines, registries and background heals over one model never run two
   forwards at once; background work takes it through :meth:`ForwardLock.background`, which gives way to
   any foreground caller waiting (a foreground forward waits for at most the one background chunk running).
 - :class:`WeightWatch`: compares the parameters' version counters and storages with the last look
@@ -17,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
-__all__ = ["model_lock", "ForwardLock", "WeightWatch"]
+__all__ = ["ForwardLock", "WeightWatch"]
 
 
 class ForwardLock:
@@ -88,23 +86,6 @@ class ForwardLock:
             yield
         finally:
             self._lock.release()
-
-
-_MODEL_LOCKS: "weakref.WeakKeyDictionary[Any, ForwardLock]" = weakref.WeakKeyDictionary()
-_MODEL_LOCKS_GUARD = threading.Lock()
-
-
-def model_lock(model) -> ForwardLock:
-    """The forward lock of a model instance, shared by every engine over it (a model that cannot be weakly
-    referenced gets a lock of its own per call)."""
-    with _MODEL_LOCKS_GUARD:
-        try:
-            lock = _MODEL_LOCKS.get(model)
-            if lock is None:
-                lock = _MODEL_LOCKS[model] = ForwardLock()
-            return lock
-        except TypeError:  # not weak-referenceable: this engine's own lock
-            return ForwardLock()
 
 
 _PARAM_REGISTRATIONS = [0]  # parameters registered on any module of this process since the hook went in

@@ -17,7 +17,7 @@ checkpoints of 2k to 128k tokens with 1 / 4 / 16 edits, and times each stage:
   suffix rows dequantized and RoPE-shifted), and ``kv_copy_fp`` from the full-precision rows, both into the
   freshly allocated destination a resume writes (its first touch pays the page faults); ``kv_copy_fp_warm``
   is the same restore again into that destination (the copy itself, as into a reused buffer);
-- ``cache``: :func:`~patchkv_agent.core.recovery.to_dynamic_cache` of the recovered K/V.
+- ``cache``: :meth:`~patchkv_agent.core.runner.ModelRunner.dynamic_cache` of the recovered K/V.
 
 With a tokenizer (``--tokenizer``, or a ``--model`` that has one), the text side too: a synthetic
 conversation of each length rendered through the chat template (``template``), then tokenized whole
@@ -172,7 +172,7 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
     Raises:
         ValueError: ``repeats < 1``, or a length beyond the model's maximum positions.
     """
-    from ..core.recovery import RecoveryBuffers, to_dynamic_cache
+    from ..core.recovery import RecoveryBuffers
     from ..kernels import native
     from ..strategies import get_strategy
 
@@ -208,14 +208,14 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                 t, plan = _timed(lambda: strat.plan(eng.settings, ckpt, edit), device)
                 times["plan"].append(t)
                 ids_t = torch.from_numpy(ids)
-                t, buf = _timed(lambda: RecoveryBuffers(eng.model, eng.spec, ids_t, plan), device)
+                t, buf = _timed(lambda: RecoveryBuffers(eng.runner, eng.spec, ids_t, plan), device)
                 times["bookkeeping"].append(t)
                 times["kv_copy"].append(_timed(lambda: buf.restore(ckpt.keys, ckpt.values, ckpt.mixed), device)[0])
-                buf_fp = RecoveryBuffers(eng.model, eng.spec, ids_t, plan)
+                buf_fp = RecoveryBuffers(eng.runner, eng.spec, ids_t, plan)
                 times["kv_copy_fp"].append(_timed(lambda: buf_fp.restore(ckpt.keys, ckpt.values, None), device)[0])
                 times["kv_copy_fp_warm"].append(
                     _timed(lambda: buf_fp.restore(ckpt.keys, ckpt.values, None), device)[0])
-                times["cache"].append(_timed(lambda: to_dynamic_cache(eng.model, buf.keys, buf.values), device)[0])
+                times["cache"].append(_timed(lambda: eng.runner.dynamic_cache(buf.keys, buf.values), device)[0])
                 info = {"restore_tokens": int(plan.n_restore), "recompute_tokens": int(plan.n_recompute),
                         "prefix_tokens": int(plan.prefix_len), "restore_kernel": buf.kernel,
                         "reader_scan": "native" if native.ready() else "numpy",

@@ -20,7 +20,6 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..core.models import cache_kwarg
-from ..core.recovery import to_dynamic_cache
 
 __all__ = ["normalize_answer", "token_f1", "answer_match", "ANSWER_WORDS", "first_token_kl", "top1_agree", "teacher_forced_agreement", "fidelity"]
 
@@ -144,7 +143,7 @@ def teacher_forced_agreement(engine, res, ref_ids: Sequence[int]) -> float:
         return 1.0
     preds = [int(res.logits.argmax())]
     if len(ref_ids) > 1:
-        cache = to_dynamic_cache(engine.model, res.keys, res.values)
+        cache = engine.runner.dynamic_cache(res.keys, res.values)
         n = len(res.context_ids)
         feed = torch.tensor([ref_ids[:-1]], device=engine.device)
         pos = torch.arange(n, n + len(ref_ids) - 1, device=engine.device)[None]

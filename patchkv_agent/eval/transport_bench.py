@@ -368,16 +368,16 @@ def capture_cost(engine, *, n_tokens: int = 3000, repeats: int = 5, ids: list[in
     cap = AttentionCapture(engine.model, window=engine.settings.capture_window)
     times: dict[str, list[float]] = {"plain": [], "capture": []}
     with torch.inference_mode():
-        execute(engine.model, engine.spec, ids_t, plan)  # warm-up
+        execute(engine.runner, engine.spec, ids_t, plan)  # warm-up
         for _ in range(repeats):
             for mode in ("plain", "capture"):
                 cap.reset()
                 t = time.perf_counter()
                 if mode == "plain":
-                    execute(engine.model, engine.spec, ids_t, plan)
+                    execute(engine.runner, engine.spec, ids_t, plan)
                 else:
                     with cap:
-                        execute(engine.model, engine.spec, ids_t, plan)
+                        execute(engine.runner, engine.spec, ids_t, plan)
                     cap.scores()
                 times[mode].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}

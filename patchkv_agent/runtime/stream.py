@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..core.recovery import decode_step
 from ..core.sampling import Sampler
 from ..results import ResumeResult
 
@@ -73,7 +72,7 @@ class TokenStream:
             tok = self._sampler(self.result.logits)
         else:
             with self._engine.forward_lock:
-                logits = decode_step(self._engine.model, self._cache, out[-1], self._pos)
+                logits = self._engine.runner.decode_step(self._cache, out[-1], self._pos)
             self._pos += 1
             tok = self._sampler(logits)
         self._decode_s += time.perf_counter() - t0

@@ -2,8 +2,8 @@
 into a plan that :func:`patchkv_agent.core.recovery.execute` runs (or runs its own schedule).
 
 A strategy reads a :class:`~patchkv_agent.core.settings.RecoverySettings` (block size, length model,
-kappa, precision, ...) and, to execute, the model and its :class:`~patchkv_agent.core.models.ModelSpec`;
-never the engine. Its own options (e.g. ``PatchKVStrategy(kappa=0.05)``) are overrides of those
+kappa, precision, ...) and, to execute, the model's :class:`~patchkv_agent.core.runner.ModelRunner`
+(``runner.model``: the model) and its :class:`~patchkv_agent.core.models.ModelSpec`; never the engine. Its own options (e.g. ``PatchKVStrategy(kappa=0.05)``) are overrides of those
 settings, applied by :meth:`Strategy.resolve`.
 
 A new strategy subclasses :class:`Strategy` and is added with :func:`register_strategy`.
@@ -23,6 +23,7 @@ from ..core.checkpoint import Checkpoint
 from ..core.diff import Edit
 from ..core.models import ModelSpec
 from ..core.recovery import PlanLike, RecoveryOutput, execute
+from ..core.runner import ModelRunner
 from ..core.settings import RecoverySettings
 
 __all__ = ["Strategy", "RecoverySettings", "STRATEGIES", "register_strategy", "get_strategy", "run_plan"]
@@ -80,15 +81,15 @@ class Strategy:
         """
         raise NotImplementedError
 
-    def execute(self, model, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None, edit: Edit,
-                plan: PlanLike, new_ids: "torch.Tensor") -> RecoveryOutput:
+    def execute(self, runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None,
+                edit: Edit, plan: PlanLike, new_ids: "torch.Tensor") -> RecoveryOutput:
         """Run the plan. The default is one forward over the recompute rows (:func:`run_plan`); strategies
         with their own schedule (e.g. layer-wise selection) override this and must return the same
         :class:`RecoveryOutput` (full K/V of C_new, first-token logits,
-        ``restore_s``/``recompute_s``/``recompute_tokens`` stats).
+        ``restore_s``/``recompute_s``/``recompute_tokens`` stats; K/V ``[1, H, N, D]`` per layer).
 
         Args:
-            model: the HF causal LM.
+            runner: the HF causal LM's :class:`~patchkv_agent.core.runner.ModelRunner` (``runner.model``).
             spec: its :class:`ModelSpec`.
             settings: the engine's settings (this strategy's overrides are applied on top).
             ckpt: the checkpoint (None for strategies that use none).
@@ -103,10 +104,10 @@ class Strategy:
             ValueError: ``restore_precision="mixed"`` with a checkpoint written without mixed runs.
             CorruptCheckpoint: a checkpoint run failed its checksum.
         """
-        return run_plan(model, spec, self.resolve(settings), ckpt, plan, new_ids)
+        return run_plan(runner, spec, self.resolve(settings), ckpt, plan, new_ids)
 
 
-def run_plan(model, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None, plan: PlanLike,
+def run_plan(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoint | None, plan: PlanLike,
              new_ids: "torch.Tensor") -> RecoveryOutput:
     """:func:`patchkv_agent.core.recovery.execute` with the checkpoint's rows at ``settings.restore_precision``.
 
@@ -121,7 +122,7 @@ def run_plan(model, spec: ModelSpec, settings: RecoverySettings, ckpt: Checkpoin
                              "(PatchKVEngine(..., mixed_precision=True))")
     src_k = ckpt.keys if ckpt is not None else None
     src_v = ckpt.values if ckpt is not None else None
-    return execute(model, spec, new_ids, plan, src_k, src_v, mixed=mixed)
+    return execute(runner, spec, new_ids, plan, src_k, src_v, mixed=mixed)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}

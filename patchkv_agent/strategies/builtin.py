@@ -98,20 +98,20 @@ class PatchKVStrategy(Strategy):
                            min_restore_share=min_restore_share, tail_threshold=tail_threshold,
                            tail_check_layer=tail_check_layer)
 
-    def execute(self, model, spec, settings, ckpt, edit, plan, new_ids):
+    def execute(self, runner, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
         if s.restore_precision == "mixed" and ckpt is not None and ckpt.mixed is None:
             s = s.replace(restore_precision="fp16")  # checkpoint written without mixed runs
         if getattr(plan, "probe_blocks", None) is not None and plan.probe_blocks.size:
-            why = layerwise_supported(model, spec, plan.tail_check_layer)
+            why = layerwise_supported(runner.model, spec, plan.tail_check_layer)
             if why is None:
-                return execute_probed(model, spec, s, ckpt, plan, new_ids)
+                return execute_probed(runner, spec, s, ckpt, plan, new_ids)
             # no layer-wise forward for this model: the recency window is recomputed whole (the rule's 0 setting)
-            out = run_plan(model, spec, s, ckpt, plan_repair(edit, ckpt.scores, s.replace(tail_threshold=0.0)),
+            out = run_plan(runner, spec, s, ckpt, plan_repair(edit, ckpt.scores, s.replace(tail_threshold=0.0)),
                            new_ids)
             out.stats.extras["tail_probe"] = f"off: {why}"
             return out
-        return run_plan(model, spec, s, ckpt, plan, new_ids)
+        return run_plan(runner, spec, s, ckpt, plan, new_ids)
 
     def plan(self, settings, ckpt, edit):
         return plan_repair(edit, ckpt.scores if ckpt is not None else None, self.resolve(settings))

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from ..core.checkpoint import Checkpoint
     from ..core.diff import Edit
     from ..core.models import ModelSpec
+    from ..core.runner import ModelRunner
     from ..core.settings import RecoverySettings
 
 SUPPORTED_MODEL_TYPES = LAYERWISE_MODEL_TYPES
@@ -127,12 +128,12 @@ class CacheBlendStrategy(Strategy):
         return plan_direct(edit, block_size=settings.block_size)
 
     @torch.no_grad()
-    def execute(self, model, spec: "ModelSpec", settings: "RecoverySettings", ckpt: "Checkpoint | None",
-                edit: "Edit", plan, new_ids: torch.Tensor) -> RecoveryOutput:
+    def execute(self, runner: "ModelRunner", spec: "ModelSpec", settings: "RecoverySettings",
+                ckpt: "Checkpoint | None", edit: "Edit", plan, new_ids: torch.Tensor) -> RecoveryOutput:
         """Restore like ``direct``, then recompute layer by layer with the CacheBlend selection.
 
         Args:
-            model: the HF causal LM.
+            runner: the HF causal LM's :class:`~patchkv_agent.core.runner.ModelRunner`.
             spec: its model spec.
             settings: the recovery settings (unused: CacheBlend restores full-precision rows).
             ckpt: the checkpoint of the previous version.
@@ -150,10 +151,11 @@ class CacheBlendStrategy(Strategy):
         Raises:
             ValueError: unsupported model family, or a plan that does not recompute the last token.
         """
+        model = runner.model
         check_supported(model)
         # ---- restore: exact prefix rows, RoPE-corrected suffix rows (the `direct` starting point)
         t0 = time.perf_counter()
-        buf = RecoveryBuffers(model, spec, new_ids, plan)
+        buf = RecoveryBuffers(runner, spec, new_ids, plan)
         keys, values, device = buf.keys, buf.values, buf.device
         n, n_prefix, always, rest_new = buf.n_new, buf.prefix_len, buf.recompute, buf.restore_new
         buf.restore(ckpt.keys, ckpt.values)  # full-precision rows (CacheBlend does not quantize)

@@ -1,13 +1,17 @@
-"""The resume path: one strategy over one edit, from the diff to the typed result.
+"""The resume critical path (docs/DESIGN.md section 4, "Resume"): one strategy over one edit, from the diff to the
+typed result.
 
-:func:`run_resume` diffs the checkpoint's version against the new ids, asks the strategy for its plan (an
-unsupported RoPE with shifted rows plans the exact prefix recompute instead), runs it under the caller's
-attention capture (a corrupt checkpoint run falls back to the exact recompute), decodes greedily from the
-recovered cache and assembles :class:`~patchkv_agent.results.ResumeStats` from what ran (an executor that changed
-the plan, like the measured tail rule, reports its own). Every fallback is recorded, never raised.
+:func:`run_resume` is what :meth:`PatchKVEngine.resume <patchkv_agent.engine.PatchKVEngine.resume>` runs once it has
+checked the ids and the checkpoint's weights, while it holds the model's forward lock. It diffs the checkpoint's
+version against the new ids, asks the strategy for its plan (an unsupported RoPE with shifted rows plans the exact
+prefix recompute instead), runs it under the model's attention capture (a corrupt checkpoint run falls back to the
+exact recompute), decodes greedily from the recovered cache and builds the result's
+:class:`~patchkv_agent.results.EnginePart` from what ran (an executor that changed the plan, like the measured tail
+rule, reports its own). Every fallback is recorded, never raised. The K/V go through it in the runner's one layout
+(``[1, H, N, D]`` per layer on the model's device).
 
-Boundary: models, plans, strategies and results; the caller (the engine) validates the ids and the checkpoint,
-holds the model's forward lock and owns the capture; nothing here keeps state between resumes.
+Knows the mechanisms (diff, plan, recovery, the model's runner), the strategies and the result types; knows nothing
+about the engine's settings sources, profiles, the runtime or LangGraph.
 """
 
 from __future__ import annotations
@@ -18,16 +22,18 @@ import time
 import numpy as np
 import torch
 
-from ..core.checkpoint import Checkpoint, CorruptCheckpoint, count_nonfinite
-from ..core.diff import diff_versions
-from ..core.fallback import Fallback, FallbackKind
-from ..core.plan import plan_full
-from ..core.recovery import execute, greedy_decode, to_dynamic_cache
-from ..core.settings import RecoverySettings
-from ..results import EnginePart, ResumeResult, ResumeStats
-from .base import Strategy
+from .core.checkpoint import Checkpoint, CorruptCheckpoint, count_nonfinite
+from .core.diff import diff_versions
+from .core.fallback import Fallback, FallbackKind
+from .core.models import ModelSpec
+from .core.plan import plan_full
+from .core.recovery import execute
+from .core.runner import ModelRunner
+from .core.settings import RecoverySettings
+from .results import EnginePart, ResumeResult, ResumeStats
+from .strategies import Strategy
 
-__all__ = ["run_resume", "exact_rows_of", "scores_for"]
+__all__ = ["run_resume", "exact_rows_of"]
 
 
 def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
@@ -37,27 +43,14 @@ def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
     return ckpt.provenance.exact_rows
 
 
-def scores_for(result: ResumeResult) -> np.ndarray | None:
-    """``result.scores`` over ``result.context_ids`` (positions past the resumed context, e.g. decoded
-    tokens a runtime appended, score 0), or None when the resume took none."""
-    sc = result.scores
-    n = len(result.context_ids)
-    if sc is None or len(sc) > n:
-        return None
-    if len(sc) == n:
-        return sc
-    out = np.zeros(n, dtype=np.float32)
-    out[: len(sc)] = sc
-    return out
-
-
-def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: Checkpoint | None, new: np.ndarray,
-               *, max_new_tokens: int, words=None, eos_ids=frozenset(), capture=None,
+def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, strat: Strategy,
+               ckpt: Checkpoint | None, new: np.ndarray, *, max_new_tokens: int, words=None, eos_ids=frozenset(),
                fallback: Fallback | None = None) -> ResumeResult:
     """Recover and decode one resume (the engine's :meth:`~patchkv_agent.engine.PatchKVEngine.resume` body).
 
     Args:
-        model, spec: the model and its :class:`~patchkv_agent.core.models.ModelSpec`.
+        runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner` (call under its lock).
+        spec: its :class:`~patchkv_agent.core.models.ModelSpec`.
         settings: the settings snapshot of this resume.
         strat: the strategy (``exact`` after a weights-changed fallback).
         ckpt: the checkpoint of the previous version, or None (``exact``).
@@ -65,7 +58,6 @@ def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: C
         max_new_tokens: validated greedy tokens to decode.
         words: the engine's :class:`~patchkv_agent.core.lexicon.WordIndex` (the reader signal), or None.
         eos_ids: ids that end the decode.
-        capture: a reset attention capture recording the next checkpoint's statistics, or None.
         fallback: a fallback already decided (weights changed: ``ckpt`` is None then).
 
     Returns:
@@ -92,18 +84,18 @@ def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: C
     out = None
     # the resume's own forward records the statistics of the next checkpoint (its last recomputed query
     # rows end with the last context token): checkpoint_from then needs no second pass
-    cap = capture
+    cap = runner.capture(settings.capture_window)
     with cap if cap is not None else contextlib.nullcontext():
         if fallback is None or fallback.kind is FallbackKind.WEIGHTS_CHANGED:
             try:
-                out = strat.execute(model, spec, settings, ckpt, edit, plan, torch.from_numpy(new))
+                out = strat.execute(runner, spec, settings, ckpt, edit, plan, torch.from_numpy(new))
             except CorruptCheckpoint as e:  # never serve corrupted state: recompute exactly, say why
                 fallback = Fallback(FallbackKind.CORRUPT_RUN, e)
                 plan = plan_full(edit, block_size=settings.block_size)
                 if cap is not None:
                     cap.reset()
         if out is None:
-            out = execute(model, spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
+            out = execute(runner, spec, torch.from_numpy(new), plan, ckpt.keys, ckpt.values)
     first = int(out.logits.argmax())
     ttft = time.perf_counter() - t1
     if out.plan is not None:  # the executor changed the plan (the measured tail rule): report what ran
@@ -112,8 +104,8 @@ def run_resume(model, spec, settings: RecoverySettings, strat: Strategy, ckpt: C
     if cap is not None and cap.n_records:
         scores = cap.scores()
         scores = scores[: len(new)] if len(scores) >= len(new) else None
-    cache = to_dynamic_cache(model, out.keys, out.values)
-    output_ids = greedy_decode(model, cache, out.logits, len(new), max_new_tokens, eos_ids)
+    cache = runner.dynamic_cache(out.keys, out.values)
+    output_ids = runner.greedy_decode(cache, out.logits, len(new), max_new_tokens, eos_ids)
     assert not output_ids or output_ids[0] == first
     n_restore = len(plan.restore_new_positions)
     prefix_tokens = min(edit.prefix_len, len(new))
