@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .blocks import _readonly
 from .models import ModelSpec, cache_kwarg, text_config
 from .recovery import (RecoveryBuffers, RecoveryOutput, RecoveryStats, ScatterCache, build_masks, execute,
                        start_restore)
@@ -224,10 +225,10 @@ def execute_probed(runner: "ModelRunner", spec: ModelSpec, settings: "RecoverySe
     if settings.min_restore_share > 0 and left < settings.min_restore_share * plan.n_suffix:
         # the small-restore rule on what the probe left restored: too little to pay for an approximation, so the
         # suffix is recomputed whole (exact), from the first layer; the probe's layers are the price of asking
-        full = dataclasses.replace(plan, recompute_positions=_frozen(np.arange(plan.prefix_len, buf.n_new)),
-                                   restore_new_positions=_frozen(np.zeros(0)), restore_old_positions=_frozen(np.zeros(0)),
-                                   repair_blocks=_frozen(np.arange(len(plan.block_starts))),
-                                   restore_blocks=_frozen(np.zeros(0)), small_restore=True)
+        full = dataclasses.replace(plan, recompute_positions=_readonly(np.arange(plan.prefix_len, buf.n_new)),
+                                   restore_new_positions=_readonly(np.zeros(0)), restore_old_positions=_readonly(np.zeros(0)),
+                                   repair_blocks=_readonly(np.arange(len(plan.block_starts))),
+                                   restore_blocks=_readonly(np.zeros(0)), small_restore=True)
         probed_s = time.perf_counter() - t1
         out = execute(runner, spec, new_ids, full, ckpt.keys, ckpt.values)
         out.stats.restore_s += t1 - t0
@@ -245,19 +246,13 @@ def execute_probed(runner: "ModelRunner", spec: ModelSpec, settings: "RecoverySe
     ran = plan
     if selected.size:
         stay = ~np.isin(plan.restore_new_positions, selected, assume_unique=True)
-        ran = dataclasses.replace(plan, recompute_positions=_frozen(keep),
-                                  restore_new_positions=_frozen(plan.restore_new_positions[stay]),
-                                  restore_old_positions=_frozen(plan.restore_old_positions[stay]),
-                                  repair_blocks=_frozen(np.union1d(plan.repair_blocks, blocks[chosen])),
-                                  restore_blocks=_frozen(np.setdiff1d(plan.restore_blocks, blocks[chosen])))
+        ran = dataclasses.replace(plan, recompute_positions=_readonly(keep),
+                                  restore_new_positions=_readonly(plan.restore_new_positions[stay]),
+                                  restore_old_positions=_readonly(plan.restore_old_positions[stay]),
+                                  repair_blocks=_readonly(np.union1d(plan.repair_blocks, blocks[chosen])),
+                                  restore_blocks=_readonly(np.setdiff1d(plan.restore_blocks, blocks[chosen])))
     return RecoveryOutput(
         logits=logits, keys=buf.keys, values=buf.values, plan=ran,
         stats=RecoveryStats(restore_s=t1 - t0, recompute_s=t2 - t1, recompute_tokens=len(keep),
                             payload_bytes=buf.payload_bytes, restore_kernel=buf.kernel, extras=probe_stats),
     )
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a, dtype=np.int64)
-    a.setflags(write=False)
-    return a
