@@ -40,10 +40,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ..core.length_model import LengthModel
+from ..core.settings import RecoverySettings
 
 if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
-    from ..core.settings import RecoverySettings
 
 __all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "PROFILE_MAX_BYTES", "PROFILE_MAX_DEPTH",
            "Profile", "profile_dirs", "iter_profiles", "load_profile", "is_profile", "read_profile",
@@ -130,7 +130,7 @@ class Profile:
             fields.update({k: data[k] for k in _OPTIONAL_FIELDS if data.get(k) is not None})
             fields.update(_reader_rule(data.get("reader_rule")))
             policy = _policy(data.get("precision_policy"))
-            checked = _settings_type()().replace(**fields)  # the one type and range check of every field
+            checked = RecoverySettings().replace(**fields)  # the one type and range check of every field
         except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
             raise ValueError(f"{where} is malformed: {str(e)[:300]}; recalibrate with 'patchkv-agent calibrate'") from None
         opt = {k: getattr(checked, k) for k in _OPTIONAL_FIELDS if k in fields}
@@ -153,19 +153,11 @@ class Profile:
 
     def settings(self, base: "RecoverySettings | None" = None) -> "RecoverySettings":
         """``base`` (default: the built-in defaults) with this profile's fields."""
-        from ..core.settings import RecoverySettings
-
         return (base if base is not None else RecoverySettings()).replace(**self.fields())
 
 
 _OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer")
 """Settings fields a profile may set at its top level (absent in older profiles: the base settings' own are kept)."""
-
-
-def _settings_type():
-    from ..core.settings import RecoverySettings  # (the settings import the planner; profiles stay light to import)
-
-    return RecoverySettings
 
 
 READER_RULE_KEYS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
