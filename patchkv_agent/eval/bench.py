@@ -57,19 +57,9 @@ _AGENT_COLUMNS = frozenset({"next_action", "next_action_call", "next_action_text
 
 
 def _register_variant(name: str, doc: str, **fixed) -> str:
-    from ..strategies import STRATEGIES, register_strategy
-    from ..strategies.builtin import PatchKVStrategy
+    from ..strategies.base import register_variant
 
-    if name not in STRATEGIES:
-        class Variant(PatchKVStrategy):
-            __doc__ = doc
-
-            def __init__(self):
-                super().__init__(**fixed)
-
-        Variant.name = name
-        register_strategy(Variant)
-    return name
+    return register_variant(name, "patchkv", fixed, doc=doc)
 
 
 def register_noreaders() -> str:

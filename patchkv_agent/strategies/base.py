@@ -206,12 +206,34 @@ def register_spec(spec: str) -> str:
         if not eq or not key.strip() or not value.strip():
             raise ValueError(f"strategy spec {spec!r}: {p!r} is not key=value")
         opts[key.strip()] = _option_value(value.strip())
-    get_strategy(base.strip(), opts)  # validates the base name, the option names and their ranges
-    parent = STRATEGIES[base.strip()]
+    return register_variant(spec, base.strip(), opts, doc=f"{base} with {opts}")
+
+
+def register_variant(name: str, base: str, options: Mapping[str, Any], doc: str | None = None) -> str:
+    """Register ``name``: the registered strategy ``base`` with ``options`` fixed (built without arguments, so a
+    benchmark can list it by name); idempotent: a name already registered is left as it is.
+
+    Args:
+        name: the new strategy's name.
+        base: a registered strategy's name.
+        options: its options (as :func:`get_strategy` takes them).
+        doc: the variant's docstring.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: an unknown base strategy or option, or a value out of range.
+    """
+    if name in STRATEGIES:
+        return name
+    opts = dict(options)
+    get_strategy(base, opts)  # validates the base name, the option names and their ranges
+    parent = STRATEGIES[base]
 
     def __init__(self):
         parent.__init__(self, **opts)
 
-    register_strategy(type(f"Spec_{len(STRATEGIES)}", (parent,), {"name": spec, "__init__": __init__,
-                                                                    "__doc__": f"{base} with {opts}"}))
-    return spec
+    register_strategy(type(f"Variant_{len(STRATEGIES)}", (parent,), {"name": name, "__init__": __init__,
+                                                                       "__doc__": doc or f"{base} with {opts}"}))
+    return name
