@@ -239,9 +239,7 @@ def _scatter_selected(c: ScatterCall, shared: dict | None = None) -> None:
     and computes those once."""
     shared = {} if shared is None else shared
     m = c.src_rows.numel()
-    if ("checked", id(c.src_rows), id(c.payload)) not in shared:
-        native._check_selected(c, m)
-        shared[("checked", id(c.src_rows), id(c.payload))] = True
+    native._check_selected(c, m)
     if m == 0:
         return
     dev = c.dst_k.device
