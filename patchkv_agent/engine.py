@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .core.checkpoint import Checkpoint
-from .core.diff import diff_versions
+from .core.diff import Edit, diff_versions
 from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
 from .core.fallback import Fallback, FallbackKind
@@ -53,7 +53,7 @@ from .profiles import profile_dirs as profile_dir_list
 from .core.provenance import Source
 from .offload import offload, resident_checkpoint, scores_for
 from .results import EnginePart, PrepareStats, ResumeResult, ResumeStats
-from .resume import run_resume
+from .resume import ResumeRequest, run_resume
 from .strategies import Strategy, get_strategy
 
 __all__ = ["PatchKVEngine", "ResumeResult", "ResumeStats", "RecoverySettings", "Fallback", "FallbackKind",
@@ -623,6 +623,29 @@ class PatchKVEngine:
         """
         return get_strategy(strategy, options)
 
+    def request(self, new_token_ids, strategy: str | Strategy = "patchkv", max_new_tokens: int = 16, *,
+                edit: Edit | None = None) -> ResumeRequest:
+        """Validate and resolve one resume once: what :meth:`resume_request` (and the layers above the engine:
+        the thread registry, the store tiers) run without checking again.
+
+        Args:
+            new_token_ids: ids of ``C_new`` (list of ints or 1-D integer tensor).
+            strategy: a strategy name or a :class:`Strategy` built with options (see :meth:`resume`).
+            max_new_tokens: greedy tokens to decode, clipped to the positions the model has left.
+            edit: a diff into ``new_token_ids`` already computed (reused when its old side is the base's ids).
+
+        Returns:
+            The :class:`~patchkv_agent.resume.ResumeRequest` (owning a copy of the ids).
+
+        Raises:
+            InvalidInput: (a ``ValueError``) bad ids or ``max_new_tokens``.
+            ValueError: an unknown strategy name or option.
+        """
+        strat = get_strategy(strategy)  # an unknown name raises before the ids are copied
+        new = self.validate_ids(new_token_ids, "new_token_ids")
+        return ResumeRequest(ids=new, strategy=strat,
+                             max_new_tokens=self.validate_max_new_tokens(max_new_tokens, len(new)), edit=edit)
+
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
                max_new_tokens: int = 16) -> ResumeResult:
         """Recover the KV of an edited context from a checkpoint and decode greedily.
@@ -647,19 +670,35 @@ class PatchKVEngine:
             InvalidInput: (a ``ValueError``) bad ids or ``max_new_tokens``.
             ValueError: a checkpoint of another model, or an unknown strategy.
         """
-        new = self.validate_ids(new_token_ids, "new_token_ids")
-        max_new_tokens = self.validate_max_new_tokens(max_new_tokens, len(new))
-        strat = get_strategy(strategy)
+        return self.resume_request(ckpt, self.request(new_token_ids, strategy, max_new_tokens))
+
+    def resume_request(self, ckpt: Checkpoint | ResumeResult | None, request: ResumeRequest) -> ResumeResult:
+        """:meth:`resume` of a request built by :meth:`request` (nothing is validated again).
+
+        Args:
+            ckpt: as for :meth:`resume`.
+            request: the validated :class:`~patchkv_agent.resume.ResumeRequest`.
+
+        Returns:
+            A :class:`ResumeResult` (as :meth:`resume`).
+
+        Raises:
+            TypeError: ``request`` is not a :class:`~patchkv_agent.resume.ResumeRequest`.
+            ValueError: a checkpoint of another model, or a strategy that needs a checkpoint without one.
+        """
+        if not isinstance(request, ResumeRequest):
+            raise TypeError(f"request must be a ResumeRequest from engine.request(...), got {type(request).__name__}")
         if isinstance(ckpt, ResumeResult):
             ckpt = self.as_checkpoint(ckpt)
-        if ckpt is None and strat.uses_checkpoint:
-            raise ValueError(f"strategy {strat.name!r} needs a checkpoint; pass one from engine.checkpoint()")
+        if ckpt is None and request.strategy.uses_checkpoint:
+            raise ValueError(f"strategy {request.strategy.name!r} needs a checkpoint; pass one from "
+                             "engine.checkpoint()")
         with self.forward_lock:
             fallback = self._validate_checkpoint(ckpt) if ckpt is not None else None
             if fallback is not None:  # stale weights: nothing of the checkpoint is used
-                ckpt, strat = None, get_strategy("exact")
-            return run_resume(self.runner, self.spec, self.settings, strat, ckpt, new, max_new_tokens=max_new_tokens,
-                              words=self.words, eos_ids=self.eos_ids, fallback=fallback)
+                ckpt, request = None, request.with_strategy(get_strategy("exact"))
+            return run_resume(self.runner, self.spec, self.settings, request, ckpt, words=self.words,
+                              eos_ids=self.eos_ids, fallback=fallback)
 
 
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())

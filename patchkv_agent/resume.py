@@ -1,6 +1,11 @@
 """The resume critical path (docs/DESIGN.md section 4, "Resume"): one strategy over one edit, from the diff to the
 typed result.
 
+A resume is validated and resolved once, into a :class:`ResumeRequest` (:meth:`PatchKVEngine.request
+<patchkv_agent.engine.PatchKVEngine.request>`: the ids checked and copied, ``max_new_tokens`` clipped, the strategy
+resolved, and, when a caller has already diffed the versions, their :class:`~patchkv_agent.core.diff.Edit`); every
+layer below takes the request as it is.
+
 :func:`run_resume` is what :meth:`PatchKVEngine.resume <patchkv_agent.engine.PatchKVEngine.resume>` runs once it has
 checked the ids and the checkpoint's weights, while it holds the model's forward lock. It diffs the checkpoint's
 version against the new ids, asks the strategy for its plan (an unsupported RoPE with shifted rows plans the exact
@@ -17,13 +22,15 @@ about the engine's settings sources, profiles, the runtime or LangGraph.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .core.checkpoint import Checkpoint, CorruptCheckpoint, count_nonfinite
-from .core.diff import diff_versions
+from .core.diff import Edit, diff_versions
 from .core.fallback import Fallback, FallbackKind
 from .core.models import ModelSpec
 from .core.plan import plan_full
@@ -33,7 +40,47 @@ from .core.settings import RecoverySettings
 from .results import EnginePart, ResumeResult, ResumeStats
 from .strategies import Strategy
 
-__all__ = ["run_resume", "exact_rows_of"]
+__all__ = ["ResumeRequest", "run_resume", "exact_rows_of"]
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """One resume, validated and resolved once (build it with :meth:`PatchKVEngine.request
+    <patchkv_agent.engine.PatchKVEngine.request>`, which is the only validator).
+
+    Attributes:
+        ids: the new context's ids, an int64 array the request owns (validated: 1-D, in the vocabulary, within
+            the model's positions).
+        strategy: the resolved :class:`~patchkv_agent.strategies.Strategy`.
+        max_new_tokens: tokens to decode, clipped to the positions the model has left after ``ids``.
+        edit: a diff of some earlier version into ``ids`` that a caller already computed (the thread
+            registry's context choice), or None. The resume uses it only when its old side is the base
+            checkpoint's ids (:meth:`edit_from`); otherwise it diffs again.
+    """
+
+    ids: np.ndarray
+    strategy: Strategy
+    max_new_tokens: int
+    edit: Edit | None = None
+
+    def with_strategy(self, strategy: Strategy) -> "ResumeRequest":
+        """This request under another (resolved) strategy, e.g. ``exact`` after a fallback."""
+        return dataclasses.replace(self, strategy=strategy)
+
+    def prefill_only(self) -> "ResumeRequest":
+        """This request without its decode (a :class:`~patchkv_agent.runtime.stream.TokenStream` decodes)."""
+        return dataclasses.replace(self, max_new_tokens=0)
+
+    def edit_from(self, old: np.ndarray) -> Edit | None:
+        """The carried diff when it is the diff of ``old`` into :attr:`ids`, else None."""
+        e = self.edit
+        if e is None or e.old_ids is None or e.new_ids is None:
+            return None
+        if e.old_len != len(old) or e.new_len != len(self.ids):
+            return None
+        if not (np.array_equal(e.old_ids, old) and np.array_equal(e.new_ids, self.ids)):
+            return None
+        return e
 
 
 def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
@@ -43,8 +90,8 @@ def exact_rows_of(ckpt: Checkpoint | None) -> int | None:
     return ckpt.provenance.exact_rows
 
 
-def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, strat: Strategy,
-               ckpt: Checkpoint | None, new: np.ndarray, *, max_new_tokens: int, words=None, eos_ids=frozenset(),
+def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings, request: ResumeRequest,
+               ckpt: Checkpoint | None, *, words=None, eos_ids=frozenset(),
                fallback: Fallback | None = None) -> ResumeResult:
     """Recover and decode one resume (the engine's :meth:`~patchkv_agent.engine.PatchKVEngine.resume` body).
 
@@ -52,10 +99,9 @@ def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings,
         runner: the model's :class:`~patchkv_agent.core.runner.ModelRunner` (call under its lock).
         spec: its :class:`~patchkv_agent.core.models.ModelSpec`.
         settings: the settings snapshot of this resume.
-        strat: the strategy (``exact`` after a weights-changed fallback).
+        request: the validated :class:`ResumeRequest` (its strategy ``exact`` after a weights-changed
+            fallback); its carried diff is used when it diffs ``ckpt``'s ids.
         ckpt: the checkpoint of the previous version, or None (``exact``).
-        new: validated int64 ids of ``C_new``.
-        max_new_tokens: validated greedy tokens to decode.
         words: the engine's :class:`~patchkv_agent.core.lexicon.WordIndex` (the reader signal), or None.
         eos_ids: ids that end the decode.
         fallback: a fallback already decided (weights changed: ``ckpt`` is None then).
@@ -67,9 +113,15 @@ def run_resume(runner: ModelRunner, spec: ModelSpec, settings: RecoverySettings,
         ValueError: a plan that does not cover the context (a strategy bug).
     """
     fp = spec.fingerprint
+    strat, new, max_new_tokens = request.strategy, request.ids, request.max_new_tokens
     t0 = time.perf_counter()
     old = ckpt.token_ids if ckpt is not None else np.zeros(0, dtype=np.int64)
-    edit = diff_versions(old, new, words=words, old_words=ckpt.words if ckpt is not None else None)
+    old_words = ckpt.words if ckpt is not None else None
+    edit = request.edit_from(old)
+    if edit is not None:  # the structure is on token ids only: attach this resume's word signal
+        edit = edit.with_words(words, old_words)
+    else:
+        edit = diff_versions(old, new, words=words, old_words=old_words)
     new_words = edit.new_words()  # the edited words only (the rest moved through the position map)
     plan = strat.plan(settings, ckpt, edit)
     restore_new = np.asarray(plan.restore_new_positions)

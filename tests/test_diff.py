@@ -341,3 +341,26 @@ def test_properties_long_versions(seed, n_edits):
         n_del = int(rng.integers(0, 80))
         new[pos : pos + n_del] = rng.integers(1000, 1500, int(rng.integers(0, 80))).tolist()
     check_invariants(old, new, diff_versions(old, new), 8)
+
+
+def test_with_words_attaches_a_signal_to_a_diff_made_without_one():
+
+    rng = np.random.default_rng(3)
+    old = rng.integers(0, 50, 400)
+    new = np.concatenate([old[:100], rng.integers(0, 50, 30), old[120:]])
+
+    def words(ids):
+        return np.asarray(ids, dtype=np.int64) // 3  # any per-position map: a word id per token
+
+    plain = diff_versions(old, new)
+    _ = plain.suffix_new_positions  # a derived array, computed before the signal is attached
+    got = plain.with_words(words, words(old))
+    want = diff_versions(old, new, words=words, old_words=words(old))
+    assert got == want  # same structure
+    np.testing.assert_array_equal(got.suffix_new_positions, want.suffix_new_positions)
+    np.testing.assert_array_equal(got.new_to_old, want.new_to_old)
+    np.testing.assert_array_equal(got.new_words(), want.new_words())
+    for a, b in zip(got.words(), want.words()):
+        np.testing.assert_array_equal(a, b)
+    assert plain.word_index is None and plain.new_words() is None  # the original is unchanged
+    assert plain.with_words(words, np.zeros(3, dtype=np.int64)).old_words is None  # wrong length: ignored

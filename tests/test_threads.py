@@ -448,3 +448,55 @@ def test_an_open_stream_pins_its_thread_against_eviction(engine):
     assert r.stats["prefix_tokens"] == len(ca) + 2 and toks
     reg.close()
 
+
+
+def test_a_resume_is_validated_once_and_reuses_the_context_choice_diff(engine, monkeypatch):
+    import patchkv_agent.resume as resume_mod
+    import patchkv_agent.runtime.threads as threads_mod
+    from patchkv_agent.engine import PatchKVEngine
+
+    reg = ThreadRegistry(engine)
+    c0 = ctx(0)
+    reg.generate(A, c0, max_new_tokens=4)
+    resident = reg._peek(reg.active(A)).resident
+    c1 = edited(c0, at=80)  # an edit near the head: the context choice diffs to find the lane
+    want = engine.resume(resident, c1, strategy="patchkv", max_new_tokens=4)  # its own diff: the oracle
+
+    calls = {"validate": 0, "choice_diff": 0, "resume_diff": 0}
+    real_validate, real_diff = PatchKVEngine.validate_ids, threads_mod.diff_versions
+
+    def counting_validate(self, *a, **k):
+        calls["validate"] += 1
+        return real_validate(self, *a, **k)
+
+    def counted(name):
+        def f(*a, **k):
+            calls[name] += 1
+            return real_diff(*a, **k)
+        return f
+
+    monkeypatch.setattr(PatchKVEngine, "validate_ids", counting_validate)
+    monkeypatch.setattr(threads_mod, "diff_versions", counted("choice_diff"))
+    monkeypatch.setattr(resume_mod, "diff_versions", counted("resume_diff"))
+    got = reg.generate(A, c1, max_new_tokens=4)
+    assert calls == {"validate": 1, "choice_diff": 1, "resume_diff": 0}
+    assert got.stats["base"] == "resident" and got.stats["prefix_tokens"] == 80
+    assert got.stats["recompute_tokens"] == want.stats["recompute_tokens"] > 0
+    assert got.output_ids == want.output_ids
+    torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+    # a diff of another base is never used: the resume diffs again
+    stale = engine.request(c1, "patchkv", 4, edit=resume_mod.diff_versions(c0[:200], c1))
+    assert stale.edit_from(np.asarray(c0, dtype=np.int64)) is None
+    calls["resume_diff"] = 0
+    again = engine.resume_request(resident, stale)
+    assert calls["resume_diff"] == 1
+    torch.testing.assert_close(again.logits, want.logits, atol=0, rtol=0)
+
+
+def test_resume_request_rejects_what_request_did_not_build(engine):
+    with pytest.raises(TypeError, match="engine.request"):
+        engine.resume_request(None, ctx(1))
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        engine.resume_request(None, engine.request(ctx(1), "patchkv", 2))
+    with pytest.raises(ValueError):
+        engine.request(ctx(1), "no-such-strategy", 2)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable
 
@@ -116,6 +116,11 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+# the derived position arrays of an Edit (cached properties), which depend on its spans and segments only
+_POSITION_ARRAYS = ("old_to_new", "new_to_old", "suffix_old_positions", "suffix_new_positions", "suffix_distance",
+                    "new_positions")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Edit:
     """The diff of two context versions: prefix ``P``, edited spans and aligned suffix segments.
@@ -186,6 +191,22 @@ class Edit:
     def new_positions(self) -> np.ndarray:
         """``[|X|]`` new positions of all tokens of the ``M_new`` spans, in order."""
         return _readonly(expand_runs([s.new_start for s in self.spans], [s.new_len for s in self.spans]))
+
+    def with_words(self, words: Callable[[np.ndarray], np.ndarray] | None,
+                   old_words: np.ndarray | None = None) -> "Edit":
+        """This diff with another word signal attached (``words`` and ``old_words`` as in
+        :func:`diff_versions`).
+
+        The diff is on token ids alone, so a caller that diffed without words (the thread registry's context
+        choice) hands its diff to the resume, which attaches its own signal here instead of diffing again;
+        the position arrays already derived are kept.
+        """
+        e = replace(self, word_index=words,
+                    old_words=old_words if old_words is not None and len(old_words) == self.old_len else None)
+        for name in _POSITION_ARRAYS:
+            if name in self.__dict__:
+                e.__dict__[name] = self.__dict__[name]
+        return e
 
     def words(self) -> tuple[np.ndarray, np.ndarray] | None:
         """Word id per position of both versions (read-only int64 arrays), from ``word_index``.

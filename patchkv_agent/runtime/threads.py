@@ -75,6 +75,7 @@ import numpy as np
 
 from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
+from ..core.diff import Edit, diff_versions
 from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
@@ -174,10 +175,15 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         with self._lock:
             return self._active.get(key, key)
 
-    def _choose_context(self, key: ThreadKey, ids: np.ndarray) -> ThreadKey:
-        """The context of ``key`` that a call with ``ids`` continues (or a new one): see the module docstring."""
+    def _choose_context(self, key: ThreadKey, ids: np.ndarray) -> tuple[ThreadKey, Edit | None]:
+        """The context of ``key`` that a call with ``ids`` continues (or a new one): see the module docstring.
+
+        Returns:
+            ``(context key, diff)``: the diff of the chosen context's resident ids into ``ids`` when the choice
+            had to diff (an edit near the head), so the resume reuses it instead of diffing again; else None.
+        """
         if self.contexts == 1:
-            return key
+            return key, None
         lanes: list[tuple[ThreadKey, np.ndarray, float]] = []
         free: ThreadKey | None = None
         for i in range(self.contexts):
@@ -191,31 +197,38 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 continue
             lanes.append((ck, tok, th.last_used))
         if not lanes:  # the key's first call (or one after a restart: its version and reason are there)
-            return key
+            return key, None
         for ck, _, _ in lanes:  # the context whose prepared next version this call continues
             prep = self._peek(ck).preparation
             pids = prep.ids if prep is not None else None
             if pids is not None and len(pids) <= len(ids) and shared_prefix(pids, ids) == len(pids):
-                return ck
+                return ck, None
         shared = [shared_prefix(tok, ids) for _, tok, _ in lanes]
         best = int(np.argmax(shared))
         if shared[best] * 2 >= len(lanes[best][1]):  # continues (appends to / edits the back half of) it
-            return lanes[best][0]
-        from ..core.diff import diff_versions  # an edit near the head, or another caller: how much is reusable
-
-        reuse = []
-        for (_, tok, _), p in zip(lanes, shared):
+            return lanes[best][0], None
+        # an edit near the head, or another caller: how much is reusable. Each lane is diffed against what a
+        # resume from it would restore (its resident ids, decoded tokens included), so the chosen lane's diff
+        # is the resume's own and is handed on to it
+        reuse, edits = [], []
+        for (ck, tok, _), p in zip(lanes, shared):
+            th = self._peek(ck)
+            resident = th.resident if th is not None else None
+            base_ids = resident.context_ids if resident is not None else tok
             try:
-                e = diff_versions(tok, ids)
-                reuse.append(int(e.prefix_len + e.suffix_len))
+                e = diff_versions(base_ids, ids)
             except ValueError:
                 reuse.append(p)
+                edits.append(None)
+                continue
+            reuse.append(int(e.prefix_len + e.suffix_len))
+            edits.append(e)
         best = int(np.argmax(reuse))
         if reuse[best] >= MIN_CONTINUE_SHARE * len(ids):
-            return lanes[best][0]
+            return lanes[best][0], edits[best]
         if free is not None:
-            return free
-        return min(lanes, key=lambda lane: lane[2])[0]  # the least recently used context is replaced
+            return free, None
+        return min(lanes, key=lambda lane: lane[2])[0], None  # the least recently used context is replaced
 
     def keys(self) -> list[ThreadKey]:
         """Known thread keys, least recently used first."""
@@ -408,16 +421,19 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
                 :class:`~patchkv_agent.core.inputs.InvalidInput`).
         """
-        ids = self.engine.validate_ids(token_ids)  # the public boundary's one validator
-        max_new_tokens = self.engine.validate_max_new_tokens(max_new_tokens, len(ids))
-        strat = self.engine.strategy(strategy)  # an unknown name raises here, before any state changes
+        # the public boundary's one validation: the request is checked and resolved here, before any state
+        # changes, and every layer below runs it as it is
+        req = self.engine.request(token_ids, strategy, max_new_tokens)
+        ids, max_new_tokens, strat = req.ids, req.max_new_tokens, req.strategy
         strategy = strat.name
+        exact_req = req.with_strategy(self.engine.strategy("exact")).prefill_only()
         if key is None:
             with self.forward_lock:
-                res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
+                res = self.engine.resume_request(None, exact_req)
             res.stats = res.stats.with_runtime(base=BaseKind.NONE, requested_strategy=strategy, offload_wait_s=0.0)
             return TokenStream(self.engine, res, max_new_tokens, sampler)
-        primary, key = key, self._choose_context(key, ids)
+        primary, (key, edit) = key, self._choose_context(key, ids)
+        req = dataclasses.replace(req, edit=edit).prefill_only()
         with self._lock:
             self._active[primary] = key
         th = self._thread(key)
@@ -442,16 +458,15 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 base, base_version, source, skey = self._base(th)
                 fallback = th.lost if base is None and skey is None else None
             if skey is not None:  # the store read runs outside the forward lock
-                res = resume_from_store(self.engine, self.store, skey, ids, strategy=strat, max_new_tokens=0,
-                                        forward_lock=self.forward_lock)
+                res = resume_from_store(self.engine, self.store, skey, req, forward_lock=self.forward_lock)
                 if res.stats.strategy == "exact" and res.stats.fallback is not None:
                     base_version, source = None, BaseKind.NONE  # evicted, corrupt, missing: exact, reason recorded
             else:
                 with self.forward_lock:
                     if base is None:
-                        res = self.engine.resume(None, ids, strategy="exact", max_new_tokens=0)
+                        res = self.engine.resume_request(None, exact_req)
                     else:
-                        res = self.engine.resume(base, ids, strategy=strat, max_new_tokens=0)
+                        res = self.engine.resume_request(base, req)
             th.version += 1
             th.token_ids, th.lost, th.heal_stats = ids, None, None
             th.resident = dataclasses.replace(res, cache=None, output_ids=[])

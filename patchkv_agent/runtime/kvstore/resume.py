@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 
+from ...resume import ResumeRequest
 from ...core.checkpoint import CorruptCheckpoint
 from ...core.fallback import FALLBACK_PREFIX, Fallback, FallbackKind
 from .base import CheckpointMissing, KVStore, StoreUnavailable
@@ -74,7 +75,8 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         engine: a :class:`~patchkv_agent.engine.PatchKVEngine`.
         store: the tier holding the thread's checkpoint.
         key: the checkpoint's key (thread, version, fingerprint, ids hash), e.g. from ``store.key_for``.
-        new_token_ids: ids of the new context version.
+        new_token_ids: ids of the new context version, or a :class:`~patchkv_agent.resume.ResumeRequest`
+            already validated by ``engine.request`` (then ``strategy`` and ``max_new_tokens`` are its own).
         strategy: the strategy (a name or a :class:`~patchkv_agent.strategies.Strategy` built with its
             options) when the checkpoint is usable (``exact`` never reads the store).
         max_new_tokens: greedy tokens to decode.
@@ -90,11 +92,11 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
         ValueError: a key of another deployment, an unknown strategy, bad token ids or ``max_new_tokens``.
         TypeError: ``key`` is not a :class:`CheckpointKey`.
     """
-    strat = engine.strategy(strategy)  # misuse raises before any I/O (the engine resolves strategies)
-    new_token_ids = engine.validate_ids(new_token_ids, "new_token_ids")
-    engine.validate_max_new_tokens(max_new_tokens, len(new_token_ids))
+    # misuse raises before any I/O: the engine validates and resolves the request once
+    req = new_token_ids if isinstance(new_token_ids, ResumeRequest) else engine.request(
+        new_token_ids, strategy, max_new_tokens)
     t0 = time.perf_counter()
-    if strat.name == "exact":
+    if req.strategy.name == "exact":
         store.check_key(key)
         ckpt, reason = None, None
     else:
@@ -102,10 +104,10 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
     get_s = time.perf_counter() - t0
     with forward_lock if forward_lock is not None else contextlib.nullcontext():
         if ckpt is None:
-            res = engine.resume(None, new_token_ids, strategy="exact", max_new_tokens=max_new_tokens)
+            res = engine.resume_request(None, req.with_strategy(engine.strategy("exact")))
             res.stats = res.stats.with_engine(fallback=reason)  # the reason this layer ran exactly
         else:
-            res = engine.resume(ckpt, new_token_ids, strategy=strat, max_new_tokens=max_new_tokens)
+            res = engine.resume_request(ckpt, req)
     res.stats = res.stats.with_runtime(store_tier=store.tier, store_get_s=get_s, store_key=key.digest,
-                                       requested_strategy=strat.name)
+                                       requested_strategy=req.strategy.name)
     return res
