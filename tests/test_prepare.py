@@ -16,7 +16,8 @@ import torch
 
 from patchkv_agent.core.weights import ForwardLock
 from patchkv_agent.eval.tiny import tiny_engine
-from patchkv_agent.runtime.state import Phase, Prediction
+from patchkv_agent.runtime.lifecycle import Phase
+from patchkv_agent.runtime.state import Prediction
 from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 
 TOL = 1e-4

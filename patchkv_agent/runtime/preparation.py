@@ -23,7 +23,8 @@ import numpy as np
 
 from ..results import PreparedOutcome, ResumeResult
 from .keys import ThreadKey
-from .state import Phase, Prediction, Preparation, ThreadState, shared_prefix
+from .lifecycle import Phase, view_of
+from .state import Prediction, Preparation, ThreadState, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -216,24 +217,10 @@ class PreparationMixin:
         return None, out
 
     def phase(self, key: ThreadKey | None) -> Phase:
-        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.state.Phase`)."""
+        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.lifecycle.Phase`:
+        the view of the thread's parts, :func:`~patchkv_agent.runtime.lifecycle.view_of`)."""
         th = self._peek(self.active(key)) if key is not None else None
-        if th is None or th.token_ids is None:
-            return Phase.LOST if th is not None and th.lost is not None else Phase.NONE
+        if th is None:
+            return Phase.NONE
         with th.lock:
-            prep, pending = th.preparation, th.pending
-            if th.streams:
-                return Phase.STREAMING
-            if prep is not None and prep.version == th.version:
-                if prep.stage != "done":
-                    return Phase.PREPARING
-                if prep.result is not None:
-                    return Phase.PREPARED
-            if pending is not None and not pending.done():
-                healing = th.healing is not None and not th.healing.is_set()
-                return Phase.HEALING if healing else Phase.OFFLOADING
-            if th.resident is not None:
-                return Phase.RESIDENT
-            if self._offloaded(th):
-                return Phase.OFFLOADED
-            return Phase.LOST if th.lost is not None else Phase.NONE
+            return view_of(th).phase

@@ -1,7 +1,8 @@
 """The record a :class:`~patchkv_agent.runtime.threads.ThreadRegistry` keeps per thread (context version,
 resident and offloaded KV, store entry, pending job, heal state) and byte counts of KV.
 
-Boundary: data only; the registry owns every transition (under ``ThreadState.lock``).
+Boundary: data only; the registry owns every transition (under ``ThreadState.lock``); the states and the moves
+between them are :mod:`.lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -19,28 +19,7 @@ from ..results import BaseKind, ResumeResult
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
-__all__ = ["ThreadState", "Phase", "Prediction", "Preparation", "kv_bytes", "ckpt_bytes", "shared_prefix"]
-
-
-class Phase(str, Enum):
-    """Where a thread's KV is (:meth:`ThreadRegistry.phase`); the transitions are the registry's.
-
-    ``NONE`` -(resume)-> ``STREAMING`` -(stream closed)-> ``RESIDENT``; while a tool runs, ``RESIDENT``
-    -> ``PREPARING`` (the next context computed exactly) -> ``PREPARED``, and/or ``HEALING`` ->
-    ``OFFLOADING`` -> ``RESIDENT`` with a checkpoint (``OFFLOADED`` once the resident KV is released or
-    evicted); the next resume starts from ``PREPARED``, ``RESIDENT`` or ``OFFLOADED`` and opens
-    ``STREAMING`` again; ``LOST``: the KV is gone (the next resume is exact and says why).
-    """
-
-    NONE = "none"
-    STREAMING = "streaming"
-    RESIDENT = "resident"
-    PREPARING = "preparing"
-    PREPARED = "prepared"
-    HEALING = "healing"
-    OFFLOADING = "offloading"
-    OFFLOADED = "offloaded"
-    LOST = "lost"
+__all__ = ["ThreadState", "Prediction", "Preparation", "kv_bytes", "ckpt_bytes", "shared_prefix"]
 
 
 @dataclass

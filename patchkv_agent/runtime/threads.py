@@ -45,7 +45,7 @@ two callers on one key never overwrite each other's KV. :meth:`handle`, :meth:`o
 context is computed exactly in the worker, in chunks that give way to foreground forwards; the next resume
 starts from it when the call's context continues it (base ``"prepared"``), and says in its stats whether
 the preparation was a hit, partial, a miss, unfinished or failed. :meth:`phase` tells where a thread's KV
-is (:class:`~patchkv_agent.runtime.state.Phase`).
+is (:class:`~patchkv_agent.runtime.lifecycle.Phase`; the states and their moves: :mod:`.lifecycle`).
 
 Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its
 snapshot and to install the result, not while it quantizes and copies), the engine's ``forward_lock`` for
@@ -73,13 +73,14 @@ from typing import Any
 
 import numpy as np
 
+from ..core.diff import Edit, diff_versions
 from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
-from ..core.diff import Edit, diff_versions
 from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
+from .lifecycle import is_offloaded
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 from .preparation import PreparationMixin
 from .residency import ResidencyMixin
@@ -268,7 +269,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             return None
         if th.resident is not None:
             kv = "offloading" if th.pending is not None and not th.pending.done() else "resident"
-        elif self._offloaded(th):
+        elif is_offloaded(th):
             kv = "offloaded"
         else:
             kv = "none"
@@ -582,18 +583,12 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 return th.pending
             if th.resident is None:
                 return None
-            if self._offloaded(th):  # this version's KV is written already: nothing to write again
+            if is_offloaded(th):  # this version's KV is written already: nothing to write again
                 if release:
                     th.resident = None
                 return th.pending
             th.pending = self._submit_offload(th, BaseKind.BACKGROUND, release)
             return th.pending
-
-    @staticmethod
-    def _offloaded(th: ThreadState) -> bool:
-        """Whether the current version's KV already has a checkpoint or store entry (caller holds the lock)."""
-        return ((th.checkpoint is not None and th.checkpoint_version == th.version)
-                or (th.store_key is not None and th.store_version == th.version))
 
     def offload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
         """Synchronous :meth:`offload_async`: returns the offload seconds (None when nothing to do)."""
