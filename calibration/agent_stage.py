@@ -176,7 +176,8 @@ def parse_target(target: "float | str") -> "tuple[float | None, str | None]":
 
 def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
                          target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
-                         rows: list | None = None, thresholds: Sequence[float] = ()) -> dict[str, Any]:
+                         rows: list | None = None, thresholds: Sequence[float] = (),
+                         min_restore_shares: Sequence[float] = ()) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
     For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
@@ -201,6 +202,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             window (key ``"<window>@<threshold>"`` in the grids). With any, the choice is the candidate of fewest
             recomputed rows (pooled mean) that meets the target on every workload (:func:`choose_plan_every`),
             and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
+        min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
+            every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
+            at the engine's setting, and ``chosen_min_restore_share`` says the chosen one (None: the engine's).
     Returns:
         ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
         "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
@@ -216,7 +220,10 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
     ws = _check_windows(windows)
     taus = _check_thresholds(thresholds)
-    keys = [str(w) for w in ws] + [_key(ws[-1], t) for t in taus]
+    shares = _check_shares(min_restore_shares)
+    if shares and not taus:
+        raise ValueError("min_restore_shares are candidates of the measured tail rule: give thresholds too")
+    keys = [str(w) for w in ws] + [_key(ws[-1], t, m) for t in taus for m in (shares or (None,))]
     target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -230,7 +237,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         for tr in traces:
             ids = [version_ids(engine, v) for v in tr["versions"]]
             for k in range(1, len(ids)):
-                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor, taus)
+                row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor, taus,
+                                     shares)
                 bar.update(1)
                 if row is None:
                     continue
@@ -256,9 +264,10 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         targets: Any = {wl: g["share"] for wl, g in floor_by.items()}
     else:
         targets = target
+    share = None
     if taus:
         key = choose_plan_every(by_workload, targets, grid)
-        chosen, tau = _parse_key(key)
+        chosen, tau, share = _parse_key(key)
     else:
         chosen, tau = choose_window_every(by_workload, targets), 0.0
         key = str(chosen)
@@ -266,6 +275,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     return {
         "rule": (PLAN_RULE if taus else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
         "chosen_tail_threshold": tau, "thresholds": list(taus),
+        "chosen_min_restore_share": share, "min_restore_shares": list(shares),
         "target": f"floor:{floor}" if floor is not None else target,
         "floor": floor, "floor_by_workload": floor_by or None,
         "target_met": all(_meets(g[key]["agree"], g[key]["n"], tgt[wl]) for wl, g in by_workload.items()),
@@ -282,7 +292,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
 
 def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
-                   max_new_tokens: int, floor: str | None = None, taus: tuple[float, ...] = ()) -> dict | None:
+                   max_new_tokens: int, floor: str | None = None, taus: tuple[float, ...] = (),
+                   shares: tuple[float, ...] = ()) -> dict | None:
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
@@ -306,13 +317,15 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
         prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),
                 "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
-    for t in taus:  # the measured tail rule at the largest window
-        res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=ws[-1], tail_threshold=t),
-                            max_new_tokens=max_new_tokens)
-        results[_key(ws[-1], t)] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
-                                    "recompute_tokens": int(res.stats["recompute_tokens"]),
-                                    "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
-        del res
+    for t in taus:  # the measured tail rule at the largest window (at each small-restore share, when given)
+        for m in shares or (None,):
+            opts = {} if m is None else {"min_restore_share": m}
+            res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=ws[-1], tail_threshold=t, **opts),
+                                max_new_tokens=max_new_tokens)
+            results[_key(ws[-1], t, m)] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
+                                           "recompute_tokens": int(res.stats["recompute_tokens"]),
+                                           "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
+            del res
     del first, ckpt
     floor_agree = None
     if floor is not None:
@@ -371,7 +384,8 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
     return min(sorted(windows), key=lambda w: (-min(per[wl][w][0] / per[wl][w][1] - targets[wl] for wl in per), w))
 
 
-PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window; chosen: the candidate of "
+PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window (each at every small-restore "
+             "share, when shares are given); chosen: the candidate of "
              "fewest recomputed rows (mean over the scored versions) that meets the target on every workload, else "
              "the one closest to it on the worst workload. Per candidate: ")
 
@@ -385,13 +399,25 @@ def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
     return tuple(sorted(set(out)))
 
 
-def _key(window: int, threshold: float) -> str:
-    return f"{int(window)}@{threshold:g}"
+def _check_shares(shares: Sequence[float]) -> tuple[float, ...]:
+    out = []
+    for m in shares:
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
+            raise ValueError(f"every min_restore_share candidate must be a number in [0, 1], got {m!r}")
+        out.append(float(m))
+    return tuple(sorted(set(out)))
 
 
-def _parse_key(key: str) -> tuple[int, float]:
-    w, _, t = str(key).partition("@")
-    return int(w), float(t) if t else 0.0
+def _key(window: int, threshold: float, share: float | None = None) -> str:
+    return f"{int(window)}@{threshold:g}" + ("" if share is None else f"/r{share:g}")
+
+
+def _parse_key(key: str) -> tuple[int, float, float | None]:
+    """``(window, threshold, min_restore_share)`` of a candidate key (0.0: a fixed window; None: the engine's
+    share)."""
+    head, _, share = str(key).partition("/r")
+    w, _, t = head.partition("@")
+    return int(w), float(t) if t else 0.0, float(share) if share else None
 
 
 def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], target: "float | Mapping[str, float]",
@@ -452,9 +478,12 @@ def with_recent_window(profile: Mapping[str, Any], selection: Mapping[str, Any])
     extra = {"recent_window_selection": dict(selection)}
     if selection.get("chosen") is not None:
         tail = {"tail_threshold": float(selection["chosen_tail_threshold"])} if selection.get("thresholds") else {}
+        if selection.get("chosen_min_restore_share") is not None:
+            tail["min_restore_share"] = float(selection["chosen_min_restore_share"])
         extra = {"recent_window": int(selection["chosen"]), **tail, **extra}
     for key, value in profile.items():
-        if key in ("recent_window", "recent_window_selection") or (key == "tail_threshold" and "tail_threshold" in extra):
+        if key in ("recent_window", "recent_window_selection") or (key in ("tail_threshold", "min_restore_share")
+                                                                   and key in extra):
             continue
         out[key] = value
         if key == anchor:

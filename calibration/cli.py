@@ -133,6 +133,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="agent stage: measured tail rule candidates (tail_threshold values > 0, comma-separated), each "
                         "run at the largest --agent-windows; with any, the cheapest candidate (fewest recomputed rows) "
                         "that meets --agent-target on every workload is chosen")
+    p.add_argument("--agent-min-restore", type=_floats, default=(),
+                   help="agent stage: small-restore rule candidates (min_restore_share values in [0, 1], "
+                        "comma-separated), each run with every --agent-thresholds candidate; the chosen one is written "
+                        "to the profile (none: the profile's own)")
     p.add_argument("--agent-target", default="0.95",
                    help="agent stage: least next-action agreement share, or floor:<name> (floor:kv-bf16: per workload, "
                         "the agreement a bf16 KV cache reaches on the same calls); the smallest window reaching it on "
@@ -278,6 +282,11 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     bad_t = [t for t in args.agent_thresholds if not 0 < t < float("inf")]
     if bad_t:
         raise UsageError(f"--agent-thresholds must be finite numbers > 0 (0 is the fixed window), got {bad_t[0]}")
+    bad_m = [m for m in args.agent_min_restore if not 0 <= m <= 1]
+    if bad_m:
+        raise UsageError(f"--agent-min-restore must be shares in [0, 1], got {bad_m[0]}")
+    if args.agent_min_restore and not args.agent_thresholds:
+        raise UsageError("--agent-min-restore candidates run with the measured tail rule: give --agent-thresholds too")
     from .agent_stage import parse_target
 
     try:

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", default="0,512,768,1024")
     ap.add_argument("--thresholds", default="", help="measured tail rule candidates at the largest window, e.g. "
                     "0.01,0.02,0.04 (none: windows only)")
+    ap.add_argument("--min-restore", default="", help="small-restore rule candidates (min_restore_share), each run with "
+                    "every threshold, e.g. 0,0.5 (none: the profile's)")
     ap.add_argument("--target", default="0.95", help="a share, or floor:<name> (floor:kv-bf16: the agreement a bf16 KV "
                     "cache reaches on the same calls, per workload)")
     ap.add_argument("--target-tokens", type=int, default=4000)
@@ -42,9 +44,11 @@ def main(argv=None) -> int:
     rows: list = []
     sel = select_recent_window(eng, traces, windows=[int(w) for w in args.windows.split(",")], target=args.target,
                                max_new_tokens=48, rows=rows,
-                               thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()])
+                               thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()],
+                               min_restore_shares=[float(m) for m in args.min_restore.split(",") if m.strip()])
     write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
-    print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"])
+    print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"],
+          "min_restore_share", sel["chosen_min_restore_share"])
     return 0
 
 

@@ -234,6 +234,41 @@ def test_stage_with_tail_thresholds_scores_each_candidate_at_the_largest_window(
     assert prof["recent_window"] == out["chosen"] and prof["tail_threshold"] == out["chosen_tail_threshold"]
 
 
+def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
+    eng = tiny_engine(max_positions=1024, layers=4)
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    rows: list[dict] = []
+    out = select_recent_window(eng, traces, windows=(0, 64), target=0.0, max_new_tokens=TOKENS, progress=False,
+                               rows=rows, thresholds=(1e9,), min_restore_shares=(1.0, 0.0))
+    json.dumps(out)
+    assert list(out["grid"]) == ["0", "64", "64@1e+09/r0", "64@1e+09/r1"]
+    for r in rows:
+        # share 0 never turns a plan exact (the probe alone: the window-0 plan); share 1 turns every plan that
+        # restores less than the whole suffix into the suffix recomputed whole (prefix's rows)
+        assert r["results"]["64@1e+09/r0"]["recompute_tokens"] == r["results"]["0"]["recompute_tokens"]
+        assert r["results"]["64@1e+09/r1"]["recompute_tokens"] == r["prefix_recompute_tokens"]
+        assert r["results"]["64@1e+09/r1"]["agree"]  # exact
+    # a target of 0 is met by every candidate: the cheapest wins (a tie with window 0 goes to the earlier key, which
+    # leaves the profile's share as it is); without window 0 it is the probe at share 0, written to the profile
+    assert out["chosen"] == 0 and out["chosen_min_restore_share"] is None
+    assert with_recent_window({"block_size": 8, "min_restore_share": 0.5}, out)["min_restore_share"] == 0.5
+    from patchkv_agent.calibration.agent_stage import _parse_key, choose_plan_every
+
+    def drop0(g):
+        return {k: v for k, v in g.items() if k != "0"}
+
+    key = choose_plan_every({wl: drop0(g) for wl, g in out["grid_by_workload"].items()}, 0.0, drop0(out["grid"]))
+    assert _parse_key(key) == (64, 1e9, 0.0)
+    prof = with_recent_window({"block_size": 8, "min_restore_share": 0.5},
+                              dict(out, chosen=64, chosen_tail_threshold=1e9, chosen_min_restore_share=0.0))
+    assert prof["min_restore_share"] == 0.0 and prof["tail_threshold"] == 1e9 and prof["recent_window"] == 64
+    with pytest.raises(ValueError, match="thresholds too"):
+        select_recent_window(eng, traces, windows=(0, 64), progress=False, min_restore_shares=(0.5,))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        select_recent_window(eng, traces, windows=(0, 64), progress=False, thresholds=(0.1,), min_restore_shares=(2,))
+
+
 def test_stage_decodes_the_next_action_with_a_tokenizer():
     eng = tiny_engine(chat_template=CHATML, config={"vocab_size": 102}, max_positions=2048)
     sysm = {"role": "system", "content": "You are an agent with a search tool."}
