@@ -80,8 +80,8 @@ from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
-from .lifecycle import is_offloaded
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
+from .lifecycle import is_offloaded
 from .preparation import PreparationMixin
 from .residency import ResidencyMixin
 from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
