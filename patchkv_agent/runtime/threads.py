@@ -81,7 +81,7 @@ from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
-from .lifecycle import is_offloaded
+from .lifecycle import Job, Location, is_offloaded, view_of
 from .preparation import PreparationMixin
 from .residency import ResidencyMixin
 from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
@@ -267,12 +267,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         th = self._thread(key, create=False)
         if th is None or th.token_ids is None:
             return None
-        if th.resident is not None:
-            kv = "offloading" if th.pending is not None and not th.pending.done() else "resident"
-        elif is_offloaded(th):
-            kv = "offloaded"
+        view = view_of(th)
+        if view.location is Location.RESIDENT:
+            kv = "resident" if view.job is Job.IDLE else "offloading"
         else:
-            kv = "none"
+            kv = "offloaded" if view.location is Location.OFFLOADED else "none"
         kv_ids = None  # the tokens of the KV (what an offload of it is stored under)
         if th.resident is not None:
             kv_ids = ids_hash(th.resident.context_ids)
