@@ -297,7 +297,8 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
-    first = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=0),
+    # the window candidates are fixed windows (tail_threshold 0), whatever the engine's profile sets
+    first = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=0, tail_threshold=0.0),
                           max_new_tokens=max_new_tokens if ws[0] == 0 else 0)
     st = first.stats
     if st["restore_tokens"] <= 0:
@@ -311,7 +312,8 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
         elif prev is not None and prev["restore_tokens"] == 0:
             out, s, reused = prev["_out"], prev, True  # the same full-recompute plan as the smaller window
         else:
-            res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=w), max_new_tokens=max_new_tokens)
+            res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=w, tail_threshold=0.0),
+                                max_new_tokens=max_new_tokens)
             out, s, reused = list(res.output_ids), res.stats, False
             del res
         prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),

@@ -232,6 +232,15 @@ def test_stage_with_tail_thresholds_scores_each_candidate_at_the_largest_window(
             f"{out['chosen']}@{out['chosen_tail_threshold']:g}") == key
     prof = with_recent_window({"block_size": 8}, out)
     assert prof["recent_window"] == out["chosen"] and prof["tail_threshold"] == out["chosen_tail_threshold"]
+    # the window candidates are fixed windows even under a profile that sets the tail rule (here: keep no block)
+    import dataclasses
+
+    eng.settings = dataclasses.replace(eng.settings, tail_threshold=1e9)
+    rows2: list[dict] = []
+    select_recent_window(eng, traces, windows=(0, 64), target=0.95, max_new_tokens=TOKENS, progress=False, rows=rows2)
+    assert [r["results"]["64"]["recompute_tokens"] for r in rows2] == [r["results"]["64"]["recompute_tokens"]
+                                                                        for r in rows]
+    assert any(r["results"]["64"]["recompute_tokens"] > r["results"]["0"]["recompute_tokens"] for r in rows2)
 
 
 def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
