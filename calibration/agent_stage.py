@@ -141,11 +141,14 @@ def _scorer(engine) -> Callable[[Sequence[int], Sequence[int]], bool]:
 
 
 def _settings_record(engine) -> dict[str, Any]:
-    """The engine's plan settings the stage ran under (all but ``recent_window``, which it varies)."""
+    """The engine's plan settings the stage ran under. It varies ``recent_window`` and ``tail_threshold`` (window
+    candidates run with 0, tail candidates with theirs) and, when given share candidates, ``min_restore_share``:
+    their entries here are the engine's own."""
     s = engine.settings
     return {"length_model": s.length_model.to_dict(), "kappa": float(s.kappa), "block_size": int(s.block_size),
             "readers": str(s.readers), "reader_budget": float(s.reader_budget),
             "rewrite_share": float(s.rewrite_share), "min_restore_share": float(s.min_restore_share),
+            "tail_threshold": float(s.tail_threshold), "tail_check_layer": int(s.tail_check_layer),
             "mixed_precision": bool(s.mixed_precision)}
 
 
