@@ -104,7 +104,7 @@ def test_direct_differs_from_exact_beyond_layer0():
     old, new = edited_pair(eng.spec.vocab_size)
     res = eng.resume(eng.checkpoint(old), new, strategy="direct", max_new_tokens=1)
     fresh = eng.checkpoint(new)
-    newp = res.edit.suffix_new_positions[:-1]
+    newp = res.edit.suffix_new_positions[:-1].copy()  # a writable index (torch warns on read-only arrays)
     assert (res.values[1][0][:, newp] - fresh.values[1][:, newp]).abs().max().item() > 1e-3
 
 
