@@ -643,8 +643,8 @@ class PatchKVEngine:
         """
         strat = get_strategy(strategy)  # an unknown name raises before the ids are copied
         new = self.validate_ids(new_token_ids, "new_token_ids")
-        return ResumeRequest(ids=new, strategy=strat,
-                             max_new_tokens=self.validate_max_new_tokens(max_new_tokens, len(new)), edit=edit)
+        return ResumeRequest(ids=new, strategy=strat, edit=edit, checked_for=self.spec.fingerprint,
+                             max_new_tokens=self.validate_max_new_tokens(max_new_tokens, len(new)))
 
     def resume(self, ckpt: Checkpoint | None, new_token_ids, strategy: str | Strategy = "patchkv",
                max_new_tokens: int = 16) -> ResumeResult:
@@ -673,21 +673,26 @@ class PatchKVEngine:
         return self.resume_request(ckpt, self.request(new_token_ids, strategy, max_new_tokens))
 
     def resume_request(self, ckpt: Checkpoint | ResumeResult | None, request: ResumeRequest) -> ResumeResult:
-        """:meth:`resume` of a request built by :meth:`request` (nothing is validated again).
+        """:meth:`resume` of a request built by :meth:`request` (nothing is validated again; a request built by
+        hand or by an engine of another model is validated here first).
 
         Args:
             ckpt: as for :meth:`resume`.
-            request: the validated :class:`~patchkv_agent.resume.ResumeRequest`.
+            request: a :class:`~patchkv_agent.resume.ResumeRequest` from :meth:`request`.
 
         Returns:
             A :class:`ResumeResult` (as :meth:`resume`).
 
         Raises:
             TypeError: ``request`` is not a :class:`~patchkv_agent.resume.ResumeRequest`.
+            InvalidInput: (a ``ValueError``) a request not validated by this model's engine, with bad ids or
+                ``max_new_tokens``.
             ValueError: a checkpoint of another model, or a strategy that needs a checkpoint without one.
         """
         if not isinstance(request, ResumeRequest):
             raise TypeError(f"request must be a ResumeRequest from engine.request(...), got {type(request).__name__}")
+        if request.checked_for != self.spec.fingerprint:
+            request = self.request(request.ids, request.strategy, request.max_new_tokens, edit=request.edit)
         if isinstance(ckpt, ResumeResult):
             ckpt = self.as_checkpoint(ckpt)
         if ckpt is None and request.strategy.uses_checkpoint:

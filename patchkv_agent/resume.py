@@ -56,12 +56,15 @@ class ResumeRequest:
         edit: a diff of some earlier version into ``ids`` that a caller already computed (the thread
             registry's context choice), or None. The resume uses it only when its old side is the base
             checkpoint's ids (:meth:`edit_from`); otherwise it diffs again.
+        checked_for: the fingerprint of the model whose engine validated it (set by ``engine.request``); a
+            request built by hand, or for another model, is validated again by the engine that runs it.
     """
 
     ids: np.ndarray
     strategy: Strategy
     max_new_tokens: int
     edit: Edit | None = None
+    checked_for: str = dataclasses.field(default="", repr=False, compare=False)
 
     def with_strategy(self, strategy: Strategy) -> "ResumeRequest":
         """This request under another (resolved) strategy, e.g. ``exact`` after a fallback."""

@@ -494,8 +494,21 @@ def test_a_resume_is_validated_once_and_reuses_the_context_choice_diff(engine, m
 
 
 def test_resume_request_rejects_what_request_did_not_build(engine):
+    from patchkv_agent.resume import ResumeRequest
+
     with pytest.raises(TypeError, match="engine.request"):
         engine.resume_request(None, ctx(1))
+    # a request built by hand is validated by the engine that runs it
+    exact_ = engine.strategy("exact")
+    bad = ResumeRequest(ids=np.asarray([1, 2, engine.spec.vocab_size + 5]), strategy=exact_, max_new_tokens=1)
+    with pytest.raises(ValueError, match="vocab"):
+        engine.resume_request(None, bad)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.resume_request(None, ResumeRequest(ids=np.asarray(ctx(1)), strategy=exact_, max_new_tokens=-1))
+    res = engine.resume_request(None, ResumeRequest(ids=np.asarray(ctx(1)), strategy=exact_, max_new_tokens=3))
+    want = engine.resume(None, ctx(1), strategy="exact", max_new_tokens=3)
+    assert res.output_ids == want.output_ids
+    torch.testing.assert_close(res.logits, want.logits, atol=0, rtol=0)
     with pytest.raises(ValueError, match="needs a checkpoint"):
         engine.resume_request(None, engine.request(ctx(1), "patchkv", 2))
     with pytest.raises(ValueError):
