@@ -395,22 +395,24 @@ PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the la
              "the one closest to it on the worst workload. Per candidate: ")
 
 
-def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
+def _candidates(values: Sequence[float], ok, what: str) -> tuple[float, ...]:
+    """Numeric candidates, each checked by ``ok`` (else ``ValueError("every <what>, got <value>")``), sorted and
+    without duplicates."""
     out = []
-    for t in thresholds:
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
-            raise ValueError(f"every tail threshold must be a finite number > 0 (0 is the fixed window), got {t!r}")
-        out.append(float(t))
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+            raise ValueError(f"every {what}, got {v!r}")
+        out.append(float(v))
     return tuple(sorted(set(out)))
+
+
+def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
+    return _candidates(thresholds, lambda t: 0 < t < float("inf"),
+                       "tail threshold must be a finite number > 0 (0 is the fixed window)")
 
 
 def _check_shares(shares: Sequence[float]) -> tuple[float, ...]:
-    out = []
-    for m in shares:
-        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m <= 1:
-            raise ValueError(f"every min_restore_share candidate must be a number in [0, 1], got {m!r}")
-        out.append(float(m))
-    return tuple(sorted(set(out)))
+    return _candidates(shares, lambda m: 0 <= m <= 1, "min_restore_share candidate must be a number in [0, 1]")
 
 
 def _key(window: int, threshold: float, share: float | None = None) -> str:
