@@ -16,9 +16,9 @@ import pytest
 from langchain_core.messages import SystemMessage
 from langchain_core.messages.utils import count_tokens_approximately
 
-from patchkv_agent.eval.agent_workloads import (CLEAR_HOP, CLEAR_HOP_DEPTH, SUMMARY_SETTINGS, History,
+from patchkv_agent.eval.agent_workloads import (CLEAR_HOP, CLEAR_HOP_DEPTH, CLEAR_SETTINGS, SUMMARY_SETTINGS, History,
                                                 agent_episode, build_agent_loop_episodes, build_agent_traces,
-                                                to_langchain)
+                                                scale_setting, to_langchain)
 from patchkv_agent.eval.prepared_bench import (ToolLatency, markdown_prepared, plot_prepared, prepared_loop_episode,
                                                summarize_prepared)
 from patchkv_agent.eval.traces import plain_messages, validate_trace
@@ -87,12 +87,28 @@ def test_the_8k_clear_hop_episodes_clear_one_result_per_call_70_to_90_percent_de
 
 def test_context_scales_the_settings_and_the_default_keeps_todays_episodes():
     wide = build_agent_traces("agent-summarize", n=2, context=8000, histories="research")
-    assert [t["meta"]["trigger"] for t in wide] == [2 * s[0] for s in SUMMARY_SETTINGS]
+    # scaled x2, capped at 0.8 of the window (a trigger at the window never fires while the twin fits)
+    assert [t["meta"]["trigger"] for t in wide] == [min(2 * s[0], 6400) for s in SUMMARY_SETTINGS] == [5000, 6400]
     assert all(max(t["meta"]["tokens"]) <= 8000 and t["meta"]["tokens"][0] >= 4000 for t in wide)
     today = build_agent_traces("agent-summarize", n=2, histories="research")
     assert [t["meta"]["trigger"] for t in today] == [s[0] for s in SUMMARY_SETTINGS]
     with pytest.raises(ValueError, match="context"):
         build_agent_traces("agent-summarize", n=1, context=10)
+
+
+def test_every_clear_setting_edits_inside_an_8k_window():
+    # before the cap, (4000, 2, 1500) scaled to (8000, 2, 3000): its trigger equals the window, so no call whose
+    # unedited twin fits it ever cleared, and that setting's histories gave no episode
+    assert scale_setting(CLEAR_SETTINGS[1], 8000) == (6400, 2, 3000)
+    assert scale_setting(CLEAR_SETTINGS[0], 8000) == (5000, 3, 0)
+    assert scale_setting((4000, 2, 3900), 8000) == (6400, 2, 3200)  # clear_at_least stays under the trigger
+    assert scale_setting(CLEAR_SETTINGS[1], None) == CLEAR_SETTINGS[1]
+    traces = build_agent_traces("agent-clear", n=4, context=8000, histories="research")
+    assert sorted({t["meta"]["trigger"] for t in traces}) == [5000, 6400]
+    for tr in traces:
+        validate_trace(tr)
+        assert any(e.startswith("clear") for e in tr["meta"]["edits"][1:])
+        assert all(_approx(v["unedited"]["messages"]) <= 8000 for v in tr["versions"][1:])
 
 
 # ----------------------------------------------------------------------------------- the predictor

@@ -71,6 +71,7 @@ CLEAR_SETTINGS: tuple[tuple[int, ...], ...] = ((2500, 3, 0), (4000, 2, 1500))  #
 SUMMARY_SETTINGS: tuple[tuple[int, int], ...] = ((2500, 6), (3500, 10))  # (trigger tokens, keep messages)
 OFFLOAD_SETTINGS: tuple[tuple[int, int], ...] = ((2500, 2), (3500, 1))  # (trigger tokens, keep results)
 REFERENCE_CONTEXT = 4000  # the budget the settings above are sized for (``context`` scales them)
+CONTEXT_TRIGGER_SHARE = 0.8  # with ``context``: a scaled trigger's cap (the unedited twin must fit the window)
 CLEAR_HOP_TRIGGER_SHARE = 0.8  # agent-clear-hop: the trigger, a share of the budget (near it)
 CLEAR_HOP_TAIL_SHARE = 0.2     # the kept results' share of the budget: the edit sits ~80 % deep
 CLEAR_HOP_DEPTH = (0.7, 0.9)   # the depths an agent-clear-hop episode's edits lie in (share of the view)
@@ -392,14 +393,20 @@ def clear_hop_setting(history: History, budget: int, count_tokens: CountTokens |
 
 def scale_setting(setting: tuple[int, ...], context: int | None) -> tuple[int, ...]:
     """A middleware setting sized for :data:`REFERENCE_CONTEXT` tokens, scaled to ``context`` tokens (its
-    trigger and ``clear_at_least``; ``keep`` unchanged); None: unchanged."""
+    trigger and ``clear_at_least``; ``keep`` unchanged); None: unchanged.
+
+    The scaled trigger is capped at :data:`CONTEXT_TRIGGER_SHARE` of ``context``: an episode built for a
+    window keeps only calls whose *unedited* twin fits in it, so a trigger at the window itself (the
+    reference setting ``(4000, 2, 1500)`` scaled to 8,000) would never fire inside it and the workload would
+    fall back to its other setting's short views. ``clear_at_least`` stays below the trigger.
+    """
     if context is None:
         return tuple(setting)
     f = context / REFERENCE_CONTEXT
     out = list(setting)
-    out[0] = int(round(setting[0] * f))
+    out[0] = min(int(round(setting[0] * f)), int(CONTEXT_TRIGGER_SHARE * context))
     if len(out) > 2:
-        out[2] = int(round(setting[2] * f))
+        out[2] = min(int(round(setting[2] * f)), out[0] // 2)
     return tuple(out)
 
 
