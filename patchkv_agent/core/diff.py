@@ -444,7 +444,6 @@ class _Aligner:
         return found
 
     def _anchored(self, a_lo: int, a_hi: int, b_lo: int, b_hi: int) -> list[tuple[int, int, int]]:
-        k = self.k
         ai, bj = self._anchors(a_lo, a_hi, b_lo, b_hi)
         if len(ai) == 0:
             return []
