@@ -285,7 +285,8 @@ def _summary_rows(files: list[str]) -> list[dict]:
             for field in _SUMMARY_NUMBERS:
                 v = r.get(field)
                 ok = v is None or (isinstance(v, (int, float)) and math.isfinite(v))
-                if not ok or (field == "ttft_s" and v is None):
+                # a noise-floor row (``floor``: an emulated bf16 / int8 / fp8 run) is scored, never timed
+                if not ok or (field == "ttft_s" and v is None and r.get("floor") is not True):
                     raise UsageError(f"--summarize: {where}: {field} is {str(v)[:40]!r}, not a number; pass "
                                      "results.jsonl files written by `patchkv-agent bench` or `replay`")
         rows += got

@@ -182,6 +182,25 @@ def test_cli_summarize_merges_shards(tmp_path, capsys):
             _shard(bad)
 
 
+def test_cli_summarize_keeps_the_noise_floor_rows_of_a_run(tmp_path, capsys):
+    """A run with --noise-floor writes untimed floor rows (ttft_s None); merging its shards summarizes them
+    (it was refused as 'not a number'), while an untimed row of a strategy still is."""
+    from patchkv_agent.cli import main
+
+    rows = read_results(SMALL)
+    floor = [dict(r, strategy="kv-bf16", floor=True, ttft_s=None) for r in rows if r["strategy"] == "prefix"]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + floor))
+    assert main(["bench", "--summarize", str(tmp_path / "s.jsonl"), "--out-dir", str(tmp_path / "out")]) == 0
+    out = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert "kv-bf16" in out["strategies"] and out["n_rows"] == len(rows) + len(floor)
+    capsys.readouterr()
+    bad = dict(floor[0], floor=None)
+    (tmp_path / "b.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(SystemExit):
+        main(["bench", "--summarize", str(tmp_path / "b.jsonl"), "--out-dir", str(tmp_path / "out2")])
+    assert "ttft_s is 'None', not a number" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------- the notebook
 
 def test_frontier_notebook_runs_top_to_bottom(tmp_path):
