@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
-           "FLOOR_RULE", "PLAN_RULE", "parse_target",
+           "FLOOR_RULE", "PLAN_RULE", "VARIANT_OPTIONS", "parse_target", "parse_variant",
            "choose_window", "choose_plan_every", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
 
 DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
@@ -140,6 +140,57 @@ def _scorer(engine) -> Callable[[Sequence[int], Sequence[int]], bool]:
                                               tok.decode(list(ref), skip_special_tokens=True))
 
 
+VARIANT_OPTIONS: tuple[str, ...] = ("kappa", "rewrite_share", "readers", "reader_min_share", "reader_min_blocks",
+                                    "reader_attention_blocks", "reader_budget")
+"""The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule, kappa and the reader
+rule, which a profile records (the window, the tail rule and the small-restore share have candidates of their own)."""
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """A plan variant candidate ``key=value[:key=value...]`` (e.g. ``rewrite_share=0.5``, ``kappa=0.02``,
+    ``readers=none``, ``reader_budget=0.1:reader_min_blocks=2``): its canonical spec (keys sorted) and options.
+
+    Args:
+        spec: the variant, in the bench's strategy-option syntax (``patchkv:<spec>`` is the same strategy).
+
+    Returns:
+        ``(canonical spec, {option: value})``; values read as an int, else a float, else a string.
+
+    Raises:
+        ValueError: an empty spec, a pair that is not ``key=value``, a repeated key, a key outside
+            :data:`VARIANT_OPTIONS`, or a value :class:`~patchkv_agent.strategies.builtin.PatchKVStrategy` refuses.
+    """
+    from patchkv_agent.strategies.base import _option_value
+    from patchkv_agent.strategies.builtin import PatchKVStrategy
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a variant is key=value[:key=value...] with keys from {list(VARIANT_OPTIONS)}, got {spec!r}")
+    opts: dict[str, Any] = {}
+    for pair in spec.strip().split(":"):
+        key, eq, value = (x.strip() for x in pair.partition("="))
+        if not eq or not key or not value:
+            raise ValueError(f"variant {spec!r}: {pair!r} is not key=value")
+        if key not in VARIANT_OPTIONS:
+            raise ValueError(f"variant {spec!r}: {key!r} is not a variant option; choose from {list(VARIANT_OPTIONS)} "
+                             "(windows, tail thresholds and small-restore shares have candidates of their own)")
+        if key in opts:
+            raise ValueError(f"variant {spec!r}: {key!r} is given twice")
+        opts[key] = _option_value(value)
+    try:
+        PatchKVStrategy(**opts)  # the strategy's own type and range checks
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"variant {spec!r}: {e}") from None
+    return ":".join(f"{k}={opts[k]}" for k in sorted(opts)), {k: opts[k] for k in sorted(opts)}
+
+
+def _check_variants(variants: Sequence[str]) -> tuple[tuple[str, dict[str, Any]], ...]:
+    out: dict[str, dict[str, Any]] = {}
+    for v in variants:
+        name, opts = parse_variant(v)
+        out.setdefault(name, opts)
+    return tuple(out.items())
+
+
 def _settings_record(engine) -> dict[str, Any]:
     """The engine's plan settings the stage ran under. It varies ``recent_window`` and ``tail_threshold`` (window
     candidates run with 0, tail candidates with theirs) and, when given share candidates, ``min_restore_share``:
@@ -180,7 +231,7 @@ def parse_target(target: "float | str") -> "tuple[float | None, str | None]":
 def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
                          target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
                          rows: list | None = None, thresholds: Sequence[float] = (),
-                         min_restore_shares: Sequence[float] = ()) -> dict[str, Any]:
+                         min_restore_shares: Sequence[float] = (), variants: Sequence[str] = ()) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
     For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
@@ -208,6 +259,11 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
             every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
             at the engine's setting, and ``chosen_min_restore_share`` says the chosen one (None: the engine's).
+        variants: plan variant candidates (:func:`parse_variant`: the head-rewrite share, kappa, the reader rule):
+            each runs at the largest window with the engine's tail rule and small-restore share, the rest of the
+            engine's settings overridden by its options (key ``"<base>|<spec>"``, where ``<base>`` is that plan's
+            own key, which runs too); ``chosen_variant`` and ``chosen_variant_options`` say the chosen one (None:
+            a candidate without variant options).
     Returns:
         ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
         "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
@@ -226,7 +282,13 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     shares = _check_shares(min_restore_shares)
     if shares and not taus:
         raise ValueError("min_restore_shares are candidates of the measured tail rule: give thresholds too")
+    vs = _check_variants(variants)
     keys = [str(w) for w in ws] + [_key(ws[-1], t, m) for t in taus for m in (shares or (None,))]
+    base = None
+    if vs:  # the engine's own plan at the largest window, and each variant of it
+        t0, m0 = float(engine.settings.tail_threshold), float(engine.settings.min_restore_share)
+        base = str(ws[-1]) if t0 == 0 else _key(ws[-1], t0, m0 if shares else None)
+        keys += [base] * (base not in keys) + [f"{base}|{name}" for name, _ in vs]
     target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -241,7 +303,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             ids = [version_ids(engine, v) for v in tr["versions"]]
             for k in range(1, len(ids)):
                 row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor, taus,
-                                     shares)
+                                     shares, base, vs)
                 bar.update(1)
                 if row is None:
                     continue
@@ -268,7 +330,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     else:
         targets = target
     share = None
-    if taus:
+    if taus or vs:
         key = choose_plan_every(by_workload, targets, grid)
         chosen, tau, share = _parse_key(key)
     else:
@@ -279,6 +341,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         "rule": (PLAN_RULE if taus else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
         "chosen_tail_threshold": tau, "thresholds": list(taus),
         "chosen_min_restore_share": share, "min_restore_shares": list(shares),
+        "chosen_variant": _variant_of(key) if vs else None,
+        "chosen_variant_options": dict(vs)[_variant_of(key)] if vs and _variant_of(key) else None,
+        "variants": [name for name, _ in vs],
         "target": f"floor:{floor}" if floor is not None else target,
         "floor": floor, "floor_by_workload": floor_by or None,
         "target_met": all(_meets(g[key]["agree"], g[key]["n"], tgt[wl]) for wl, g in by_workload.items()),
@@ -296,7 +361,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
 def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
                    max_new_tokens: int, floor: str | None = None, taus: tuple[float, ...] = (),
-                   shares: tuple[float, ...] = ()) -> dict | None:
+                   shares: tuple[float, ...] = (), base: str | None = None,
+                   variants: tuple[tuple[str, dict], ...] = ()) -> dict | None:
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
@@ -330,6 +396,16 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
             results[_key(ws[-1], t, m)] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
                                            "recompute_tokens": int(res.stats["recompute_tokens"]),
                                            "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
+            del res
+    if base is not None:  # the engine's plan at the largest window, then each variant of it
+        _, t0, m0 = _parse_key(base)
+        plan = {"recent_window": ws[-1], "tail_threshold": t0, "min_restore_share": engine.settings.min_restore_share
+                if m0 is None else m0}
+        for key, opts in ([(base, {})] if base not in results else []) + [(f"{base}|{n}", o) for n, o in variants]:
+            res = engine.resume(ckpt, new, strategy=strategy_cls(**plan, **opts), max_new_tokens=max_new_tokens)
+            results[key] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
+                            "recompute_tokens": int(res.stats["recompute_tokens"]),
+                            "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
             del res
     del first, ckpt
     floor_agree = None
@@ -390,7 +466,8 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
 
 
 PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window (each at every small-restore "
-             "share, when shares are given); chosen: the candidate of "
+             "share, when shares are given), and plan variants (head-rewrite share, kappa, reader rule) of the "
+             "engine's plan at the largest window, when given; chosen: the candidate of "
              "fewest recomputed rows (mean over the scored versions) that meets the target on every workload, else "
              "the one closest to it on the worst workload. Per candidate: ")
 
@@ -421,10 +498,15 @@ def _key(window: int, threshold: float, share: float | None = None) -> str:
 
 def _parse_key(key: str) -> tuple[int, float, float | None]:
     """``(window, threshold, min_restore_share)`` of a candidate key (0.0: a fixed window; None: the engine's
-    share)."""
-    head, _, share = str(key).partition("/r")
+    share); a variant's ``|<spec>`` is not part of it (:func:`_variant_of`)."""
+    head, _, share = str(key).partition("|")[0].partition("/r")
     w, _, t = head.partition("@")
     return int(w), float(t) if t else 0.0, float(share) if share else None
+
+
+def _variant_of(key: str) -> str | None:
+    """The variant spec of a candidate key (None: no variant)."""
+    return str(key).partition("|")[2] or None
 
 
 def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], target: "float | Mapping[str, float]",
@@ -472,7 +554,8 @@ def _grid(scored: Sequence[dict], keys: Sequence[str]) -> dict[str, dict[str, An
 def with_recent_window(profile: Mapping[str, Any], selection: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a profile dict with ``recent_window`` (``selection["chosen"]``; left out when it is None)
     and ``recent_window_selection`` set, placed after ``readers`` (else ``block_size``) like the shipped
-    profile's.
+    profile's. A chosen plan variant's options (``chosen_variant_options``) go where a profile keeps them:
+    ``kappa``, ``readers`` and ``rewrite_share`` at the top level, the reader rule's constants in ``reader_rule``.
 
     Args:
         profile: a profile dict (as :func:`.profile.run_calibration` returns it).
@@ -497,4 +580,17 @@ def with_recent_window(profile: Mapping[str, Any], selection: Mapping[str, Any])
             out.update(extra)
     if "recent_window_selection" not in out:
         out.update(extra)
+    opts = selection.get("chosen_variant_options") if selection.get("chosen") is not None else None
+    if opts:
+        from patchkv_agent.profiles import READER_RULE_KEYS
+
+        rule_key = {field: short for short, field in READER_RULE_KEYS.items()}
+        rule = dict(out.get("reader_rule") or {})
+        for k, v in opts.items():
+            if k in rule_key:
+                rule[rule_key[k]] = v
+            else:
+                out[k] = v
+        if rule:
+            out["reader_rule"] = rule
     return out

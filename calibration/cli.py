@@ -137,6 +137,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="agent stage: small-restore rule candidates (min_restore_share values in [0, 1], "
                         "comma-separated), each run with every --agent-thresholds candidate; the chosen one is written "
                         "to the profile (none: the profile's own)")
+    p.add_argument("--agent-variants", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()), default=(),
+                   help="agent stage: plan variant candidates, comma-separated, each key=value[:key=value] of the "
+                        "head-rewrite share, kappa and the reader rule (e.g. 'rewrite_share=0.5,kappa=0.02,readers=none'), "
+                        "each run on the profile's plan at the largest --agent-windows; the chosen one's options are "
+                        "written to the profile")
     p.add_argument("--agent-target", default="0.95",
                    help="agent stage: least next-action agreement share, or floor:<name> (floor:kv-bf16: per workload, "
                         "the agreement a bf16 KV cache reaches on the same calls); the smallest window reaching it on "
@@ -287,7 +292,13 @@ def _check_agent_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--agent-min-restore must be shares in [0, 1], got {bad_m[0]}")
     if args.agent_min_restore and not args.agent_thresholds:
         raise UsageError("--agent-min-restore candidates run with the measured tail rule: give --agent-thresholds too")
-    from .agent_stage import parse_target
+    from .agent_stage import parse_target, parse_variant
+
+    for v in args.agent_variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            raise UsageError(f"--agent-variants: {e}") from None
 
     try:
         parse_target(args.agent_target)

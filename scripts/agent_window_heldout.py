@@ -27,6 +27,8 @@ def main(argv=None) -> int:
                     "0.01,0.02,0.04 (none: windows only)")
     ap.add_argument("--min-restore", default="", help="small-restore rule candidates (min_restore_share), each run with "
                     "every threshold, e.g. 0,0.5 (none: the profile's)")
+    ap.add_argument("--variants", default="", help="plan variant candidates (head-rewrite share, kappa, reader rule), "
+                    "comma-separated, each key=value[:key=value], e.g. 'rewrite_share=0.5,kappa=0.02,readers=none'")
     ap.add_argument("--target", default="0.95", help="a share, or floor:<name> (floor:kv-bf16: the agreement a bf16 KV "
                     "cache reaches on the same calls, per workload)")
     ap.add_argument("--target-tokens", type=int, default=4000)
@@ -45,10 +47,11 @@ def main(argv=None) -> int:
     sel = select_recent_window(eng, traces, windows=[int(w) for w in args.windows.split(",")], target=args.target,
                                max_new_tokens=48, rows=rows,
                                thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()],
-                               min_restore_shares=[float(m) for m in args.min_restore.split(",") if m.strip()])
+                               min_restore_shares=[float(m) for m in args.min_restore.split(",") if m.strip()],
+                               variants=[v for v in args.variants.split(",") if v.strip()])
     write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
     print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"],
-          "min_restore_share", sel["chosen_min_restore_share"])
+          "min_restore_share", sel["chosen_min_restore_share"], "variant", sel["chosen_variant"])
     return 0
 
 

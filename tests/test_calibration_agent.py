@@ -278,6 +278,53 @@ def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
         select_recent_window(eng, traces, windows=(0, 64), progress=False, thresholds=(0.1,), min_restore_shares=(2,))
 
 
+def test_stage_with_plan_variants_scores_each_against_a_direct_resume_and_writes_the_chosen_options():
+    import dataclasses
+
+    from patchkv_agent.calibration.agent_stage import choose_plan_every, parse_variant
+    from patchkv_agent.profiles import Profile
+
+    eng = tiny_engine(max_positions=1024, layers=4)
+    eng.settings = dataclasses.replace(eng.settings, tail_threshold=1e9)  # the profile's tail rule: keep no block
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    rows: list[dict] = []
+    out = select_recent_window(eng, traces, windows=(0, 64), target=1.0, max_new_tokens=TOKENS, progress=False,
+                               rows=rows, variants=("rewrite_share=0.0", "kappa=1.0", " kappa=1.0 "))
+    json.dumps(out)
+    # the engine's own plan at the largest window runs as the base of the variants; a repeated variant runs once
+    assert list(out["grid"]) == ["0", "64", "64@1e+09", "64@1e+09|rewrite_share=0.0", "64@1e+09|kappa=1.0"]
+    assert out["variants"] == ["rewrite_share=0.0", "kappa=1.0"]
+    base = {"recent_window": 64, "tail_threshold": 1e9}
+    for r in rows:
+        tr = next(t for t in traces if t["id"] == r["id"])
+        old, new = (tr["versions"][r["version"] - k]["token_ids"] for k in (1, 0))
+        ckpt = eng.checkpoint(old)
+        ref = list(eng.resume(None, new, strategy="exact", max_new_tokens=TOKENS).output_ids)
+        for key, opts in (("64@1e+09", {}), ("64@1e+09|rewrite_share=0.0", {"rewrite_share": 0.0}),
+                          ("64@1e+09|kappa=1.0", {"kappa": 1.0})):
+            got = eng.resume(ckpt, new, strategy=PatchKVStrategy(**base, **opts), max_new_tokens=TOKENS)
+            assert r["results"][key]["recompute_tokens"] == got.stats["recompute_tokens"]
+            assert r["results"][key]["agree"] == (list(got.output_ids) == ref)
+        # a head-rewrite share of 0 turns every edit into a rewrite: the suffix recomputed whole, exact
+        assert r["results"]["64@1e+09|rewrite_share=0.0"]["recompute_tokens"] == r["prefix_recompute_tokens"]
+        assert r["results"]["64@1e+09|rewrite_share=0.0"]["agree"]
+    key = choose_plan_every(out["grid_by_workload"], 1.0, out["grid"])
+    assert out["chosen_variant"] == (key.partition("|")[2] or None)
+    # a chosen variant's options go where a profile keeps them, and the loader reads them back
+    sel = dict(out, chosen=64, chosen_tail_threshold=1e9, chosen_variant="kappa=0.02:reader_budget=0.1:rewrite_share=0.5",
+               chosen_variant_options={"kappa": 0.02, "reader_budget": 0.1, "rewrite_share": 0.5})
+    prof = with_recent_window(tiny_profile(eng), sel)
+    assert prof["kappa"] == 0.02 and prof["rewrite_share"] == 0.5 and prof["reader_rule"]["budget"] == 0.1
+    s = Profile.from_dict(prof).settings()
+    assert (s.kappa, s.rewrite_share, s.reader_budget, s.recent_window) == (0.02, 0.5, 0.1, 64)
+    for bad, match in (("window=3", "not a variant option"), ("kappa", "not key=value"), ("kappa=2", "kappa"),
+                       ("kappa=0.1:kappa=0.2", "twice"), ("recent_window=64", "candidates of their own"), ("", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            parse_variant(bad)
+    assert parse_variant("rewrite_share=0.5:kappa=0") == ("kappa=0:rewrite_share=0.5", {"kappa": 0, "rewrite_share": 0.5})
+
+
 def test_stage_decodes_the_next_action_with_a_tokenizer():
     eng = tiny_engine(chat_template=CHATML, config={"vocab_size": 102}, max_positions=2048)
     sysm = {"role": "system", "content": "You are an agent with a search tool."}
@@ -395,6 +442,8 @@ BAD = [
     (["--agent-target", "floor:kv-int3"], r"--agent-target: unknown noise floors \['kv-int3'\]"),
     (["--agent-target-tokens", "0"], r"--agent-target-tokens must be >= 1"),
     (["--agent-n", "x"], r"--agent-n: invalid int value"),
+    (["--agent-variants", "window=3"], r"--agent-variants: variant 'window=3': 'window' is not a variant option"),
+    (["--agent-variants", "kappa=0.1,kappa=7"], r"--agent-variants: variant 'kappa=7': .*kappa"),
 ]
 
 

@@ -77,6 +77,8 @@ class Profile:
             is kept).
         tail_threshold, tail_check_layer: the measured tail rule (None: an older profile; the base settings'
             own are kept).
+        rewrite_share: the head-rewrite rule's share (None: the base settings' own; set by a calibration that
+            chose it, the agent stage's variants).
         reader_rule: the reader rule's constants as settings fields (``reader_min_share``,
             ``reader_min_blocks``, ``reader_attention_blocks``, ``reader_budget``), read from the profile's
             ``reader_rule`` object (keys ``min_share``, ``min_blocks``, ``attention_blocks``, ``budget``;
@@ -97,6 +99,7 @@ class Profile:
     min_restore_share: float | None = None
     tail_threshold: float | None = None
     tail_check_layer: int | None = None
+    rewrite_share: float | None = None
     reader_rule: Mapping[str, Any] = field(default_factory=dict)
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
@@ -156,7 +159,8 @@ class Profile:
         return (base if base is not None else RecoverySettings()).replace(**self.fields())
 
 
-_OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer")
+_OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer",
+                    "rewrite_share")
 """Settings fields a profile may set at its top level (absent in older profiles: the base settings' own are kept)."""
 
 
