@@ -263,7 +263,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             each runs at the largest window with the engine's tail rule and small-restore share, the rest of the
             engine's settings overridden by its options (key ``"<base>|<spec>"``, where ``<base>`` is that plan's
             own key, which runs too); ``chosen_variant`` and ``chosen_variant_options`` say the chosen one (None:
-            a candidate without variant options).
+            a candidate without variant options). With a ``rewrite_share`` variant, the versions scored are those
+            whose plan at ``recent_window=0`` restores rows with the head-rewrite rule off (a head rewrite under the
+            engine's share is scored too: as exact, at prefix's rows, for the candidates that keep that share).
     Returns:
         ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
         "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
@@ -366,9 +368,12 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
-    # the window candidates are fixed windows (tail_threshold 0), whatever the engine's profile sets
-    first = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=0, tail_threshold=0.0),
-                          max_new_tokens=max_new_tokens if ws[0] == 0 else 0)
+    # the window candidates are fixed windows (tail_threshold 0), whatever the engine's profile sets. With a variant
+    # of the head-rewrite share, whether a version is scored is asked with the rule off: the versions it turns into
+    # full recomputes (a summarized head) are the ones such a variant changes
+    probe = {"rewrite_share": 1.0} if any("rewrite_share" in o for _, o in variants) else {}
+    first = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=0, tail_threshold=0.0, **probe),
+                          max_new_tokens=max_new_tokens if ws[0] == 0 and not probe else 0)
     st = first.stats
     if st["restore_tokens"] <= 0:
         return None
@@ -376,7 +381,7 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
     results: dict[str, dict] = {}
     prev: dict | None = None
     for w in ws:
-        if w == 0:
+        if w == 0 and not probe:
             out, s, reused = list(first.output_ids), st, False
         elif prev is not None and prev["restore_tokens"] == 0:
             out, s, reused = prev["_out"], prev, True  # the same full-recompute plan as the smaller window

@@ -325,6 +325,32 @@ def test_stage_with_plan_variants_scores_each_against_a_direct_resume_and_writes
     assert parse_variant("rewrite_share=0.5:kappa=0") == ("kappa=0:rewrite_share=0.5", {"kappa": 0, "rewrite_share": 0.5})
 
 
+def test_a_rewrite_share_variant_scores_the_summarized_heads_the_engines_rule_recomputes_whole():
+    eng = tiny_engine(max_positions=1024, layers=4)
+    rng = np.random.default_rng(3)
+    v0 = rng.integers(3, 211, 260).tolist()
+    v1 = v0[:4] + rng.integers(3, 211, 12).tolist() + v0[160:] + rng.integers(3, 211, 10).tolist()  # a summary
+    traces = [{"id": "agent-summarize/syn", "workload": "agent-summarize",
+               "versions": [{"token_ids": v0}, {"token_ids": v1}]}]
+    with pytest.raises(ValueError, match="restores rows"):  # the engine's head-rewrite rule: nothing to score
+        select_recent_window(eng, traces, windows=(0, 64), max_new_tokens=TOKENS, progress=False)
+    rows: list[dict] = []
+    out = select_recent_window(eng, traces, windows=(0, 64), target=0.0, max_new_tokens=TOKENS, progress=False,
+                               rows=rows, variants=("rewrite_share=1.0",))
+    # the engine's own plan (no tail rule) is the window-64 candidate: the variant's base, not run twice
+    assert out["n_scored"] == 1 and list(out["grid"]) == ["0", "64", "64|rewrite_share=1.0"]
+    r = rows[0]["results"]
+    # every candidate at the engine's share still rewrites: exact, at prefix's rows; the variant restores rows
+    for key in ("0", "64"):
+        assert r[key]["recompute_tokens"] == rows[0]["prefix_recompute_tokens"] and r[key]["agree"]
+    assert r["64|rewrite_share=1.0"]["restore_tokens"] > 0
+    got = eng.resume(eng.checkpoint(v0), v1, strategy=PatchKVStrategy(recent_window=64, rewrite_share=1.0),
+                     max_new_tokens=TOKENS)
+    ref = eng.resume(None, v1, strategy="exact", max_new_tokens=TOKENS)
+    assert r["64|rewrite_share=1.0"]["recompute_tokens"] == got.stats["recompute_tokens"]
+    assert r["64|rewrite_share=1.0"]["agree"] == (list(got.output_ids) == list(ref.output_ids))
+
+
 def test_stage_decodes_the_next_action_with_a_tokenizer():
     eng = tiny_engine(chat_template=CHATML, config={"vocab_size": 102}, max_positions=2048)
     sysm = {"role": "system", "content": "You are an agent with a search tool."}
