@@ -340,7 +340,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         key = str(chosen)
     tgt = targets if isinstance(targets, dict) else dict.fromkeys(by_workload, targets)
     return {
-        "rule": (PLAN_RULE if taus else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
+        "rule": (PLAN_RULE if taus or vs else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
         "chosen_tail_threshold": tau, "thresholds": list(taus),
         "chosen_min_restore_share": share, "min_restore_shares": list(shares),
         "chosen_variant": _variant_of(key) if vs else None,
