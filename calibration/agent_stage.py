@@ -393,25 +393,24 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
         prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),
                 "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
+
+    def run(**options) -> dict:
+        """One candidate's result: ``strategy_cls(**options)`` resumed and scored against exact."""
+        res = engine.resume(ckpt, new, strategy=strategy_cls(**options), max_new_tokens=max_new_tokens)
+        return {"agree": bool(agree_fn(list(res.output_ids), ref)),
+                "recompute_tokens": int(res.stats["recompute_tokens"]),
+                "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
+
     for t in taus:  # the measured tail rule at the largest window (at each small-restore share, when given)
         for m in shares or (None,):
             opts = {} if m is None else {"min_restore_share": m}
-            res = engine.resume(ckpt, new, strategy=strategy_cls(recent_window=ws[-1], tail_threshold=t, **opts),
-                                max_new_tokens=max_new_tokens)
-            results[_key(ws[-1], t, m)] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
-                                           "recompute_tokens": int(res.stats["recompute_tokens"]),
-                                           "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
-            del res
+            results[_key(ws[-1], t, m)] = run(recent_window=ws[-1], tail_threshold=t, **opts)
     if base is not None:  # the engine's plan at the largest window, then each variant of it
         _, t0, m0 = _parse_key(base)
         plan = {"recent_window": ws[-1], "tail_threshold": t0, "min_restore_share": engine.settings.min_restore_share
                 if m0 is None else m0}
         for key, opts in ([(base, {})] if base not in results else []) + [(f"{base}|{n}", o) for n, o in variants]:
-            res = engine.resume(ckpt, new, strategy=strategy_cls(**plan, **opts), max_new_tokens=max_new_tokens)
-            results[key] = {"agree": bool(agree_fn(list(res.output_ids), ref)),
-                            "recompute_tokens": int(res.stats["recompute_tokens"]),
-                            "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
-            del res
+            results[key] = run(**plan, **opts)
     del first, ckpt
     floor_agree = None
     if floor is not None:
