@@ -231,7 +231,8 @@ def parse_target(target: "float | str") -> "tuple[float | None, str | None]":
 def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] = DEFAULT_WINDOWS,
                          target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
                          rows: list | None = None, thresholds: Sequence[float] = (),
-                         min_restore_shares: Sequence[float] = (), variants: Sequence[str] = ()) -> dict[str, Any]:
+                         min_restore_shares: Sequence[float] = (), variants: Sequence[str] = (),
+                         tail_windows: Sequence[int] = ()) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
     For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
@@ -253,9 +254,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         progress: a tqdm bar on stderr.
         rows: if given, one dict per scored version is appended (id, version, sizes, per-window results).
         thresholds: measured tail rule candidates (``tail_threshold`` values > 0): each also runs at the largest
-            window (key ``"<window>@<threshold>"`` in the grids). With any, the choice is the candidate of fewest
-            recomputed rows (pooled mean) that meets the target on every workload (:func:`choose_plan_every`),
-            and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
+            window, or at each of ``tail_windows`` (key ``"<window>@<threshold>"`` in the grids). With any, the
+            choice is the candidate of fewest recomputed rows (pooled mean) that meets the target on every
+            workload (:func:`choose_plan_every`), and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
         min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
             every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
             at the engine's setting, and ``chosen_min_restore_share`` says the chosen one (None: the engine's).
@@ -266,6 +267,9 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             a candidate without variant options). With a ``rewrite_share`` variant, the versions scored are those
             whose plan at ``recent_window=0`` restores rows with the head-rewrite rule off (a head rewrite under the
             engine's share is scored too: as exact, at prefix's rows, for the candidates that keep that share).
+        tail_windows: the windows the threshold candidates probe (ints > 0; empty: the largest of ``windows``). A
+            window at least as long as the context probes every restored row of the suffix, so the blocks the
+            probe recomputes may lie anywhere after the edit, not only in the last ``window`` tokens.
     Returns:
         ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
         "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
@@ -281,11 +285,12 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 
     ws = _check_windows(windows)
     taus = _check_thresholds(thresholds)
+    tws = _check_tail_windows(tail_windows, ws, taus)
     shares = _check_shares(min_restore_shares)
     if shares and not taus:
         raise ValueError("min_restore_shares are candidates of the measured tail rule: give thresholds too")
     vs = _check_variants(variants)
-    keys = [str(w) for w in ws] + [_key(ws[-1], t, m) for t in taus for m in (shares or (None,))]
+    keys = [str(w) for w in ws] + [_key(w, t, m) for w in tws for t in taus for m in (shares or (None,))]
     base = None
     if vs:  # the engine's own plan at the largest window, and each variant of it
         t0, m0 = float(engine.settings.tail_threshold), float(engine.settings.min_restore_share)
@@ -305,7 +310,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             ids = [version_ids(engine, v) for v in tr["versions"]]
             for k in range(1, len(ids)):
                 row = _score_version(engine, PatchKVStrategy, agree_fn, tr, k, ids, ws, max_new_tokens, floor, taus,
-                                     shares, base, vs)
+                                     shares, base, vs, tws)
                 bar.update(1)
                 if row is None:
                     continue
@@ -341,7 +346,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     tgt = targets if isinstance(targets, dict) else dict.fromkeys(by_workload, targets)
     return {
         "rule": (PLAN_RULE if taus or vs else "") + (FLOOR_RULE if floor is not None else RULE), "chosen": chosen,
-        "chosen_tail_threshold": tau, "thresholds": list(taus),
+        "chosen_tail_threshold": tau, "thresholds": list(taus), "tail_windows": list(tws),
         "chosen_min_restore_share": share, "min_restore_shares": list(shares),
         "chosen_variant": _variant_of(key) if vs else None,
         "chosen_variant_options": dict(vs)[_variant_of(key)] if vs and _variant_of(key) else None,
@@ -364,7 +369,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
 def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, ws: tuple[int, ...],
                    max_new_tokens: int, floor: str | None = None, taus: tuple[float, ...] = (),
                    shares: tuple[float, ...] = (), base: str | None = None,
-                   variants: tuple[tuple[str, dict], ...] = ()) -> dict | None:
+                   variants: tuple[tuple[str, dict], ...] = (), tail_windows: tuple[int, ...] = ()) -> dict | None:
     """One version's row, or None when its plan at ``recent_window=0`` restores nothing."""
     new = ids[k]
     ckpt = engine.checkpoint(ids[k - 1])
@@ -401,10 +406,11 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
                 "recompute_tokens": int(res.stats["recompute_tokens"]),
                 "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
 
-    for t in taus:  # the measured tail rule at the largest window (at each small-restore share, when given)
-        for m in shares or (None,):
-            opts = {} if m is None else {"min_restore_share": m}
-            results[_key(ws[-1], t, m)] = run(recent_window=ws[-1], tail_threshold=t, **opts)
+    for tw in tail_windows or ws[-1:]:  # the measured tail rule at its windows (at each small-restore share, if given)
+        for t in taus:
+            for m in shares or (None,):
+                opts = {} if m is None else {"min_restore_share": m}
+                results[_key(tw, t, m)] = run(recent_window=tw, tail_threshold=t, **opts)
     if base is not None:  # the engine's plan at the largest window, then each variant of it
         _, t0, m0 = _parse_key(base)
         plan = {"recent_window": ws[-1], "tail_threshold": t0, "min_restore_share": engine.settings.min_restore_share
@@ -490,6 +496,19 @@ def _candidates(values: Sequence[float], ok, what: str) -> tuple[float, ...]:
 def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
     return _candidates(thresholds, lambda t: 0 < t < float("inf"),
                        "tail threshold must be a finite number > 0 (0 is the fixed window)")
+
+
+def _check_tail_windows(tail_windows: Sequence[int], windows: tuple[int, ...], taus: tuple[float, ...]) -> tuple[int, ...]:
+    """The threshold candidates' windows: ``tail_windows`` checked (ints > 0, sorted, no duplicates), or the largest
+    window; given without thresholds, a ``ValueError`` (they would run nothing)."""
+    if not tail_windows:
+        return windows[-1:]
+    if not taus:
+        raise ValueError("tail_windows are the windows of the measured tail rule's candidates: give thresholds too")
+    for w in tail_windows:
+        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+            raise ValueError(f"every tail window must be an int > 0 (tokens), got {w!r}")
+    return tuple(sorted(set(tail_windows)))
 
 
 def _check_shares(shares: Sequence[float]) -> tuple[float, ...]:

@@ -133,6 +133,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="agent stage: measured tail rule candidates (tail_threshold values > 0, comma-separated), each "
                         "run at the largest --agent-windows; with any, the cheapest candidate (fewest recomputed rows) "
                         "that meets --agent-target on every workload is chosen")
+    p.add_argument("--agent-tail-windows", type=_ints, default=(),
+                   help="agent stage: the windows the --agent-thresholds candidates probe (comma-separated; a window "
+                        "longer than the context probes the whole restored suffix; none: the largest --agent-windows)")
     p.add_argument("--agent-min-restore", type=_floats, default=(),
                    help="agent stage: small-restore rule candidates (min_restore_share values in [0, 1], "
                         "comma-separated), each run with every --agent-thresholds candidate; the chosen one is written "
@@ -290,6 +293,11 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     bad_m = [m for m in args.agent_min_restore if not 0 <= m <= 1]
     if bad_m:
         raise UsageError(f"--agent-min-restore must be shares in [0, 1], got {bad_m[0]}")
+    bad_w = [w for w in args.agent_tail_windows if w <= 0]
+    if bad_w:
+        raise UsageError(f"--agent-tail-windows must be > 0 (tokens), got {bad_w[0]}")
+    if args.agent_tail_windows and not args.agent_thresholds:
+        raise UsageError("--agent-tail-windows are the windows of the tail rule's candidates: give --agent-thresholds too")
     if args.agent_min_restore and not args.agent_thresholds:
         raise UsageError("--agent-min-restore candidates run with the measured tail rule: give --agent-thresholds too")
     from .agent_stage import parse_target, parse_variant
@@ -380,7 +388,7 @@ def calibration_plan(args: argparse.Namespace) -> str:
     episodes = len(targets) * args.n + len(follow) * follow_n + len(reader) * args.reader_n
     agent_eps = len(agent) * args.agent_n
     est = episodes * _EPISODE_S * (args.versions - 1) / 2 + agent_eps * _AGENT_EPISODE_S * (
-        len(args.agent_windows) + len(args.agent_thresholds))
+        len(args.agent_windows) + len(args.agent_thresholds) * max(1, len(args.agent_tail_windows)))
     out = Path(args.out) if args.out else cache_dir() / "profiles" / f"{_safe_name(args.model)}.json"
     lines = [
         f"calibrate {args.model}: writes {out} (+ .drift.npz, .rows.jsonl)",

@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", default="0,512,768,1024")
     ap.add_argument("--thresholds", default="", help="measured tail rule candidates at the largest window, e.g. "
                     "0.01,0.02,0.04 (none: windows only)")
+    ap.add_argument("--tail-windows", default="", help="the windows the threshold candidates probe, e.g. 1024,32768 "
+                    "(a window longer than the context probes the whole restored suffix; none: the largest window)")
     ap.add_argument("--min-restore", default="", help="small-restore rule candidates (min_restore_share), each run with "
                     "every threshold, e.g. 0,0.5 (none: the profile's)")
     ap.add_argument("--variants", default="", help="plan variant candidates (head-rewrite share, kappa, reader rule), "
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
                                max_new_tokens=48, rows=rows,
                                thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()],
                                min_restore_shares=[float(m) for m in args.min_restore.split(",") if m.strip()],
-                               variants=[v for v in args.variants.split(",") if v.strip()])
+                               variants=[v for v in args.variants.split(",") if v.strip()],
+                               tail_windows=[int(w) for w in args.tail_windows.split(",") if w.strip()])
     write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
     print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"],
           "min_restore_share", sel["chosen_min_restore_share"], "variant", sel["chosen_variant"])

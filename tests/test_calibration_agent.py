@@ -243,6 +243,33 @@ def test_stage_with_tail_thresholds_scores_each_candidate_at_the_largest_window(
     assert any(r["results"]["64"]["recompute_tokens"] > r["results"]["0"]["recompute_tokens"] for r in rows2)
 
 
+def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe_can_reach_past_the_tail():
+    eng = tiny_engine(max_positions=1024, layers=4)
+    rng = np.random.default_rng(7)
+    traces = [_agent_like_trace(i, rng) for i in range(2)]
+    rows: list[dict] = []
+    out = select_recent_window(eng, traces, windows=(0, 64), target=0.95, max_new_tokens=TOKENS, progress=False,
+                               rows=rows, thresholds=(1e-9, 1e9), tail_windows=(4096, 64, 4096))
+    json.dumps(out)
+    assert out["tail_windows"] == [64, 4096]
+    assert list(out["grid"]) == ["0", "64", "64@1e-09", "64@1e+09", "4096@1e-09", "4096@1e+09"]
+    for r in rows:
+        res = r["results"]
+        # keeping every probed block at the whole-suffix window recomputes every restored row: prefix's rows, exact
+        assert res["4096@1e-09"]["recompute_tokens"] == r["prefix_recompute_tokens"] and res["4096@1e-09"]["agree"]
+        assert res["4096@1e-09"]["restore_tokens"] == 0
+        # keeping none restores what window 0 restores, wherever the probe looked
+        assert res["4096@1e+09"]["recompute_tokens"] == res["64@1e+09"]["recompute_tokens"] == res["0"][
+            "recompute_tokens"]
+        assert res["64@1e-09"]["recompute_tokens"] == res["64"]["recompute_tokens"]
+    prof = with_recent_window({"block_size": 8}, dict(out, chosen=4096, chosen_tail_threshold=1e-9))
+    assert prof["recent_window"] == 4096 and prof["tail_threshold"] == 1e-9
+    with pytest.raises(ValueError, match="thresholds too"):
+        select_recent_window(eng, traces, windows=(0, 64), progress=False, tail_windows=(4096,))
+    with pytest.raises(ValueError, match="tail window must be an int > 0"):
+        select_recent_window(eng, traces, windows=(0, 64), progress=False, thresholds=(0.1,), tail_windows=(0,))
+
+
 def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
     eng = tiny_engine(max_positions=1024, layers=4)
     rng = np.random.default_rng(7)
@@ -468,6 +495,8 @@ BAD = [
     (["--agent-target", "floor:kv-int3"], r"--agent-target: unknown noise floors \['kv-int3'\]"),
     (["--agent-target-tokens", "0"], r"--agent-target-tokens must be >= 1"),
     (["--agent-n", "x"], r"--agent-n: invalid int value"),
+    (["--agent-tail-windows", "0", "--agent-thresholds", "0.02"], r"--agent-tail-windows must be > 0"),
+    (["--agent-tail-windows", "32768"], r"--agent-tail-windows .*give --agent-thresholds too"),
     (["--agent-variants", "window=3"], r"--agent-variants: variant 'window=3': 'window' is not a variant option"),
     (["--agent-variants", "kappa=0.1,kappa=7"], r"--agent-variants: variant 'kappa=7': .*kappa"),
 ]
