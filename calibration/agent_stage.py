@@ -255,7 +255,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         rows: if given, one dict per scored version is appended (id, version, sizes, per-window results).
         thresholds: measured tail rule candidates (``tail_threshold`` values > 0): each also runs at the largest
             window, or at each of ``tail_windows`` (key ``"<window>@<threshold>"`` in the grids). With any, the
-            choice is the candidate of fewest recomputed rows (pooled mean) that meets the target on every
+            choice is the candidate of least cost (pooled mean of ``cost_rows``: recomputed rows plus each probed
+            row at its share of the layers, ``(tail_check_layer + 1) / num_layers``) that meets the target on every
             workload (:func:`choose_plan_every`), and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
         min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
             every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
@@ -399,12 +400,17 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
                 "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
 
+    # a probed row runs through tail_check_layer + 1 of the layers: its share of a recomputed row's cost
+    probe_share = (int(engine.settings.tail_check_layer) + 1) / max(1, int(engine.spec.num_layers))
+
     def run(**options) -> dict:
         """One candidate's result: ``strategy_cls(**options)`` resumed and scored against exact."""
         res = engine.resume(ckpt, new, strategy=strategy_cls(**options), max_new_tokens=max_new_tokens)
+        probe = int(res.stats.get("tail_probe_tokens") or 0)
         return {"agree": bool(agree_fn(list(res.output_ids), ref)),
                 "recompute_tokens": int(res.stats["recompute_tokens"]),
-                "restore_tokens": int(res.stats["restore_tokens"]), "reused": False}
+                "restore_tokens": int(res.stats["restore_tokens"]), "reused": False, "probe_tokens": probe,
+                "cost_rows": int(res.stats["recompute_tokens"]) + probe * probe_share}
 
     for tw in tail_windows or ws[-1:]:  # the measured tail rule at its windows (at each small-restore share, if given)
         for t in taus:
@@ -475,10 +481,11 @@ def choose_window_every(grids: Mapping[str, Mapping[Any, Mapping[str, Any]]],
     return min(sorted(windows), key=lambda w: (-min(per[wl][w][0] / per[wl][w][1] - targets[wl] for wl in per), w))
 
 
-PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window (each at every small-restore "
-             "share, when shares are given), and plan variants (head-rewrite share, kappa, reader rule) of the "
-             "engine's plan at the largest window, when given; chosen: the candidate of "
-             "fewest recomputed rows (mean over the scored versions) that meets the target on every workload, else "
+PLAN_RULE = ("candidates: recency windows and measured tail thresholds at the largest window or at each tail window "
+             "(each at every small-restore share, when shares are given), and plan variants (head-rewrite share, "
+             "kappa, reader rule) of the engine's plan at the largest window, when given; chosen: the candidate of "
+             "least cost (recomputed rows plus probed rows at their share of the layers, mean over the scored "
+             "versions) that meets the target on every workload, else "
              "the one closest to it on the worst workload. Per candidate: ")
 
 
@@ -534,14 +541,15 @@ def _variant_of(key: str) -> str | None:
 
 def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], target: "float | Mapping[str, float]",
                       pooled: Mapping[str, Mapping[str, Any]]) -> str:
-    """The cheapest candidate that meets the target on every workload: of those, the fewest recomputed rows
-    (``pooled[key]["recompute_tokens_mean"]``; ties: the earlier key); when none meets it, the candidate with the
+    """The cheapest candidate that meets the target on every workload: of those, the least cost
+    (``pooled[key]["cost_rows_mean"]``, recomputed rows plus probed rows at their share of the layers; without it,
+    ``recompute_tokens_mean``; ties: the earlier key); when none meets it, the candidate with the
     highest worst-workload margin ``share - target`` (ties: fewer rows).
 
     Args:
         grids: workload -> {candidate key -> ``{"agree", "n"}``}; every grid must hold the same keys.
         target: the least agreement share, or one per workload.
-        pooled: candidate key -> ``{"recompute_tokens_mean"}`` over every workload.
+        pooled: candidate key -> ``{"cost_rows_mean"}`` (or ``{"recompute_tokens_mean"}``) over every workload.
     Returns:
         The chosen key (``"<window>"`` or ``"<window>@<threshold>"``).
     Raises:
@@ -556,7 +564,8 @@ def choose_plan_every(grids: Mapping[str, Mapping[str, Mapping[str, Any]]], targ
         for key, row in g.items():
             if row["n"] < 1 or not 0 <= row["agree"] <= row["n"]:
                 raise ValueError(f"candidate {key}: bad row {dict(row)}")
-    cost = {key: (float(pooled[key]["recompute_tokens_mean"]), i) for i, key in enumerate(keys)}
+    cost = {key: (float(pooled[key].get("cost_rows_mean", pooled[key]["recompute_tokens_mean"])), i)
+            for i, key in enumerate(keys)}
     meets = [key for key in keys if all(_meets(g[key]["agree"], g[key]["n"], targets[wl]) for wl, g in grids.items())]
     if meets:
         return min(meets, key=cost.__getitem__)
@@ -570,7 +579,8 @@ def _grid(scored: Sequence[dict], keys: Sequence[str]) -> dict[str, dict[str, An
         rs = [r["results"][key] for r in scored]
         a = sum(1 for x in rs if x["agree"])
         out[key] = {"agree": a, "n": len(rs), "share": a / len(rs),
-                       "recompute_tokens_mean": statistics.fmean(x["recompute_tokens"] for x in rs)}
+                    "recompute_tokens_mean": statistics.fmean(x["recompute_tokens"] for x in rs),
+                    "cost_rows_mean": statistics.fmean(x.get("cost_rows", x["recompute_tokens"]) for x in rs)}
     return out
 
 

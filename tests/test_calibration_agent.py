@@ -97,6 +97,10 @@ def test_choose_plan_every_takes_the_cheapest_candidate_meeting_the_target_every
     # none meets: the best worst-workload margin, then the fewer rows
     c = grid(("0", 1, 10), ("1024", 6, 10), ("1024@0.01", 6, 10), ("1024@0.04", 2, 10))
     assert choose_plan_every({"a": a, "c": c}, 0.95, pooled) == "1024@0.01"
+    # with the probe's cost counted (cost_rows_mean), a probe that recomputes fewer rows can still cost more
+    costed = {k: dict(v, cost_rows_mean=v["recompute_tokens_mean"]) for k, v in pooled.items()}
+    costed["1024@0.01"]["cost_rows_mean"] = 950.0
+    assert choose_plan_every({"a": a, "b": b}, 1.0, costed) == "1024"
     with pytest.raises(ValueError, match="different candidates"):
         choose_plan_every({"a": a, "x": grid(("0", 1, 1))}, 0.95, pooled)
 
@@ -181,6 +185,9 @@ def test_stage_scores_w0_as_exact_says_and_a_whole_suffix_window_agrees_always(e
     assert [r["version"] for r in rows] == [1, 3, 1, 3]
     assert out["grid"]["0"] == {"agree": sum(w0), "n": n, "share": sum(w0) / n,
                                 "recompute_tokens_mean": pytest.approx(np.mean(
+                                    [r["results"]["0"]["recompute_tokens"] for r in rows])),
+                                # a fixed window probes nothing: its cost is its recomputed rows
+                                "cost_rows_mean": pytest.approx(np.mean(
                                     [r["results"]["0"]["recompute_tokens"] for r in rows]))}
     assert out["grid"]["16"]["agree"] == sum(_oracle(engine, traces, 16))
     # the whole-suffix window recomputes everything after the prefix: exact, agreement n/n
@@ -262,6 +269,11 @@ def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe
         assert res["4096@1e+09"]["recompute_tokens"] == res["64@1e+09"]["recompute_tokens"] == res["0"][
             "recompute_tokens"]
         assert res["64@1e-09"]["recompute_tokens"] == res["64"]["recompute_tokens"]
+        # the probe's rows cost their share of the layers (check layer 1 + 1 of 4): the whole-suffix probe costs more
+        for key in ("64@1e+09", "4096@1e+09"):
+            assert res[key]["cost_rows"] == pytest.approx(res[key]["recompute_tokens"] + res[key]["probe_tokens"] / 2)
+        assert res["4096@1e+09"]["probe_tokens"] > res["64@1e+09"]["probe_tokens"] > 0
+    assert out["grid"]["4096@1e+09"]["cost_rows_mean"] > out["grid"]["64@1e+09"]["cost_rows_mean"]
     prof = with_recent_window({"block_size": 8}, dict(out, chosen=4096, chosen_tail_threshold=1e-9))
     assert prof["recent_window"] == 4096 and prof["tail_threshold"] == 1e-9
     with pytest.raises(ValueError, match="thresholds too"):
