@@ -250,14 +250,20 @@ def test_stage_with_tail_thresholds_scores_each_candidate_at_the_largest_window(
     assert any(r["results"]["64"]["recompute_tokens"] > r["results"]["0"]["recompute_tokens"] for r in rows2)
 
 
-def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe_can_reach_past_the_tail():
+def _probe_stage(**kw):
+    """A 4-layer engine (a layer after the check layer: the probe runs), two agent-like traces and the stage run on
+    them at windows (0, 64) with ``kw``: ``(engine, traces, rows, selection)``."""
     eng = tiny_engine(max_positions=1024, layers=4)
     rng = np.random.default_rng(7)
     traces = [_agent_like_trace(i, rng) for i in range(2)]
     rows: list[dict] = []
-    out = select_recent_window(eng, traces, windows=(0, 64), target=0.95, max_new_tokens=TOKENS, progress=False,
-                               rows=rows, thresholds=(1e-9, 1e9), tail_windows=(4096, 64, 4096))
-    json.dumps(out)
+    out = select_recent_window(eng, traces, windows=(0, 64), max_new_tokens=TOKENS, progress=False, rows=rows, **kw)
+    json.dumps(out)  # JSON-safe
+    return eng, traces, rows, out
+
+
+def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe_can_reach_past_the_tail():
+    eng, traces, rows, out = _probe_stage(target=0.95, thresholds=(1e-9, 1e9), tail_windows=(4096, 64, 4096))
     assert out["tail_windows"] == [64, 4096]
     assert list(out["grid"]) == ["0", "64", "64@1e-09", "64@1e+09", "4096@1e-09", "4096@1e+09"]
     for r in rows:
@@ -283,13 +289,7 @@ def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe
 
 
 def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
-    eng = tiny_engine(max_positions=1024, layers=4)
-    rng = np.random.default_rng(7)
-    traces = [_agent_like_trace(i, rng) for i in range(2)]
-    rows: list[dict] = []
-    out = select_recent_window(eng, traces, windows=(0, 64), target=0.0, max_new_tokens=TOKENS, progress=False,
-                               rows=rows, thresholds=(1e9,), min_restore_shares=(1.0, 0.0))
-    json.dumps(out)
+    eng, traces, rows, out = _probe_stage(target=0.0, thresholds=(1e9,), min_restore_shares=(1.0, 0.0))
     assert list(out["grid"]) == ["0", "64", "64@1e+09/r0", "64@1e+09/r1"]
     for r in rows:
         # share 0 never turns a plan exact (the probe alone: the window-0 plan); share 1 turns every plan that
