@@ -1,7 +1,7 @@
 """Per-workload table of a bench run's strategies beside its noise floor: the figures docs/RESULTS.md quotes.
 
     .venv/bin/python scripts/bench_table.py runs/results/agent_n20_2026-12-04/results.jsonl \\
-        [more results.jsonl ...] [--strategy patchkv] [--floor kv-bf16]
+        [more results.jsonl ...] [--strategy patchkv] [--floor kv-bf16] [--calls-of results.jsonl]
 
 Reads one or more ``results.jsonl`` (``docs/TRACES.md``; a later file's row replaces an earlier one's for the same
 call and strategy, so a rerun of one strategy can be read beside the run that holds exact, prefix and the floor).
@@ -74,10 +74,16 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="results.jsonl files (later ones replace earlier rows)")
     ap.add_argument("--strategy", action="append", help="strategies to list (default: all but exact, prefix, floors)")
     ap.add_argument("--floor", default="kv-bf16")
+    ap.add_argument("--calls-of", action="append", default=[], help="keep only the calls (id, version) these "
+                    "results.jsonl hold (e.g. a rerun of a subset, read beside the run that holds its floor)")
     ap.add_argument("--probe-share", type=float, default=2 / 30,
                     help="a probed row's cost in recomputed rows: (tail_check_layer + 1) / layers (SmolLM2: 2 / 30)")
     args = ap.parse_args(argv)
-    print(table(load(args.results), args.floor, args.probe_share, args.strategy))
+    rows = load(args.results)
+    if args.calls_of:
+        keep = {(i, v) for (i, v, _) in load(args.calls_of)}
+        rows = {k: r for k, r in rows.items() if k[:2] in keep}
+    print(table(rows, args.floor, args.probe_share, args.strategy))
     return 0
 
 

@@ -47,3 +47,12 @@ def test_a_later_file_replaces_the_rows_of_the_same_call_and_strategy(tmp_path):
     new = [_row("a", 0, "patchkv", recompute_tokens=20, ttft_s=0.5, next_action=True, action_kind="text")]
     got = _run(_write(tmp_path / "old.jsonl", old), _write(tmp_path / "new.jsonl", new))
     assert got[("a", "1", "0 / 0", "patchkv")][4:] == ["1 / 1", "-", "0", "0.20", "0.20", "4.00x"]
+
+
+def test_calls_of_keeps_only_the_calls_a_rerun_holds(tmp_path):
+    old = [_row("a", i, s, recompute_tokens=100, ttft_s=2.0, next_action=True, action_kind="call", floor=s == "kv-bf16")
+           for i in range(3) for s in ("prefix", "kv-bf16", "patchkv")]
+    new = [_row("a", 0, "patchkv", recompute_tokens=10, ttft_s=1.0, next_action=False, action_kind="call")]
+    n = _write(tmp_path / "new.jsonl", new)
+    got = _run(_write(tmp_path / "old.jsonl", old), n, "--calls-of", n)
+    assert got[("a", "1", "1 / 1", "patchkv")][4:] == ["0 / 1", "0.000", "0", "0.10", "0.10", "2.00x"]
