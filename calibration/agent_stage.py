@@ -257,7 +257,8 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             window, or at each of ``tail_windows`` (key ``"<window>@<threshold>"`` in the grids). With any, the
             choice is the candidate of least cost (pooled mean of ``cost_rows``: recomputed rows plus each probed
             row at its share of the layers, ``(tail_check_layer + 1) / num_layers``) that meets the target on every
-            workload (:func:`choose_plan_every`), and ``chosen_tail_threshold`` says its threshold (0.0: a fixed window).
+            workload (:func:`choose_plan_every`), and ``chosen_tail_threshold`` says its threshold (0.0: a fixed
+            window).
         min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
             every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
             at the engine's setting, and ``chosen_min_restore_share`` says the chosen one (None: the engine's).
@@ -272,9 +273,10 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
             window at least as long as the context probes every restored row of the suffix, so the blocks the
             probe recomputes may lie anywhere after the edit, not only in the last ``window`` tokens.
     Returns:
-        ``{"rule", "chosen", "chosen_tail_threshold", "target", "target_met", "by", "grid": {str(w): {"agree", "n", "share",
-        "recompute_tokens_mean"}}, "grid_by_workload", "prefix_recompute_tokens_mean", "n_versions",
-        "n_scored", "workloads", "episodes", "settings", "max_new_tokens"}`` (JSON-safe).
+        ``{"rule", "chosen", "chosen_tail_threshold", "tail_windows", "target", "target_met", "by",
+        "grid": {key: {"agree", "n", "share", "recompute_tokens_mean", "cost_rows_mean"}}, "grid_by_workload",
+        "prefix_recompute_tokens_mean", "n_versions", "n_scored", "workloads", "episodes", "settings",
+        "max_new_tokens"}`` (JSON-safe); a row's candidate results hold ``probe_tokens`` and ``cost_rows`` too.
     Raises:
         ValueError: bad windows, target or ``max_new_tokens``; no traces; or no version whose plan at
             ``recent_window=0`` restores rows (nothing to choose by).
@@ -505,7 +507,8 @@ def _check_thresholds(thresholds: Sequence[float]) -> tuple[float, ...]:
                        "tail threshold must be a finite number > 0 (0 is the fixed window)")
 
 
-def _check_tail_windows(tail_windows: Sequence[int], windows: tuple[int, ...], taus: tuple[float, ...]) -> tuple[int, ...]:
+def _check_tail_windows(tail_windows: Sequence[int], windows: tuple[int, ...],
+                        taus: tuple[float, ...]) -> tuple[int, ...]:
     """The threshold candidates' windows: ``tail_windows`` checked (ints > 0, sorted, no duplicates), or the largest
     window; given without thresholds, a ``ValueError`` (they would run nothing)."""
     if not tail_windows:

@@ -297,7 +297,8 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     if bad_w:
         raise UsageError(f"--agent-tail-windows must be > 0 (tokens), got {bad_w[0]}")
     if args.agent_tail_windows and not args.agent_thresholds:
-        raise UsageError("--agent-tail-windows are the windows of the tail rule's candidates: give --agent-thresholds too")
+        raise UsageError("--agent-tail-windows are the windows of the tail rule's candidates: "
+                         "give --agent-thresholds too")
     if args.agent_min_restore and not args.agent_thresholds:
         raise UsageError("--agent-min-restore candidates run with the measured tail rule: give --agent-thresholds too")
     from .agent_stage import parse_target, parse_variant

@@ -38,7 +38,8 @@ def table(rows: dict, floor: str, probe_share: float, strategies: list[str] | No
         by["all"][s].append(r)
     names = strategies or sorted({s for (_, _, s) in rows if s not in ("exact", "prefix") and not rows_floor(rows, s)})
     out = ["| workload | calls | floor " + floor + " | strategy | next action | tool-call decisions | restored on | "
-           "rows | cost (probe counted) | x prefix (median TTFT) |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "rows | cost (probe counted) | x prefix (median TTFT) |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for wl, per in sorted(by.items(), key=lambda kv: (kv[0] == "all", kv[0])):
         fl = per.get(floor, [])
         prefix = {(r["id"], r["version"]): r for r in per.get("prefix", [])}
@@ -58,10 +59,9 @@ def table(rows: dict, floor: str, probe_share: float, strategies: list[str] | No
             pt = [p["ttft_s"] for p in ref if p and p.get("ttft_s") is not None]
             speed = f"{statistics.median(pt) / statistics.median(tt):.2f}x" if tt and pt else "-"
             fa = sum(1 for r in fl if r.get("next_action"))
+            cost = f"{rec / den:.2f} | {(rec + probe * probe_share) / den:.2f}" if den else "- | -"
             out.append(f"| {wl} | {len(rs)} | {fa} / {len(fl)} | {s} | {agree} / {len(rs)} | {tool} | {restored} | "
-                       f"{rec / den:.2f} | {(rec + probe * probe_share) / den:.2f} | {speed} |" if den else
-                       f"| {wl} | {len(rs)} | {fa} / {len(fl)} | {s} | {agree} / {len(rs)} | {tool} | {restored} | - | - "
-                       f"| {speed} |")
+                       f"{cost} | {speed} |")
     return "\n".join(out)
 
 
