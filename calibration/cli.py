@@ -131,7 +131,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="agent stage: candidate recency windows in tokens (comma-separated)")
     p.add_argument("--agent-thresholds", type=_floats, default=(),
                    help="agent stage: measured tail rule candidates (tail_threshold values > 0, comma-separated), each "
-                        "run at the largest --agent-windows; with any, the cheapest candidate (fewest recomputed rows) "
+                        "run at the largest --agent-windows (or each --agent-tail-windows); with any, the cheapest "
+                        "candidate (recomputed rows, probed rows at their share of the layers) "
                         "that meets --agent-target on every workload is chosen")
     p.add_argument("--agent-tail-windows", type=_ints, default=(),
                    help="agent stage: the windows the --agent-thresholds candidates probe (comma-separated; a window "
