@@ -399,7 +399,8 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
             out, s, reused = list(res.output_ids), res.stats, False
             del res
         prev = {"agree": bool(agree_fn(out, ref)), "recompute_tokens": int(s["recompute_tokens"]),
-                "restore_tokens": int(s["restore_tokens"]), "reused": reused, "_out": out}
+                "restore_tokens": int(s["restore_tokens"]), "reused": reused, "probe_tokens": 0,
+                "cost_rows": int(s["recompute_tokens"]), "_out": out}  # a fixed window probes nothing
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
 
     # a probed row runs through tail_check_layer + 1 of the layers: its share of a recomputed row's cost
@@ -583,7 +584,7 @@ def _grid(scored: Sequence[dict], keys: Sequence[str]) -> dict[str, dict[str, An
         a = sum(1 for x in rs if x["agree"])
         out[key] = {"agree": a, "n": len(rs), "share": a / len(rs),
                     "recompute_tokens_mean": statistics.fmean(x["recompute_tokens"] for x in rs),
-                    "cost_rows_mean": statistics.fmean(x.get("cost_rows", x["recompute_tokens"]) for x in rs)}
+                    "cost_rows_mean": statistics.fmean(x["cost_rows"] for x in rs)}
     return out
 
 
