@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["DEFAULT_WINDOWS", "DEFAULT_TARGET", "DEFAULT_SKIP", "DEFAULT_N", "DEFAULT_TARGET_TOKENS", "RULE",
-           "FLOOR_RULE", "PLAN_RULE", "VARIANT_OPTIONS", "parse_target", "parse_variant",
+           "FLOOR_RULE", "PLAN_RULE", "VARIANT_OPTIONS", "candidate_keys", "parse_target", "parse_variant",
            "choose_window", "choose_plan_every", "choose_window_every", "agent_traces", "select_recent_window", "with_recent_window"]
 
 DEFAULT_WINDOWS: tuple[int, ...] = (0, 256, 512, 1024)
@@ -141,9 +141,11 @@ def _scorer(engine) -> Callable[[Sequence[int], Sequence[int]], bool]:
 
 
 VARIANT_OPTIONS: tuple[str, ...] = ("kappa", "rewrite_share", "readers", "reader_min_share", "reader_min_blocks",
-                                    "reader_attention_blocks", "reader_budget")
-"""The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule, kappa and the reader
-rule, which a profile records (the window, the tail rule and the small-restore share have candidates of their own)."""
+                                    "reader_attention_blocks", "reader_budget", "tail_check_layer", "tail_threshold")
+"""The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule, kappa, the reader rule
+and the measured tail rule's check layer with its threshold (a deviation's scale grows with depth, so a deeper layer
+needs its own threshold), which a profile records (the window and the small-restore share have candidates of their
+own)."""
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -172,7 +174,7 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"variant {spec!r}: {pair!r} is not key=value")
         if key not in VARIANT_OPTIONS:
             raise ValueError(f"variant {spec!r}: {key!r} is not a variant option; choose from {list(VARIANT_OPTIONS)} "
-                             "(windows, tail thresholds and small-restore shares have candidates of their own)")
+                             "(windows and small-restore shares have candidates of their own)")
         if key in opts:
             raise ValueError(f"variant {spec!r}: {key!r} is given twice")
         opts[key] = _option_value(value)
@@ -232,7 +234,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
                          target: "float | str" = DEFAULT_TARGET, max_new_tokens: int = 48, progress: bool = True,
                          rows: list | None = None, thresholds: Sequence[float] = (),
                          min_restore_shares: Sequence[float] = (), variants: Sequence[str] = (),
-                         tail_windows: Sequence[int] = ()) -> dict[str, Any]:
+                         tail_windows: Sequence[int] = (), variant_base: str | None = None) -> dict[str, Any]:
     """Measure next-action agreement with exact per recency window on agent traces and choose ``W``.
 
     For every version ``k >= 1`` of each trace, the base is ``engine.checkpoint(ids[k-1])`` (the exact KV
@@ -262,24 +264,30 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         min_restore_shares: small-restore rule candidates (``min_restore_share`` values in ``[0, 1]``): with any,
             every threshold candidate runs at each of them (key ``"<window>@<threshold>/r<share>"``) instead of
             at the engine's setting, and ``chosen_min_restore_share`` says the chosen one (None: the engine's).
-        variants: plan variant candidates (:func:`parse_variant`: the head-rewrite share, kappa, the reader rule):
-            each runs at the largest window with the engine's tail rule and small-restore share, the rest of the
+        variants: plan variant candidates (:func:`parse_variant`: the head-rewrite share, kappa, the reader rule,
+            the tail rule's check layer and threshold): each runs at the plan of ``variant_base`` (by default the
+            engine's own: the largest window with the engine's tail rule and small-restore share), the rest of the
             engine's settings overridden by its options (key ``"<base>|<spec>"``, where ``<base>`` is that plan's
             own key, which runs too); ``chosen_variant`` and ``chosen_variant_options`` say the chosen one (None:
-            a candidate without variant options). With a ``rewrite_share`` variant, the versions scored are those
+            a candidate without variant options), and a chosen variant's ``tail_threshold`` is the
+            ``chosen_tail_threshold``. With a ``rewrite_share`` variant, the versions scored are those
             whose plan at ``recent_window=0`` restores rows with the head-rewrite rule off (a head rewrite under the
             engine's share is scored too: as exact, at prefix's rows, for the candidates that keep that share).
         tail_windows: the windows the threshold candidates probe (ints > 0; empty: the largest of ``windows``). A
             window at least as long as the context probes every restored row of the suffix, so the blocks the
             probe recomputes may lie anywhere after the edit, not only in the last ``window`` tokens.
+        variant_base: the candidate key the variants run at, one of the window and threshold candidates' keys (e.g.
+            ``"1024@0.02/r0.5"``), so that variants of a probed plan can be tried while the engine's profile ships a
+            fixed window; None: the engine's own plan.
     Returns:
         ``{"rule", "chosen", "chosen_tail_threshold", "tail_windows", "target", "target_met", "by",
         "grid": {key: {"agree", "n", "share", "recompute_tokens_mean", "cost_rows_mean"}}, "grid_by_workload",
         "prefix_recompute_tokens_mean", "n_versions", "n_scored", "workloads", "episodes", "settings",
         "max_new_tokens"}`` (JSON-safe); a row's candidate results hold ``probe_tokens`` and ``cost_rows`` too.
     Raises:
-        ValueError: bad windows, target or ``max_new_tokens``; no traces; or no version whose plan at
-            ``recent_window=0`` restores rows (nothing to choose by).
+        ValueError: bad windows, target or ``max_new_tokens``; no traces; a ``variant_base`` without variants or
+            that is not a candidate key; or no version whose plan at ``recent_window=0`` restores rows (nothing to
+            choose by).
     """
     from tqdm import tqdm
 
@@ -293,11 +301,15 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     if shares and not taus:
         raise ValueError("min_restore_shares are candidates of the measured tail rule: give thresholds too")
     vs = _check_variants(variants)
-    keys = [str(w) for w in ws] + [_key(w, t, m) for w in tws for t in taus for m in (shares or (None,))]
+    keys = _candidate_keys(ws, taus, shares, tws)
     base = None
-    if vs:  # the engine's own plan at the largest window, and each variant of it
+    if variant_base is not None and (not vs or str(variant_base) not in keys):
+        raise ValueError(f"variant_base {variant_base!r} must be one of this stage's candidate keys {keys} and needs "
+                         "variants to run at it")
+    if vs:  # the base plan (variant_base, else the engine's own at the largest window), and each variant of it
         t0, m0 = float(engine.settings.tail_threshold), float(engine.settings.min_restore_share)
-        base = str(ws[-1]) if t0 == 0 else _key(ws[-1], t0, m0 if shares else None)
+        base = str(variant_base) if variant_base is not None else (
+            str(ws[-1]) if t0 == 0 else _key(ws[-1], t0, m0 if shares else None))
         keys += [base] * (base not in keys) + [f"{base}|{name}" for name, _ in vs]
     target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -343,6 +355,7 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
     if taus or vs:
         key = choose_plan_every(by_workload, targets, grid)
         chosen, tau, share = _parse_key(key)
+        tau = float(dict(vs).get(_variant_of(key) or "", {}).get("tail_threshold", tau))
     else:
         chosen, tau = choose_window_every(by_workload, targets), 0.0
         key = str(chosen)
@@ -403,13 +416,13 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
                 "cost_rows": int(s["recompute_tokens"]), "_out": out}  # a fixed window probes nothing
         results[str(w)] = {k_: v for k_, v in prev.items() if not k_.startswith("_")}
 
-    # a probed row runs through tail_check_layer + 1 of the layers: its share of a recomputed row's cost
-    probe_share = (int(engine.settings.tail_check_layer) + 1) / max(1, int(engine.spec.num_layers))
-
     def run(**options) -> dict:
         """One candidate's result: ``strategy_cls(**options)`` resumed and scored against exact."""
         res = engine.resume(ckpt, new, strategy=strategy_cls(**options), max_new_tokens=max_new_tokens)
         probe = int(res.stats.get("tail_probe_tokens") or 0)
+        # a probed row runs through tail_check_layer + 1 of the layers: its share of a recomputed row's cost
+        check = int(options.get("tail_check_layer", engine.settings.tail_check_layer))
+        probe_share = (check + 1) / max(1, int(engine.spec.num_layers))
         return {"agree": bool(agree_fn(list(res.output_ids), ref)),
                 "recompute_tokens": int(res.stats["recompute_tokens"]),
                 "restore_tokens": int(res.stats["restore_tokens"]), "reused": False, "probe_tokens": probe,
@@ -420,12 +433,12 @@ def _score_version(engine, strategy_cls, agree_fn, tr: dict, k: int, ids: list, 
             for m in shares or (None,):
                 opts = {} if m is None else {"min_restore_share": m}
                 results[_key(tw, t, m)] = run(recent_window=tw, tail_threshold=t, **opts)
-    if base is not None:  # the engine's plan at the largest window, then each variant of it
-        _, t0, m0 = _parse_key(base)
-        plan = {"recent_window": ws[-1], "tail_threshold": t0, "min_restore_share": engine.settings.min_restore_share
+    if base is not None:  # the variants' base plan, then each variant of it
+        w0, t0, m0 = _parse_key(base)
+        plan = {"recent_window": w0, "tail_threshold": t0, "min_restore_share": engine.settings.min_restore_share
                 if m0 is None else m0}
         for key, opts in ([(base, {})] if base not in results else []) + [(f"{base}|{n}", o) for n, o in variants]:
-            results[key] = run(**plan, **opts)
+            results[key] = run(**{**plan, **opts})  # a variant may re-set the tail rule
     del first, ckpt
     floor_agree = None
     if floor is not None:
@@ -524,6 +537,24 @@ def _check_tail_windows(tail_windows: Sequence[int], windows: tuple[int, ...],
 
 def _check_shares(shares: Sequence[float]) -> tuple[float, ...]:
     return _candidates(shares, lambda m: 0 <= m <= 1, "min_restore_share candidate must be a number in [0, 1]")
+
+
+def _candidate_keys(ws: Sequence[int], taus: Sequence[float], shares: Sequence[float],
+                    tws: Sequence[int]) -> list[str]:
+    """The window and threshold candidates' keys, in the order the stage runs them."""
+    return [str(w) for w in ws] + [_key(w, t, m) for w in tws for t in taus for m in (shares or (None,))]
+
+
+def candidate_keys(windows: Sequence[int], thresholds: Sequence[float] = (), min_restore_shares: Sequence[float] = (),
+                   tail_windows: Sequence[int] = ()) -> list[str]:
+    """The keys of the window and threshold candidates :func:`select_recent_window` runs for these arguments (what a
+    ``variant_base`` may name), e.g. ``["0", "1024", "1024@0.02/r0.5"]``.
+
+    Raises:
+        ValueError: the arguments :func:`select_recent_window` refuses.
+    """
+    ws, taus = _check_windows(windows), _check_thresholds(thresholds)
+    return _candidate_keys(ws, taus, _check_shares(min_restore_shares), _check_tail_windows(tail_windows, ws, taus))
 
 
 def _key(window: int, threshold: float, share: float | None = None) -> str:

@@ -144,8 +144,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent-variants", type=lambda v: tuple(x.strip() for x in v.split(",") if x.strip()), default=(),
                    help="agent stage: plan variant candidates, comma-separated, each key=value[:key=value] of the "
                         "head-rewrite share, kappa and the reader rule (e.g. 'rewrite_share=0.5,kappa=0.02,readers=none'), "
-                        "each run on the profile's plan at the largest --agent-windows; the chosen one's options are "
-                        "written to the profile")
+                        "each run on the profile's plan at the largest --agent-windows (or at --agent-variant-base); "
+                        "the chosen one's options are written to the profile")
+    p.add_argument("--agent-variant-base", default=None,
+                   help="agent stage: the candidate the --agent-variants run at, as the stage keys it: a window "
+                        "('1024') or a threshold candidate ('1024@0.02', '1024@0.02/r0.5' with --agent-min-restore), "
+                        "e.g. to try tail check layers on a probed plan while the profile ships a fixed window")
     p.add_argument("--agent-target", default="0.95",
                    help="agent stage: least next-action agreement share, or floor:<name> (floor:kv-bf16: per workload, "
                         "the agreement a bf16 KV cache reaches on the same calls); the smallest window reaching it on "
@@ -302,13 +306,19 @@ def _check_agent_args(args: argparse.Namespace) -> None:
                          "give --agent-thresholds too")
     if args.agent_min_restore and not args.agent_thresholds:
         raise UsageError("--agent-min-restore candidates run with the measured tail rule: give --agent-thresholds too")
-    from .agent_stage import parse_target, parse_variant
+    from .agent_stage import candidate_keys, parse_target, parse_variant
 
     for v in args.agent_variants:
         try:
             parse_variant(v)
         except ValueError as e:
             raise UsageError(f"--agent-variants: {e}") from None
+    if args.agent_variant_base is not None:
+        keys = candidate_keys(args.agent_windows, args.agent_thresholds, args.agent_min_restore,
+                              args.agent_tail_windows)
+        if not args.agent_variants or args.agent_variant_base not in keys:
+            raise UsageError(f"--agent-variant-base {args.agent_variant_base!r} must be one of the stage's "
+                             f"candidates {keys} and needs --agent-variants to run at it")
 
     try:
         parse_target(args.agent_target)

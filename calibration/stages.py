@@ -158,7 +158,8 @@ def _agent_stage(eng, profile: dict, traces: list[dict], args: argparse.Namespac
         sel = select_recent_window(eng, traces, windows=args.agent_windows, target=args.agent_target,
                                    progress=not args.no_progress, rows=rows, thresholds=args.agent_thresholds,
                                    min_restore_shares=args.agent_min_restore,
-                                   variants=args.agent_variants, tail_windows=args.agent_tail_windows)
+                                   variants=args.agent_variants, tail_windows=args.agent_tail_windows,
+                                   variant_base=args.agent_variant_base)
     except ValueError as e:
         print(f"agent stage: {e}; the profile gets no recent_window", file=sys.stderr)
         sel = {"rule": RULE, "chosen": None, "skipped": str(e),

@@ -29,8 +29,11 @@ def main(argv=None) -> int:
                     "(a window longer than the context probes the whole restored suffix; none: the largest window)")
     ap.add_argument("--min-restore", default="", help="small-restore rule candidates (min_restore_share), each run with "
                     "every threshold, e.g. 0,0.5 (none: the profile's)")
-    ap.add_argument("--variants", default="", help="plan variant candidates (head-rewrite share, kappa, reader rule), "
+    ap.add_argument("--variants", default="", help="plan variant candidates (head-rewrite share, kappa, reader rule, "
+                    "tail check layer and threshold), "
                     "comma-separated, each key=value[:key=value], e.g. 'rewrite_share=0.5,kappa=0.02,readers=none'")
+    ap.add_argument("--variant-base", default=None, help="the candidate the variants run at, e.g. 1024@0.02/r0.5 "
+                    "(default: the profile's own plan at the largest window)")
     ap.add_argument("--target", default="0.95", help="a share, or floor:<name> (floor:kv-bf16: the agreement a bf16 KV "
                     "cache reaches on the same calls, per workload)")
     ap.add_argument("--target-tokens", type=int, default=4000)
@@ -51,7 +54,8 @@ def main(argv=None) -> int:
                                thresholds=[float(t) for t in args.thresholds.split(",") if t.strip()],
                                min_restore_shares=[float(m) for m in args.min_restore.split(",") if m.strip()],
                                variants=[v for v in args.variants.split(",") if v.strip()],
-                               tail_windows=[int(w) for w in args.tail_windows.split(",") if w.strip()])
+                               tail_windows=[int(w) for w in args.tail_windows.split(",") if w.strip()],
+                               variant_base=args.variant_base)
     write_stage(sel, rows, args.out, t0, "scripts/agent_window_heldout.py", sys.argv[1:] if argv is None else argv)
     print(json.dumps(sel["grid_by_workload"]), "chosen", sel["chosen"], "tail_threshold", sel["chosen_tail_threshold"],
           "min_restore_share", sel["chosen_min_restore_share"], "variant", sel["chosen_variant"])

@@ -288,6 +288,52 @@ def test_tail_windows_run_each_threshold_at_each_window_and_a_whole_suffix_probe
         select_recent_window(eng, traces, windows=(0, 64), progress=False, thresholds=(0.1,), tail_windows=(0,))
 
 
+def test_variants_of_a_probed_base_set_the_check_layer_with_its_threshold_and_cost_that_layers_share():
+    from patchkv_agent.calibration.agent_stage import candidate_keys
+    from patchkv_agent.profiles import Profile
+
+    # the engine's profile ships a fixed window; the variants run at the probed candidate named as their base
+    eng, traces, rows, out = _probe_stage(target=0.0, thresholds=(1e9,), min_restore_shares=(0.0,),
+                                          variants=("tail_check_layer=2:tail_threshold=1e-09", "tail_check_layer=2"),
+                                          variant_base="64@1e+09/r0")
+    base = "64@1e+09/r0"
+    assert list(out["grid"]) == ["0", "64", base, f"{base}|tail_check_layer=2:tail_threshold=1e-09",
+                                 f"{base}|tail_check_layer=2"]
+    for r in rows:
+        tr = next(t for t in traces if t["id"] == r["id"])
+        old, new = (tr["versions"][r["version"] - k]["token_ids"] for k in (1, 0))
+        ckpt = eng.checkpoint(old)
+        ref = list(eng.resume(None, new, strategy="exact", max_new_tokens=TOKENS).output_ids)
+        for opts in ({"tail_check_layer": 2, "tail_threshold": 1e-9}, {"tail_check_layer": 2}):
+            key = f"{base}|" + ":".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in opts.items())
+            got = eng.resume(ckpt, new, strategy=PatchKVStrategy(**{"recent_window": 64, "tail_threshold": 1e9,
+                                                                     "min_restore_share": 0.0, **opts}),
+                             max_new_tokens=TOKENS)
+            res = r["results"][key]
+            assert res["recompute_tokens"] == got.stats["recompute_tokens"]
+            assert res["probe_tokens"] == got.stats["tail_probe_tokens"] > 0
+            assert res["agree"] == (list(got.output_ids) == ref)
+            # probed rows ran check layer 2 + 1 of the 4 layers: 3 / 4 of a row each (layer 1's probe: 2 / 4)
+            assert res["cost_rows"] == pytest.approx(res["recompute_tokens"] + 0.75 * res["probe_tokens"])
+        assert r["results"][base]["cost_rows"] == pytest.approx(
+            r["results"][base]["recompute_tokens"] + 0.5 * r["results"][base]["probe_tokens"])
+        # the variant's own threshold wins over the base's: a threshold of 1e-9 keeps every probed block
+        assert r["results"][f"{base}|tail_check_layer=2:tail_threshold=1e-09"]["recompute_tokens"] == \
+            r["results"]["64"]["recompute_tokens"]
+    # a chosen variant's threshold is the chosen tail threshold, and both land in the profile the loader reads
+    sel = dict(out, chosen=64, chosen_tail_threshold=1e9, chosen_min_restore_share=0.0,
+               chosen_variant="tail_check_layer=2:tail_threshold=0.05",
+               chosen_variant_options={"tail_check_layer": 2, "tail_threshold": 0.05})
+    prof = with_recent_window(tiny_profile(eng), sel)
+    s = Profile.from_dict(prof).settings()
+    assert (s.recent_window, s.tail_threshold, s.tail_check_layer, s.min_restore_share) == (64, 0.05, 2, 0.0)
+    assert candidate_keys((0, 64), (1e9,), (0.0,)) == ["0", "64", base]
+    for kw in ({"variant_base": "64@0.5"}, {"variant_base": base, "variants": ()}):
+        with pytest.raises(ValueError, match="variant_base"):
+            select_recent_window(eng, traces, windows=(0, 64), progress=False, thresholds=(1e9,),
+                                 min_restore_shares=(0.0,), **{"variants": ("tail_check_layer=2",), **kw})
+
+
 def test_stage_with_small_restore_shares_scores_each_threshold_at_each_share():
     eng, traces, rows, out = _probe_stage(target=0.0, thresholds=(1e9,), min_restore_shares=(1.0, 0.0))
     assert list(out["grid"]) == ["0", "64", "64@1e+09/r0", "64@1e+09/r1"]
@@ -511,6 +557,9 @@ BAD = [
     (["--agent-tail-windows", "32768"], r"--agent-tail-windows .*give --agent-thresholds too"),
     (["--agent-variants", "window=3"], r"--agent-variants: variant 'window=3': 'window' is not a variant option"),
     (["--agent-variants", "kappa=0.1,kappa=7"], r"--agent-variants: variant 'kappa=7': .*kappa"),
+    (["--agent-variant-base", "1024@0.02", "--agent-variants", "kappa=0.1"],
+     r"--agent-variant-base '1024@0.02' must be one of the stage's candidates"),
+    (["--agent-variant-base", "1024", "--agent-windows", "0,1024"], r"--agent-variant-base .*needs --agent-variants"),
 ]
 
 
