@@ -141,8 +141,10 @@ def _scorer(engine) -> Callable[[Sequence[int], Sequence[int]], bool]:
 
 
 VARIANT_OPTIONS: tuple[str, ...] = ("kappa", "rewrite_share", "readers", "reader_min_share", "reader_min_blocks",
-                                    "reader_attention_blocks", "reader_budget", "tail_check_layer", "tail_threshold")
-"""The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule, kappa, the reader rule
+                                    "reader_attention_blocks", "reader_budget", "tail_check_layer", "tail_threshold",
+                                    "head_tokens")
+"""The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule (its share and its
+near-head window ``head_tokens``), kappa, the reader rule
 and the measured tail rule's check layer with its threshold (a deviation's scale grows with depth, so a deeper layer
 needs its own threshold), which a profile records (the window and the small-restore share have candidates of their
 own)."""

@@ -90,6 +90,27 @@ def test_head_rewrite_rule_recomputes_the_whole_suffix_and_is_exact(engine):
         engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"rewrite_share": 1.5}))
 
 
+def test_an_edit_near_the_head_is_a_head_rewrite_under_head_tokens_and_is_exact(engine):
+    """A small edit 6 tokens in (right after a short system prompt): with ``head_tokens`` above its prefix every
+    suffix token is recomputed, equal to a prefill; at or below it (and off, 0) the plan restores rows."""
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(5)
+    old = rng.integers(0, vocab, 180).tolist()
+    new = old[:6] + rng.integers(0, vocab, 3).tolist() + old[9:]  # 3 tokens replaced after a 6-token prefix
+    ckpt = engine.checkpoint(old)
+    near = engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"head_tokens": 7}), max_new_tokens=0)
+    assert near.edit.prefix_len == 6
+    assert near.stats.head_rewrite is True and near.stats["restore_tokens"] == 0 and near.approx_rows == 0
+    ref_logits, ref = oracle(engine.model, new)
+    torch.testing.assert_close(near.logits, ref_logits, atol=TOL, rtol=0)
+    _kv_equal(near, ref, engine.model.config.num_hidden_layers)
+    for h in (6, 0):  # the edit starts at the window's end, or the rule is off: rows restored
+        r = engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"head_tokens": h}), max_new_tokens=0)
+        assert r.stats.head_rewrite is False and r.stats["restore_tokens"] > 0
+    with pytest.raises(ValueError, match="head_tokens"):
+        engine.resume(ckpt, new, strategy=get_strategy("patchkv", {"head_tokens": -1}))
+
+
 def test_a_late_offload_job_never_releases_a_newer_jobs_heal(engine):
     """v1's offload job runs only after v2 was resumed and v2's own job (with a heal stage) was queued. Its
     early return must not signal v2's heal as over: v3 must resume from v2's healed, exact KV (the flake of

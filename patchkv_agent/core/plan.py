@@ -12,7 +12,8 @@ cut per aligned segment from that segment's start in new coordinates, so a block
 span. :func:`plan_repair` applies its rules in this order, each a small function of a :class:`PlanDraft`:
 
 1. :func:`rule_head_rewrite`: an edit that removes most of what the stored attention read (a summary replacing
-   the history) recomputes every suffix token (``head_rewrite``);
+   the history), or that starts within the first ``head_tokens`` tokens of the context, recomputes every suffix
+   token (``head_rewrite``);
 2. :func:`rule_dirty_window`: ``D`` = the first ``d_hat`` suffix tokens after each edited span
    (``suffix_distance < d_hat``, ``d_hat`` from the length model);
 3. :func:`rule_attention`: ``H`` = the top ``kappa`` fraction of the suffix tokens outside ``D`` by stored
@@ -353,12 +354,16 @@ def _check_settings(settings) -> None:
 
 def rule_head_rewrite(d: PlanDraft) -> None:
     """A head rewrite recomputes the whole suffix: when :func:`head_rewrite_share` of the edit is at least
-    ``settings.rewrite_share`` (1.0: off). After a summary replaced the history, every restored row was computed
-    with the removed history in view, its drift grows with depth, and no selective plan held the next action
-    (runs/results/LOG.md, "Head rewrites")."""
-    share = d.settings.rewrite_share
+    ``settings.rewrite_share`` (1.0: off), or when the edit starts within the first ``settings.head_tokens`` tokens
+    (0: off). After a summary replaced the history, every restored row was computed with the removed history in
+    view, its drift grows with depth, and no selective plan held the next action (runs/results/LOG.md, "Head
+    rewrites"); an edit right after the system prompt changes what every later row read from its first message on,
+    and the probe of the tail does not see it (docs/RESULTS.md, "The tail probe at a deeper layer")."""
+    s = d.settings
+    if not d.blocks.n_blocks:
+        return
     clean = None if d.scores is None else (d.scores, d.scores_total)
-    if share < 1.0 and d.blocks.n_blocks and _rewrite_share(d.edit, clean) >= share:
+    if d.edit.prefix_len < s.head_tokens or (s.rewrite_share < 1.0 and _rewrite_share(d.edit, clean) >= s.rewrite_share):
         d.repair[:] = True
         d.head_rewrite = d.done = True
 

@@ -92,6 +92,9 @@ class RecoverySettings:
             :func:`~patchkv_agent.core.plan.rule_recency` and :mod:`patchkv_agent.core.layerwise`).
         tail_check_layer: the layer the measured tail rule compares at, ``>= 1`` (layer 0's rows depend on the
             token alone); a model with no layer after it recomputes the probed blocks whole.
+        head_tokens: the near-head part of the head-rewrite rule: an edit that starts within the first this many
+            tokens of the context (its prefix is shorter) recomputes every suffix token, ``>= 0`` (0: off; see
+            :func:`~patchkv_agent.core.plan.rule_head_rewrite`).
 
     Raises:
         ValueError: a field outside its range (the message names it).
@@ -114,11 +117,13 @@ class RecoverySettings:
     min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
     tail_threshold: float = 0.0
     tail_check_layer: int = DEFAULT_TAIL_CHECK_LAYER
+    head_tokens: int = 0
 
     def __post_init__(self) -> None:
         # token counts: ints below 2^31 (a block size of 2^32 would wrap to 0 in the kernels' int32 fields)
         for name, lo in (("block_size", 1), ("recent_window", 0), ("reader_min_blocks", 0),
-                         ("reader_attention_blocks", 0), ("capture_window", 1), ("tail_check_layer", 1)):
+                         ("reader_attention_blocks", 0), ("capture_window", 1), ("tail_check_layer", 1),
+                         ("head_tokens", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TOKENS:
                 raise ValueError(f"{name} must be an int in [{lo}, 2^31), got {str(v)[:40]}")

@@ -79,6 +79,8 @@ class Profile:
             own are kept).
         rewrite_share: the head-rewrite rule's share (None: the base settings' own; set by a calibration that
             chose it, the agent stage's variants).
+        head_tokens: the head-rewrite rule's near-head window in tokens (None: the base settings' own; set by the
+            agent stage's variants).
         reader_rule: the reader rule's constants as settings fields (``reader_min_share``,
             ``reader_min_blocks``, ``reader_attention_blocks``, ``reader_budget``), read from the profile's
             ``reader_rule`` object (keys ``min_share``, ``min_blocks``, ``attention_blocks``, ``budget``;
@@ -100,6 +102,7 @@ class Profile:
     tail_threshold: float | None = None
     tail_check_layer: int | None = None
     rewrite_share: float | None = None
+    head_tokens: int | None = None
     reader_rule: Mapping[str, Any] = field(default_factory=dict)
     precision_policy: "PrecisionPolicy | None" = None
     path: str | None = None
@@ -160,7 +163,7 @@ class Profile:
 
 
 _OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer",
-                    "rewrite_share")
+                    "rewrite_share", "head_tokens")
 """Settings fields a profile may set at its top level (absent in older profiles: the base settings' own are kept)."""
 
 

@@ -76,6 +76,8 @@ class PatchKVStrategy(Strategy):
         tail_threshold: the measured tail rule's K/V deviation threshold (0: the recency window is recomputed
             whole; default: the settings').
         tail_check_layer: the layer the measured tail rule compares at (default: the settings').
+        head_tokens: an edit starting within the first this many tokens recomputes the whole suffix (0: off;
+            default: the settings').
 
     Raises:
         ValueError: an option outside its range.
@@ -89,14 +91,14 @@ class PatchKVStrategy(Strategy):
                  reader_min_blocks: int | None = None, reader_attention_blocks: int | None = None,
                  rewrite_share: float | None = None, recent_window: int | None = None,
                  min_restore_share: float | None = None, tail_threshold: float | None = None,
-                 tail_check_layer: int | None = None):
+                 tail_check_layer: int | None = None, head_tokens: int | None = None):
         self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
                            kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
                            reader_budget=reader_budget, reader_min_share=reader_min_share,
                            reader_min_blocks=reader_min_blocks, reader_attention_blocks=reader_attention_blocks,
                            rewrite_share=rewrite_share, recent_window=recent_window,
                            min_restore_share=min_restore_share, tail_threshold=tail_threshold,
-                           tail_check_layer=tail_check_layer)
+                           tail_check_layer=tail_check_layer, head_tokens=head_tokens)
 
     def execute(self, runner, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
