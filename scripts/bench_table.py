@@ -10,6 +10,10 @@ Per workload and pooled, for each strategy other than exact and the floors: next
 **rows** (recomputed rows summed over prefix's, summed), **cost** (rows plus the measured tail rule's probed rows at
 ``(check layer + 1) / layers`` of a row, ``--probe-share``), and the ratio of prefix's median TTFT to the strategy's
 (the bench's ``speedup vs prefix``). Prints a Markdown table.
+
+``--head-tokens STRATEGY:H`` adds ``STRATEGY+headH``: the strategy with the near-head rule (``head_tokens=H``) read
+off the same run: a call whose prefix is shorter than ``H`` tokens and on which the strategy restored rows takes
+prefix's row (what the rule runs there: the suffix recomputed whole, exact), every other call the strategy's own.
 """
 
 from __future__ import annotations
@@ -65,6 +69,24 @@ def table(rows: dict, floor: str, probe_share: float, strategies: list[str] | No
     return "\n".join(out)
 
 
+def with_head_tokens(rows: dict, spec: str) -> dict:
+    """``rows`` plus the derived ``<strategy>+head<H>`` rows of ``spec`` (``STRATEGY:H``; module docstring)."""
+    name, _, h = spec.rpartition(":")
+    if not name or not h.isdigit():
+        raise SystemExit(f"--head-tokens wants STRATEGY:H (e.g. patchkv:150), got {spec!r}")
+    out = dict(rows)
+    for (i, v, s), r in rows.items():
+        if s != name:
+            continue
+        p = rows.get((i, v, "prefix"))
+        d = dict(r, strategy=f"{name}+head{h}")
+        if p is not None and r.get("prefix_tokens", 0) < int(h) and (r.get("restore_tokens") or 0) > 0:
+            d.update(recompute_tokens=p["recompute_tokens"], ttft_s=p.get("ttft_s"), restore_tokens=0,
+                     tail_probe_tokens=0, next_action=True if p.get("next_action") is None else p["next_action"])
+        out[(i, v, d["strategy"])] = d
+    return out
+
+
 def rows_floor(rows: dict, strategy: str) -> bool:
     return any(r.get("floor") for (_, _, s), r in rows.items() if s == strategy)
 
@@ -78,8 +100,12 @@ def main(argv=None) -> int:
                     "results.jsonl hold (e.g. a rerun of a subset, read beside the run that holds its floor)")
     ap.add_argument("--probe-share", type=float, default=2 / 30,
                     help="a probed row's cost in recomputed rows: (tail_check_layer + 1) / layers (SmolLM2: 2 / 30)")
+    ap.add_argument("--head-tokens", action="append", default=[], metavar="STRATEGY:H",
+                    help="add STRATEGY with the near-head rule head_tokens=H, read off the same run (docstring)")
     args = ap.parse_args(argv)
     rows = load(args.results)
+    for spec in args.head_tokens:
+        rows = with_head_tokens(rows, spec)
     if args.calls_of:
         keep = {(i, v) for (i, v, _) in load(args.calls_of)}
         rows = {k: r for k, r in rows.items() if k[:2] in keep}

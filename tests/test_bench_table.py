@@ -56,3 +56,20 @@ def test_calls_of_keeps_only_the_calls_a_rerun_holds(tmp_path):
     n = _write(tmp_path / "new.jsonl", new)
     got = _run(_write(tmp_path / "old.jsonl", old), n, "--calls-of", n)
     assert got[("a", "1", "1 / 1", "patchkv")][4:] == ["0 / 1", "0.000", "0", "0.10", "0.10", "2.00x"]
+
+
+def test_head_tokens_reads_the_near_head_rule_off_the_same_run(tmp_path):
+    # ep0 starts 40 tokens in and restored rows (a miss): under head_tokens 150 it takes prefix's row (exact, its
+    # rows and TTFT); ep1 starts 400 in, ep2 restored nothing: both keep the strategy's own row
+    rows = []
+    for i, (p, restore, agree) in enumerate([(40, 30, False), (400, 30, True), (40, 0, True)]):
+        rows += [_row("a", i, "prefix", recompute_tokens=1000, ttft_s=4.0, next_action=True),
+                 _row("a", i, "patchkv", prefix_tokens=p, restore_tokens=restore, recompute_tokens=200,
+                      tail_probe_tokens=100, ttft_s=1.0, next_action=agree, action_kind="call")]
+    got = _run(_write(tmp_path / "r.jsonl", rows), "--head-tokens", "patchkv:150", "--probe-share", "0.1")
+    assert got[("a", "3", "0 / 0", "patchkv")][4:] == ["2 / 3", "0.667", "2", "0.20", "0.21", "4.00x"]
+    # rows (1000 + 200 + 200) / 3000, probes 200 * 0.1; TTFT medians 4 s / 1 s
+    assert got[("a", "3", "0 / 0", "patchkv+head150")][4:] == ["3 / 3", "1.000", "1", "0.47", "0.47", "4.00x"]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_table.py"), str(tmp_path / "r.jsonl"),
+                          "--head-tokens", "patchkv"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "STRATEGY:H" in bad.stderr
