@@ -144,10 +144,9 @@ VARIANT_OPTIONS: tuple[str, ...] = ("kappa", "rewrite_share", "readers", "reader
                                     "reader_attention_blocks", "reader_budget", "tail_check_layer", "tail_threshold",
                                     "head_tokens")
 """The plan options a variant candidate may set (:func:`parse_variant`): the head-rewrite rule (its share and its
-near-head window ``head_tokens``), kappa, the reader rule
-and the measured tail rule's check layer with its threshold (a deviation's scale grows with depth, so a deeper layer
-needs its own threshold), which a profile records (the window and the small-restore share have candidates of their
-own)."""
+near-head window ``head_tokens``), kappa, the reader rule and the measured tail rule's check layer with its threshold
+(a deviation's scale grows with depth, so a deeper layer needs its own threshold), which a profile records (the window
+and the small-restore share have candidates of their own)."""
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
@@ -309,9 +308,11 @@ def select_recent_window(engine, traces: Sequence[dict], windows: Sequence[int] 
         raise ValueError(f"variant_base {variant_base!r} must be one of this stage's candidate keys {keys} and needs "
                          "variants to run at it")
     if vs:  # the base plan (variant_base, else the engine's own at the largest window), and each variant of it
-        t0, m0 = float(engine.settings.tail_threshold), float(engine.settings.min_restore_share)
-        base = str(variant_base) if variant_base is not None else (
-            str(ws[-1]) if t0 == 0 else _key(ws[-1], t0, m0 if shares else None))
+        if variant_base is not None:
+            base = str(variant_base)
+        else:
+            t0, m0 = float(engine.settings.tail_threshold), float(engine.settings.min_restore_share)
+            base = str(ws[-1]) if t0 == 0 else _key(ws[-1], t0, m0 if shares else None)
         keys += [base] * (base not in keys) + [f"{base}|{name}" for name, _ in vs]
     target, floor = parse_target(target)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

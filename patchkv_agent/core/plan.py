@@ -358,12 +358,13 @@ def rule_head_rewrite(d: PlanDraft) -> None:
     (0: off). After a summary replaced the history, every restored row was computed with the removed history in
     view, its drift grows with depth, and no selective plan held the next action (runs/results/LOG.md, "Head
     rewrites"); an edit right after the system prompt changes what every later row read from its first message on,
-    and the probe of the tail does not see it (docs/RESULTS.md, "The tail probe at a deeper layer")."""
+    and the probe of the tail does not see it (docs/RESULTS.md, "The probe at a deeper layer, and edits at the head")."""
     s = d.settings
     if not d.blocks.n_blocks:
         return
     clean = None if d.scores is None else (d.scores, d.scores_total)
-    if d.edit.prefix_len < s.head_tokens or (s.rewrite_share < 1.0 and _rewrite_share(d.edit, clean) >= s.rewrite_share):
+    near_head = d.edit.prefix_len < s.head_tokens
+    if near_head or (s.rewrite_share < 1.0 and _rewrite_share(d.edit, clean) >= s.rewrite_share):
         d.repair[:] = True
         d.head_rewrite = d.done = True
 
