@@ -10,16 +10,22 @@ The captured request is rendered by the chat model twice, with two different pla
 ids the two renderings share are the prediction (:class:`~patchkv_agent.runtime.state.Prediction`).
 
 - A placeholder's size is the median size of earlier results of the same tool (of any tool, else 400
-  characters). When the edit's trigger depends on that size (an empty result and a huge one give
+  characters), at most what the editors' triggers need to decide (:func:`placeholder_cap`: a result larger
+  than every trigger decides nothing more), and all placeholders of one prediction together at most
+  :data:`MAX_PENDING_CHARS` characters: a 10 MB tool result is never copied into a prediction. When the edit's trigger depends on that size (an empty result and a huge one give
   different edits), the likelier outcome is predicted and ``info["trigger_depends_on_result_size"]``
   says so; for a ``before_model`` editor (a summary) that a result as large as the largest earlier one
   would trigger, the summarized outcome is prepared (``info["<Editor>_depends_on_result_size"]``): a summary prepared in vain costs
   only the wait, a summary missed costs the whole summarized context's prefill.
 - A summarizer call whose input is known before the tools return (the messages to summarize hold no
   placeholder) is made during the wait; its response is stored in :class:`PreparedCalls`, a LangChain
-  ``BaseCache`` set on the summarizer's model, and served to the real call when its prompt and model
-  parameters are the same (greedy decoding only). A summary that needs the pending results is not
+  ``BaseCache`` set on the summarizer's model, and served to the real call of the same thread when its
+  prompt and model parameters are the same (greedy decoding only: a sampling model is refused). A summary that needs the pending results is not
   predicted (the chat model refuses a call that would read a placeholder: :class:`PendingToolResult`).
+
+:func:`predict_agent_request` stops at the edited request (the messages, tools and tool choice the next call
+will send, with placeholder results); :func:`predict_agent_context` renders it with a PatchKV chat model, and
+:mod:`patchkv_agent.serving` renders it with a server's own chat template.
 
 Boundary: LangChain messages, middlewares and caches; the chat model by duck typing (``render``); no
 tensors, no registry.
@@ -36,20 +42,23 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 from langchain_core.caches import BaseCache
 from langchain_core.messages import AIMessage, BaseMessage, RemoveMessage, ToolMessage
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
 
 from ..runtime.state import Prediction
+from .keys import current_thread_key
 from .tools import tool_schemas
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreparedCalls", "PendingToolResult", "predict_agent_context", "known_prefix_ids", "check_not_pending",
-           "recording_calls",
-           "SAFETY_TOKENS", "DEFAULT_RESULT_CHARS", "PENDING"]
+__all__ = ["PreparedCalls", "PendingToolResult", "PredictedRequest", "predict_agent_request", "predict_agent_context",
+           "known_prefix_ids", "known_tokens", "check_not_pending", "recording_calls", "placeholder_cap",
+           "SAFETY_TOKENS", "DEFAULT_RESULT_CHARS", "PENDING", "MAX_PENDING_CHARS"]
 
 DEFAULT_RESULT_CHARS = 400
 PENDING = "pending tool result"  # the text of a placeholder result (after one opening character)
@@ -57,7 +66,10 @@ SAFETY_TOKENS = 2  # the prediction stops this many tokens before the first plac
 #                    merge the last known characters with the result's first ones)
 _PENDING: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("patchkv_pending_markers", default=())
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("patchkv_recording_calls", default=None)
-IN_FLIGHT_WAIT_S = 600.0  # the longest a real call waits for the same call a prediction is making
+MAX_PENDING_CHARS = 1 << 20  # all placeholder results of one prediction together, at most (characters)
+DEFAULT_TRIGGER_CHARS = 1 << 18  # a placeholder's cap when no editor names a token trigger (characters)
+CHARS_PER_TOKEN = 4  # LangChain's approximate token count: a trigger of n tokens is decided by ~4n characters
+RESULT_SIZE_PROBE = 64.0  # "a huge result": the assumed size times this, capped like any placeholder
 
 
 class PendingToolResult(RuntimeError):
@@ -96,63 +108,95 @@ class PreparedCalls(BaseCache):
 
     Set it as the ``cache`` of the model whose calls a prediction makes (the summarizer's): ``update``
     stores a response only inside :func:`recording_calls` (the prediction), ``lookup`` returns a stored
-    response once (same prompt, same model parameters: LangChain's own cache key) and forgets it. A real
-    call whose twin the prediction is still making waits for it (the prediction started it earlier, so it
-    ends sooner than a second decode would) and is served its response; a prediction that ends without
-    the response releases the waiter, which then decodes itself. Any other call passes through
-    unchanged. At most ``max_entries`` responses are held (oldest dropped).
+    response once (same thread, same prompt, same model parameters: LangChain's own cache key plus the
+    thread) and forgets it, so one thread's prepared summary is never served to another thread's identical
+    prompt. A real call whose twin the prediction is still making waits for it (the prediction started it
+    earlier, so it ends sooner than a second decode would) for at most ``max_wait_s`` or, once calls have
+    been made, twice the longest one made so far (then it decodes itself); a prediction that ends without
+    the response releases the waiter at once. Any other call passes through unchanged. At most
+    ``max_entries`` responses are held (oldest dropped).
+
+    Greedy decoding only: a call whose model samples (``temperature`` above 0, or unset on a model whose
+    server chooses) raises ``ValueError`` naming the fix, since a stored sample re-served is not a sample.
 
     Args:
         max_entries: responses held at most.
+        max_wait_s: the longest a real call waits for its twin in flight, before any call was timed.
 
     Raises:
-        ValueError: ``max_entries`` < 1.
+        ValueError: ``max_entries`` < 1 or ``max_wait_s`` < 0; at call time, a sampling model.
     """
 
-    def __init__(self, max_entries: int = 16):
+    def __init__(self, max_entries: int = 16, max_wait_s: float = 30.0):
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
             raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        if isinstance(max_wait_s, bool) or not isinstance(max_wait_s, (int, float)) or not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be a number >= 0, got {max_wait_s!r}")
         self.max_entries = max_entries
-        self._held: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._in_flight: dict[tuple[str, str], threading.Event] = {}
+        self.max_wait_s = float(max_wait_s)
+        self._held: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self._in_flight: dict[tuple[str, str, str], tuple[threading.Event, float]] = {}
         self._lock = threading.Lock()
+        self._longest_s = 0.0  # the longest call a prediction made (start to update)
         self.hits = 0
         self.stored = 0
         self.waited_s = 0.0
+        self.gave_up = 0  # real calls that stopped waiting for a twin and decoded themselves
+
+    def _key(self, prompt: str, llm_string: str) -> tuple[str, str, str]:
+        _refuse_sampling(llm_string)
+        return (_thread_of_call(), prompt, llm_string)
+
+    def _wait_bound(self) -> float:
+        return min(self.max_wait_s, 2.0 * self._longest_s) if self._longest_s > 0 else self.max_wait_s
 
     def lookup(self, prompt: str, llm_string: str) -> Any:
-        """The stored response of this call (removed), or None; waits for the same call in flight in a
-        prediction (see the class docstring)."""
-        key = (prompt, llm_string)
+        """The stored response of this call (removed), or None; waits (bounded) for the same call in flight
+        in a prediction (see the class docstring).
+
+        Raises:
+            ValueError: the model samples.
+        """
+        key = self._key(prompt, llm_string)
         started = _RECORDING.get()
         with self._lock:
             val = self._held.pop(key, None)
             if val is not None:
                 self.hits += 1
                 return val
-            evt = self._in_flight.get(key)
+            flight = self._in_flight.get(key)
             if started is not None:  # a prediction makes this call: a real twin may wait for it
-                if evt is None:
-                    self._in_flight[key] = threading.Event()
+                if flight is None:
+                    self._in_flight[key] = (threading.Event(), time.perf_counter())
                     started.append((self, key))
                 return None
-        if evt is None:
+            bound = self._wait_bound()
+        if flight is None:
             return None
         t0 = time.perf_counter()
-        evt.wait(IN_FLIGHT_WAIT_S)
+        done = flight[0].wait(max(0.0, bound - (t0 - flight[1])))  # counted from when the twin started
         with self._lock:
             self.waited_s += time.perf_counter() - t0
             val = self._held.pop(key, None)
             if val is not None:
                 self.hits += 1
+            elif not done:
+                self.gave_up += 1
             return val
 
     def update(self, prompt: str, llm_string: str, return_val: Any) -> None:
-        """Store a response made during a prediction (ignored otherwise) and release its waiters."""
+        """Store a response made during a prediction (ignored otherwise) and release its waiters.
+
+        Raises:
+            ValueError: the model samples.
+        """
+        key = self._key(prompt, llm_string)
         if _RECORDING.get() is None:
             return
-        key = (prompt, llm_string)
         with self._lock:
+            flight = self._in_flight.get(key)
+            if flight is not None:
+                self._longest_s = max(self._longest_s, time.perf_counter() - flight[1])
             self._held[key] = return_val
             self._held.move_to_end(key)
             self.stored += 1
@@ -160,11 +204,11 @@ class PreparedCalls(BaseCache):
                 self._held.popitem(last=False)
         self._release(key)
 
-    def _release(self, key: tuple[str, str]) -> None:
+    def _release(self, key: tuple[str, str, str]) -> None:
         with self._lock:
-            evt = self._in_flight.pop(key, None)
-        if evt is not None:
-            evt.set()
+            flight = self._in_flight.pop(key, None)
+        if flight is not None:
+            flight[0].set()
 
     def clear(self, **kwargs: Any) -> None:
         """Forget every stored response (and release calls waiting for one)."""
@@ -176,6 +220,43 @@ class PreparedCalls(BaseCache):
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+_TEMPERATURE = re.compile(r"""['"]temperature['"]\s*[:,]\s*([-+0-9.eE]+|None|null)""")
+
+
+def _refuse_sampling(llm_string: str) -> None:
+    """Raise ``ValueError`` when a LangChain cache key (``llm_string``) names a sampling model: a
+    ``temperature`` above 0 (the last one named: call parameters follow the model's), or none at all on a
+    serialized model (an OpenAI-compatible server samples at its default then)."""
+    found = _TEMPERATURE.findall(llm_string or "")
+    value = found[-1] if found else None
+    if value is None and '"kwargs"' not in (llm_string or ""):
+        return  # a model that names no temperature and is not serialized: it sets its own (PatchKV: greedy)
+    try:
+        t = float(value) if value not in (None, "None", "null") else None
+    except ValueError:
+        t = None
+    if t is None or t > 0:
+        raise ValueError("PreparedCalls serves greedy calls only (a stored sample re-served is not a sample): "
+                         f"the model's temperature is {value or 'unset'}; set temperature=0 on the summarizer's "
+                         "model, or remove PreparedCalls from its cache")
+
+
+def _thread_of_call() -> str:
+    """The thread id of the call in progress: the PatchKV key's set around it (a prediction's), else the run
+    config's (a real call in a graph node)."""
+    key = current_thread_key()
+    if key is not None:
+        return repr((str(key[0]),))
+    try:
+        from langchain_core.runnables.config import ensure_config
+
+        conf = (ensure_config().get("configurable") or {})
+    except Exception:  # noqa: BLE001 - no run config: no thread
+        conf = {}
+    tid = conf.get("thread_id")
+    return "" if tid is None else repr((str(tid),))
 
 
 def _apply_update(messages: list, update: Sequence) -> list:
@@ -204,11 +285,55 @@ def _overrides(editor: Any, hook: str) -> bool:
 
 def _result_chars(history: Sequence[BaseMessage], name: str, largest: bool = False) -> int:
     """The median (or largest) size of earlier results of tool ``name`` (of any tool; else the default)."""
-    sizes = [len(str(m.content)) for m in history if isinstance(m, ToolMessage) and m.name == name]
-    sizes = sizes or [len(str(m.content)) for m in history if isinstance(m, ToolMessage)]
+    sizes = [_content_chars(m) for m in history if isinstance(m, ToolMessage) and m.name == name]
+    sizes = sizes or [_content_chars(m) for m in history if isinstance(m, ToolMessage)]
     if not sizes:
         return DEFAULT_RESULT_CHARS
     return max(sizes) if largest else int(statistics.median(sizes))
+
+
+def _content_chars(m: BaseMessage) -> int:
+    """A message's content length in characters, without copying a string content."""
+    c = m.content
+    return len(c) if isinstance(c, str) else len(str(c))
+
+
+def placeholder_cap(editors: Sequence[Any]) -> int:
+    """The largest placeholder result worth rendering for these editors (characters).
+
+    A trigger of ``n`` tokens is decided by about ``CHARS_PER_TOKEN * n`` characters: a placeholder larger
+    than twice the largest token trigger any editor names (``ClearToolUsesEdit.trigger``, a
+    ``SummarizationMiddleware`` ``("tokens", n)`` trigger, ...) decides nothing more. Without a named
+    trigger: :data:`DEFAULT_TRIGGER_CHARS`. Never above :data:`MAX_PENDING_CHARS`.
+
+    Args:
+        editors: the agent's context editors.
+
+    Returns:
+        The cap in characters (>= 1).
+    """
+    triggers: list[int] = []
+
+    def scan(obj: Any, depth: int = 0) -> None:
+        if depth > 2 or obj is None:
+            return
+        t = getattr(obj, "trigger", None)
+        for cond in (t if isinstance(t, list) else [t]):
+            if isinstance(cond, bool):
+                continue
+            if isinstance(cond, int):
+                triggers.append(cond)
+            elif isinstance(cond, tuple) and len(cond) == 2 and cond[0] == "tokens" and isinstance(cond[1], int):
+                triggers.append(cond[1])
+            elif isinstance(cond, dict) and isinstance(cond.get("tokens"), int):
+                triggers.append(cond["tokens"])
+        for inner in getattr(obj, "edits", None) or []:
+            scan(inner, depth + 1)
+
+    for ed in editors:
+        scan(ed)
+    cap = 2 * CHARS_PER_TOKEN * max(triggers) if triggers else DEFAULT_TRIGGER_CHARS
+    return max(1, min(int(cap), MAX_PENDING_CHARS))
 
 
 def _placeholder(marker: str, chars: int) -> str:
@@ -235,11 +360,40 @@ def _edited(request: Any, editors: Sequence[Any], messages: list) -> Any:
     return captured["request"]
 
 
-def predict_agent_context(model: Any, request: Any, response: AIMessage, editors: Sequence[Any]) -> Prediction:
-    """The next call's context up to its tool results, as the agent's editors will make it.
+@dataclass(frozen=True)
+class PredictedRequest:
+    """The next call's request as the agent's editors will make it, with placeholder tool results.
+
+    Attributes:
+        request: the edited ``ModelRequest`` (messages, system message, tools, tool choice, settings).
+        messages: the messages the call sends: the system message (if any) and the request's messages.
+        tools: the tools bound for the call (empty when ``tool_choice="none"``).
+        markers: two placeholder markers; :meth:`swapped` renders the same request with the second one, so
+            the ids two renderings share are what the next call is known to start with.
+        info: the prediction's notes (editors applied, results cleared, assumptions made).
+    """
+
+    request: Any
+    messages: tuple
+    tools: tuple
+    markers: tuple[str, str]
+    info: dict
+
+    def swapped(self) -> list:
+        """``messages`` with every placeholder's marker replaced by the second marker."""
+        return _swap_marker(list(self.messages), self.markers[0], self.markers[1])
+
+    def pending_index(self) -> int:
+        """The index in ``messages`` of the first placeholder result (``len(messages)`` when an editor cleared
+        every one: the whole next context is known)."""
+        return next((i for i, m in enumerate(self.messages)
+                     if isinstance(m, ToolMessage) and self.markers[0] in str(m.content)), len(self.messages))
+
+
+def predict_agent_request(request: Any, response: AIMessage, editors: Sequence[Any]) -> "PredictedRequest | Prediction":
+    """The next call's request up to its tool results, as the agent's editors will make it.
 
     Args:
-        model: the :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` that renders the call.
         request: the ``ModelRequest`` of the call that asked for tools (its state, system message, tools and
             tool choice are assumed to hold for the next call).
         response: that call's response (with ``tool_calls``).
@@ -247,8 +401,9 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
             first, then the ``wrap_model_call`` hooks, outermost first).
 
     Returns:
-        A :class:`~patchkv_agent.runtime.state.Prediction`: the ids, or None with the reason (structured
-        output, no tool calls, a summary that needs the pending results, an editor that failed).
+        A :class:`PredictedRequest`, or a :class:`~patchkv_agent.runtime.state.Prediction` without ids and
+        with the reason there is none (structured output, no tool calls, a summary that needs the pending
+        results).
     """
     if getattr(request, "response_format", None) is not None:
         return Prediction(reason="structured output calls are not predicted")
@@ -258,10 +413,13 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
     state = dict(getattr(request, "state", None) or {})
     history = list(state.get("messages") or []) + [response]
     # two markers that differ from their first character on: the renderings share only what precedes them
-    markers = tuple(f"{c}{PENDING} {uuid.uuid4().hex[:12]}" for c in "[(")
-    sizes = [_result_chars(history, c["name"]) for c in calls]
+    markers = (f"[{PENDING} {uuid.uuid4().hex[:12]}", f"({PENDING} {uuid.uuid4().hex[:12]}")
+    # each placeholder at most what a trigger needs, all of them together at most MAX_PENDING_CHARS
+    cap = min(placeholder_cap(editors), max(1, MAX_PENDING_CHARS // len(calls)))
+    sizes = [min(_result_chars(history, c["name"]), cap) for c in calls]
     # how much larger a result of these tools has been: the "larger result" a summary trigger is tried with
-    larger = max(_result_chars(history, c["name"], largest=True) / max(1, n) for c, n in zip(calls, sizes))
+    larger = max(min(_result_chars(history, c["name"], largest=True), cap) / max(1, n)
+                 for c, n in zip(calls, sizes))
     info: dict[str, Any] = {"editors": [type(e).__name__ for e in editors], "tool_calls": len(calls),
                             "assumed_result_chars": sizes}
     msgs = history + [ToolMessage(content=_placeholder(f"{markers[0]}{i}", n), tool_call_id=c["id"], name=c["name"])
@@ -277,11 +435,11 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
                 if not (upd and upd.get("messages")) and larger > 1.0:
                     # would a result as large as the largest earlier one trigger it? Then prepare that outcome:
                     # a summary prepared in vain costs the wait, a summary missed the summarized prefill
-                    big = _swap_sizes(msgs, markers[0], larger)
+                    big = _swap_sizes(msgs, markers[0], larger, cap)
                     upd = ed.before_model({**state, "messages": big}, runtime)
                     if upd and upd.get("messages"):
                         info[f"{name}_depends_on_result_size"] = True
-                        msgs = _swap_sizes(_apply_update(big, upd["messages"]), markers[0], 1 / larger)
+                        msgs = _swap_sizes(_apply_update(big, upd["messages"]), markers[0], 1 / larger, cap)
                         info[name] = "applied (a result larger than the assumed size triggers it)"
                         continue
             except PendingToolResult:
@@ -297,8 +455,8 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
                 return [str(m.content) for m in r.messages if not (isinstance(m, ToolMessage)
                                                                    and markers[0] in str(m.content))]
 
-            lo = known(_edited(request, editors, _swap_sizes(msgs, markers[0], 0.0)))
-            hi = known(_edited(request, editors, _swap_sizes(msgs, markers[0], 64.0)))
+            lo = known(_edited(request, editors, _swap_sizes(msgs, markers[0], 0.0, cap)))
+            hi = known(_edited(request, editors, _swap_sizes(msgs, markers[0], RESULT_SIZE_PROBE, cap)))
             info["trigger_depends_on_result_size"] = lo != hi
             if lo != hi:
                 info["assumed_outcome"] = "edited as for results of the assumed size"
@@ -306,16 +464,37 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
                   and (m.response_metadata or {}).get("context_editing", {}).get("cleared"))
     info["cleared_results"] = cleared
     system = [req.system_message] if getattr(req, "system_message", None) is not None else []
-    tools = []
+    tools: list = []
     if req.tools and not (isinstance(req.tool_choice, str) and req.tool_choice == "none"):
-        tools = tool_schemas(req.tools)
-    final = system + list(req.messages)
-    ids_a = model.render(final, tools, None)[1]
-    n = _known_tokens(ids_a, model.render(_swap_marker(final, markers[0], markers[1]), tools, None)[1])
+        tools = list(req.tools)
+    final = tuple(system + list(req.messages))
+    return PredictedRequest(request=req, messages=final, tools=tuple(tools), markers=markers, info=info)
+
+
+def predict_agent_context(model: Any, request: Any, response: AIMessage, editors: Sequence[Any]) -> Prediction:
+    """The next call's context up to its tool results, as the agent's editors will make it, in the ids of a
+    PatchKV chat model.
+
+    Args:
+        model: the :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` that renders the call.
+        request: the ``ModelRequest`` of the call that asked for tools.
+        response: that call's response (with ``tool_calls``).
+        editors: the agent's context editors (see :func:`predict_agent_request`).
+
+    Returns:
+        A :class:`~patchkv_agent.runtime.state.Prediction`: the ids, or None with the reason (structured
+        output, no tool calls, a summary that needs the pending results, an editor that failed).
+    """
+    pred = predict_agent_request(request, response, editors)
+    if isinstance(pred, Prediction):
+        return pred
+    schemas = tool_schemas(list(pred.tools)) if pred.tools else []
+    ids_a = model.render(list(pred.messages), schemas, None)[1]
+    n = known_tokens(ids_a, model.render(pred.swapped(), schemas, None)[1])
     if n < 1:
-        return Prediction(reason="the rendered context differs from its first token on", info=info)
-    info["prepared_tokens"] = n
-    return Prediction(token_ids=ids_a[:n], info=info)
+        return Prediction(reason="the rendered context differs from its first token on", info=pred.info)
+    pred.info["prepared_tokens"] = n
+    return Prediction(token_ids=ids_a[:n], info=pred.info)
 
 
 def known_prefix_ids(model: Any, messages: Sequence[BaseMessage], tools: Sequence[Any] | None = None):
@@ -337,26 +516,35 @@ def known_prefix_ids(model: Any, messages: Sequence[BaseMessage], tools: Sequenc
 
     schemas = tool_schemas(tools) if tools else []
     a = model.render(list(messages) + [HumanMessage("[a")], schemas, None)[1]
-    return a[:_known_tokens(a, model.render(list(messages) + [HumanMessage("(b")], schemas, None)[1])]
+    return a[:known_tokens(a, model.render(list(messages) + [HumanMessage("(b")], schemas, None)[1])]
 
 
-def _known_tokens(a, b) -> int:
+def known_tokens(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids two renderings that differ only in what is unknown share, less
-    :data:`SAFETY_TOKENS` (the tokenizer may merge the last known characters with the unknown ones)."""
-    m = min(len(a), len(b))
-    neq = (a[:m] != b[:m]).nonzero()[0]
+    :data:`SAFETY_TOKENS` (the tokenizer may merge the last known characters with the unknown ones).
+
+    Args:
+        a, b: the two renderings' ids (arrays or lists of ints).
+
+    Returns:
+        The count (>= 0).
+    """
+    x, y = np.asarray(a), np.asarray(b)
+    m = min(len(x), len(y))
+    neq = (x[:m] != y[:m]).nonzero()[0]
     return max(0, (int(neq[0]) if len(neq) else m) - SAFETY_TOKENS)
 
 
-def _swap_sizes(msgs: list, marker: str, scale: float) -> list:
-    """``msgs`` with each placeholder result (``marker`` + index + filler) resized by ``scale``."""
+def _swap_sizes(msgs: list, marker: str, scale: float, cap: int = MAX_PENDING_CHARS) -> list:
+    """``msgs`` with each placeholder result (``marker`` + index + filler) resized by ``scale`` (at most
+    ``cap`` characters)."""
     head = re.compile(re.escape(marker) + r"\d+")
     out = []
     for m in msgs:
         body = str(m.content) if isinstance(m, ToolMessage) else ""
         hit = head.match(body)
         if hit is not None:
-            m = m.model_copy(update={"content": _placeholder(hit.group(0), int(len(body) * scale))})
+            m = m.model_copy(update={"content": _placeholder(hit.group(0), min(cap, int(len(body) * scale)))})
         out.append(m)
     return out
 
