@@ -444,6 +444,36 @@ def _dequantized(gguf: Path, sha256: str | None, attn_implementation: str, *, re
     return dest
 
 
+def model_directory(name_or_path: str = DEFAULT_MODEL, *, attn_implementation: str = "sdpa") -> Path:
+    """A directory holding the model's weights as safetensors, its config and its tokenizer (saved with
+    ``save_pretrained``, chat template included): what a serving engine such as vLLM loads.
+
+    For a GGUF (the embedded default included) it is the verified dequantized-weights cache
+    (:func:`load_model` builds and checks it the same way); a local model directory is returned as it is.
+
+    Args:
+        name_or_path: an :data:`EMBEDDED_MODELS` key, a ``.gguf`` file or a local model directory.
+        attn_implementation: as for :func:`load_model` (the cache is built with it).
+
+    Returns:
+        The directory.
+
+    Raises:
+        ValueError: a hub id or a ``random:`` spec (no directory on disk to serve).
+        RuntimeError: the embedded file could not be fetched.
+        FileNotFoundError: a local path that does not exist.
+    """
+    if str(name_or_path).startswith(RANDOM_PREFIX):
+        raise ValueError("a random: model has no weights on disk to serve; name the embedded model or a directory")
+    kind, path = resolve_source(name_or_path)
+    if path is None:
+        raise ValueError(f"{name_or_path!r} is a hub id; download it into a local directory and pass that")
+    if kind != "gguf":
+        return path
+    em = EMBEDDED_MODELS.get(str(name_or_path))
+    return _dequantized(path, em.sha256 if em else _sha256(path), attn_implementation)
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,

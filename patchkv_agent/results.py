@@ -304,6 +304,8 @@ class CallPart(_Part):
         grammar_mask_s, grammar_steps: the grammar's masking time and steps (chat model, under a grammar).
         tool_s: the tools run since the thread's previous call (middleware).
         offload_hidden_share: the share of the base's offload the tools hid (middleware).
+        prepared_unexplained: on a call that left its prediction, what the editors given to the middleware
+            do not explain (an edit made by a middleware the prediction did not run), else None (middleware).
     """
 
     decode_s: float | None = None
@@ -316,6 +318,7 @@ class CallPart(_Part):
     grammar_steps: int | None = None
     tool_s: float | None = None
     offload_hidden_share: float | None = None
+    prepared_unexplained: str | None = None
 
     def __post_init__(self):
         if self.thread_key is not None:

@@ -3,7 +3,8 @@
 - :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel`: a chat model over the local model that
   reuses KV per graph thread (tools, streaming, async).
 - :class:`~patchkv_agent.langgraph.middleware.PatchKVMiddleware`: ``create_agent`` middleware (resume on
-  model calls, background offload while tools run).
+  model calls, background offload while tools run); :func:`~patchkv_agent.langgraph.middleware.prepared_middleware`
+  builds an agent's editors and the middleware that runs them ahead in one list (in-process or on a server).
 - :func:`~patchkv_agent.langgraph.node.patchkv_node`: the same around a node of a hand-built ``StateGraph``.
 - :class:`~patchkv_agent.langgraph.checkpointer.PatchKVCheckpointSaver`: wraps any checkpoint saver and
   records the KV handle of each thread version in checkpoint metadata.
@@ -18,6 +19,7 @@ from __future__ import annotations
 _EXPORTS = {
     "PatchKVChatModel": "chat_model",
     "PatchKVMiddleware": "middleware",
+    "prepared_middleware": "middleware",
     "patchkv_node": "node",
     "PatchKVCheckpointSaver": "checkpointer",
     "TraceRecorder": "recorder",

@@ -39,7 +39,7 @@ from ..results import BaseKind, ResumeStats
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .chat_model import PatchKVChatModel
 from .keys import thread_key_from_config, using_thread_key
-from .predict import PreparedCalls, predict_agent_context
+from .predict import PredictedRequest, PreparedCalls, predict_agent_request, render_prediction, unexplained_edit
 
 
 def response_message(result: Any) -> AIMessage | None:
@@ -53,7 +53,7 @@ def response_message(result: Any) -> AIMessage | None:
     return None
 
 
-def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
+def annotate(msg: AIMessage | None, tool_s: float | None, unexplained: Any = None) -> None:
     """Set ``tool_s`` and ``offload_hidden_share`` in the call part of a response's PatchKV stats (the message's
     ``response_metadata["patchkv"]`` becomes the JSON form of the stats with them); metadata that does not read
     as :class:`~patchkv_agent.results.ResumeStats` is left as it is."""
@@ -69,7 +69,9 @@ def annotate(msg: AIMessage | None, tool_s: float | None) -> None:
         hidden = 1.0
     elif st.base is BaseKind.BACKGROUND and off:
         hidden = max(0.0, 1.0 - wait / off) if off > 0 else 1.0
-    fields = {k: v for k, v in (("tool_s", tool_s), ("offload_hidden_share", hidden)) if v is not None}
+    note = unexplained(st) if callable(unexplained) else None
+    fields = {k: v for k, v in (("tool_s", tool_s), ("offload_hidden_share", hidden), ("prepared_unexplained", note))
+              if v is not None}
     if fields:
         msg.response_metadata["patchkv"] = st.with_call(**fields).to_json()
 
@@ -109,8 +111,10 @@ class PatchKVMiddleware(AgentMiddleware):
         for ed in self.editors:
             self._serve_summaries(ed)
         self._tool_s: dict[ThreadKey, float] = {}
+        self._predicted: dict[ThreadKey, PredictedRequest] = {}
         self._lock = threading.Lock()
         self._warned = False
+        self._warned_threads: set = set()
 
     def _serve_summaries(self, editor: Any) -> None:
         """Give a summarizing editor's PatchKV model the :attr:`prepared_calls` cache (a copy of the model:
@@ -152,11 +156,33 @@ class PatchKVMiddleware(AgentMiddleware):
             warnings.warn(f"PatchKVMiddleware: the agent's model is a {type(model).__name__}, not a "
                           "PatchKVChatModel; KV resume and offload do nothing for it", stacklevel=3)
 
+    def _unexplained(self, key: ThreadKey | None, request: Any) -> Callable[[ResumeStats], str | None]:
+        """What the editors do not explain of a call that left its prediction (warned once per thread)."""
+        with self._lock:
+            pred = self._predicted.pop(key, None)
+
+        def check(st: ResumeStats) -> str | None:
+            if pred is None or request is None or str(st.prepared) not in ("miss", "partial"):
+                return None
+            why = unexplained_edit(pred, request, self.editors)
+            if why is not None:
+                with self._lock:
+                    first = key not in self._warned_threads
+                    self._warned_threads.add(key)
+                if first:
+                    warnings.warn(f"PatchKVMiddleware: thread {key[0]!r}'s call left its prediction: {why}; give "
+                                  "PatchKVMiddleware the same editor instances the agent runs, or build the list "
+                                  "with patchkv_agent.langgraph.prepared_middleware(model, editors=[...])",
+                                  stacklevel=5)
+            return why
+
+        return check
+
     def _after(self, key: ThreadKey | None, result: Any, request: Any = None) -> None:
         msg = response_message(result)
         with self._lock:
             tool_s = self._tool_s.pop(key, None)
-        annotate(msg, tool_s)
+        annotate(msg, tool_s, self._unexplained(key, request))
         if key is None:
             return
         model = getattr(getattr(request, "model", None), "bound", getattr(request, "model", None))
@@ -165,7 +191,11 @@ class PatchKVMiddleware(AgentMiddleware):
 
             def predict():
                 with using_thread_key(key):  # a summarizer call made here runs in this thread's scope
-                    return predict_agent_context(model, request, msg, editors)
+                    pred = predict_agent_request(request, msg, editors)
+                if isinstance(pred, PredictedRequest):
+                    with self._lock:
+                        self._predicted[key] = pred
+                return render_prediction(model, pred)
 
             self.registry.prepare_async(key, predict)  # queued before the offload: the next call needs it first
         if self.offload == "never":
@@ -223,3 +253,42 @@ class PatchKVMiddleware(AgentMiddleware):
             return await handler(request)
         finally:
             self._add_tool_time(key, time.perf_counter() - t0)
+
+
+def prepared_middleware(model: Any, editors: Any = (), **options: Any) -> list:
+    """The middleware list of an agent whose context editors run ahead during tool waits: the editors in
+    their order, then the PatchKV middleware that predicts with those same instances (so they are never
+    given twice, or once and forgotten).
+
+    ``create_agent(model, tools, middleware=prepared_middleware(model, editors=[clear, summarize]))``: for a
+    :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` the in-process
+    :class:`PatchKVMiddleware` (on the model's registry); for a ``ChatOpenAI`` pointed at a server the
+    :class:`~patchkv_agent.serving.middleware.PatchKVServerMiddleware`.
+
+    Args:
+        model: the agent's chat model (the one given to ``create_agent``).
+        editors: the context editors (``ContextEditingMiddleware``, ``SummarizationMiddleware``, ...), in the
+            order the agent runs them.
+        **options: the middleware's own options (``scope=``, ``offload=``, ``adapter=``, ``cache_salt=`` ...).
+
+    Returns:
+        ``[*editors, middleware]``.
+
+    Raises:
+        ValueError: a model that is neither a PatchKV chat model nor an OpenAI-compatible one; an editor
+            that is not an ``AgentMiddleware``.
+    """
+    editors = list(editors or [])
+    inner = getattr(model, "bound", model)
+    if isinstance(inner, PatchKVChatModel):
+        mw: AgentMiddleware = PatchKVMiddleware(inner.registry, editors=editors, **options)
+    else:
+        from ..serving.openai import is_openai_model
+
+        if not is_openai_model(model):
+            raise ValueError(f"prepared_middleware needs a PatchKVChatModel or a ChatOpenAI pointed at a server, "
+                             f"got a {type(inner).__name__} (install langchain-openai for the server path)")
+        from ..serving.middleware import PatchKVServerMiddleware
+
+        mw = PatchKVServerMiddleware(editors=editors, **options)
+    return [*editors, mw]

@@ -57,7 +57,7 @@ from .tools import tool_schemas
 log = logging.getLogger(__name__)
 
 __all__ = ["PreparedCalls", "PendingToolResult", "PredictedRequest", "predict_agent_request", "predict_agent_context",
-           "known_prefix_ids", "known_tokens", "check_not_pending", "recording_calls", "placeholder_cap",
+           "render_prediction", "known_prefix_ids", "known_tokens", "first_difference", "unexplained_edit", "check_not_pending", "recording_calls", "placeholder_cap",
            "SAFETY_TOKENS", "DEFAULT_RESULT_CHARS", "PENDING", "MAX_PENDING_CHARS"]
 
 DEFAULT_RESULT_CHARS = 400
@@ -371,6 +371,7 @@ class PredictedRequest:
         markers: two placeholder markers; :meth:`swapped` renders the same request with the second one, so
             the ids two renderings share are what the next call is known to start with.
         info: the prediction's notes (editors applied, results cleared, assumptions made).
+        history: the state's messages and the response the prediction started from (before any editor).
     """
 
     request: Any
@@ -378,6 +379,7 @@ class PredictedRequest:
     tools: tuple
     markers: tuple[str, str]
     info: dict
+    history: tuple = ()
 
     def swapped(self) -> list:
         """``messages`` with every placeholder's marker replaced by the second marker."""
@@ -468,7 +470,8 @@ def predict_agent_request(request: Any, response: AIMessage, editors: Sequence[A
     if req.tools and not (isinstance(req.tool_choice, str) and req.tool_choice == "none"):
         tools = list(req.tools)
     final = tuple(system + list(req.messages))
-    return PredictedRequest(request=req, messages=final, tools=tuple(tools), markers=markers, info=info)
+    return PredictedRequest(request=req, messages=final, tools=tuple(tools), markers=markers, info=info,
+                            history=tuple(history))
 
 
 def predict_agent_context(model: Any, request: Any, response: AIMessage, editors: Sequence[Any]) -> Prediction:
@@ -485,7 +488,20 @@ def predict_agent_context(model: Any, request: Any, response: AIMessage, editors
         A :class:`~patchkv_agent.runtime.state.Prediction`: the ids, or None with the reason (structured
         output, no tool calls, a summary that needs the pending results, an editor that failed).
     """
-    pred = predict_agent_request(request, response, editors)
+    return render_prediction(model, predict_agent_request(request, response, editors))
+
+
+def render_prediction(model: Any, pred: "PredictedRequest | Prediction") -> Prediction:
+    """A :class:`PredictedRequest` in the ids of a PatchKV chat model: the ids its two renderings share, less
+    :data:`SAFETY_TOKENS` (a :class:`~patchkv_agent.runtime.state.Prediction` without ids passes through).
+
+    Args:
+        model: the :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel` that renders the call.
+        pred: what :func:`predict_agent_request` returned.
+
+    Returns:
+        The :class:`~patchkv_agent.runtime.state.Prediction`.
+    """
     if isinstance(pred, Prediction):
         return pred
     schemas = tool_schemas(list(pred.tools)) if pred.tools else []
@@ -552,3 +568,63 @@ def _swap_sizes(msgs: list, marker: str, scale: float, cap: int = MAX_PENDING_CH
 def _swap_marker(msgs: list, old: str, new: str) -> list:
     return [m.model_copy(update={"content": str(m.content).replace(old, new)})
             if isinstance(m, ToolMessage) and old in str(m.content) else m for m in msgs]
+
+
+def _fields(m: Any) -> tuple:
+    """What of a message the chat templates render (its kind, content, calls, call id and name)."""
+    calls = [(c.get("name"), c.get("args"), c.get("id")) for c in (getattr(m, "tool_calls", None) or [])]
+    return (getattr(m, "type", None), m.content, calls, getattr(m, "tool_call_id", None), getattr(m, "name", None))
+
+
+def first_difference(predicted: Sequence[BaseMessage], real: Sequence[BaseMessage], upto: int) -> str | None:
+    """Where a real call's messages leave a prediction's, among the first ``upto`` (the known ones).
+
+    Args:
+        predicted: the predicted messages (:attr:`PredictedRequest.messages`).
+        real: the messages the call sends (its system message first).
+        upto: how many leading messages the prediction knows (:meth:`PredictedRequest.pending_index`).
+
+    Returns:
+        None when they agree, else ``"message i (kind): <what differs>"``.
+    """
+    for i in range(min(upto, len(predicted))):
+        if i >= len(real):
+            return f"message {i}: the call has only {len(real)} messages"
+        a, b = _fields(predicted[i]), _fields(real[i])
+        if a != b:
+            what = next(n for n, x, y in zip(("kind", "content", "tool calls", "tool call id", "name"), a, b) if x != y)
+            return f"message {i} ({b[0]}): its {what} differs from the prediction's"
+    return None
+
+
+def unexplained_edit(pred: PredictedRequest, request: Any, editors: Sequence[Any]) -> str | None:
+    """Whether a real request that left its prediction was changed by something other than ``editors``.
+
+    A prediction assumes the pending results' sizes; an editor given may decide otherwise on the real ones,
+    which is a miss, not a mistake. What the editors cannot explain: a state that no longer extends the
+    predicted history while no ``before_model`` editor was given (a summary written by a middleware the
+    prediction did not run), or request messages that the ``wrap_model_call`` editors do not make from the
+    real state (an edit made by a middleware the prediction did not run).
+
+    Args:
+        pred: the prediction.
+        request: the real ``ModelRequest`` (after every middleware before the caller).
+        editors: the editors the prediction ran.
+
+    Returns:
+        None when the editors explain the request, else what they do not explain (one line).
+    """
+    state = list((getattr(request, "state", None) or {}).get("messages") or [])
+    hist = list(pred.history)
+    if [_fields(m) for m in state[: len(hist)]] != [_fields(m) for m in hist]:
+        if any(_overrides(e, "before_model") for e in editors):
+            return None  # a before_model editor given decided differently on the real results
+        return "the agent's state was rewritten by a middleware not among editors=[...] (a summary?)"
+    wrapped = [e for e in editors if _overrides(e, "wrap_model_call")]
+    try:
+        again = _edited(request.override(messages=state), wrapped, state)
+    except Exception:  # noqa: BLE001 - an editor that fails on a re-run explains nothing either way
+        return None
+    if [_fields(m) for m in again.messages] != [_fields(m) for m in request.messages]:
+        return "the request's messages were edited by a middleware not among editors=[...]"
+    return None
