@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["ServerEpisode", "scripted_tool_calls", "server_episodes", "run_server_episode", "run_server_bench",
+__all__ = ["ServerEpisode", "EpisodeRun", "scripted_tool_calls", "server_episodes", "run_episode_agent", "run_server_episode", "run_server_bench",
            "summarize_server", "markdown_server", "plot_server", "write_server", "SERVER_TARGETS", "WORKLOADS"]
 
 WORKLOADS = ("clear", "summarize")
@@ -177,16 +177,33 @@ class _FirstChunk:
         self.handler = H()
 
 
-def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, prepare: bool, tool_latency: float = 6.0,
-                       cover: bool = False, max_tokens: int = 16, adapter: str = "auto", salt: bool = True,
-                       timeout_s: float = 10.0, api_key: str = "EMPTY") -> list[dict]:
-    """Run one episode on the server and return one row per agent call.
+@dataclass
+class EpisodeRun:
+    """One episode's run: per-call ``rows``, the agent's final ``messages``, the prewarm ``middleware`` (None
+    without one), the ``script`` (its ``actions``), the run's ``thread`` id and ``nonce``."""
+
+    rows: list
+    messages: list
+    middleware: Any
+    script: Any
+    thread: str
+    nonce: str
+
+
+def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prepare: bool = True,
+                      middleware: bool = True, tool_latency: float = 6.0, cover: bool = False, max_tokens: int = 16,
+                      adapter: str = "auto", salt: bool = True, timeout_s: float = 10.0, api_key: str = "EMPTY",
+                      streaming: bool = True, options: dict | None = None, give_editors: bool = True,
+                      extra_middleware: Sequence[Any] = (), nonce: str | None = None) -> EpisodeRun:
+    """Run one episode on the server (see the module docstring).
 
     Args:
         base_url: the server's OpenAI-compatible base URL.
         model: the served model name.
         episode: the episode.
         prepare: prewarm during tool waits (``prepared``), or not (``unprepared``).
+        middleware: run :class:`~patchkv_agent.serving.middleware.PatchKVServerMiddleware` at all (False: the
+            agent as it is without this project; its rows then carry no server evidence).
         tool_latency: seconds each tool takes.
         cover: a tool lasts at least until its thread's prewarm is over (a tool wait that covers it).
         max_tokens: tokens each call decodes at most.
@@ -194,10 +211,15 @@ def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, pre
         salt: give the run a cache salt of its own (engines with salts; llama.cpp's has none).
         timeout_s: the prewarm's socket timeout.
         api_key: sent with every request.
+        streaming: stream each call (its first chunk times the TTFT).
+        options: more options of the middleware.
+        give_editors: give the middleware the agent's editors (False: the mistake it warns about).
+        extra_middleware: middleware placed between the editors and the prewarm middleware.
+        nonce: the run's nonce (default: a new one).
 
     Returns:
-        Rows: ``episode``, ``workload``, ``mode``, ``call``, ``ttft_s``, ``call_s``, ``prompt_tokens``,
-        ``cached_tokens``, ``prepared`` and its fields, ``edited``, ``action``.
+        The :class:`EpisodeRun`; its rows: ``episode``, ``workload``, ``mode``, ``call``, ``ttft_s``,
+        ``call_s``, ``prompt_tokens``, ``cached_tokens``, ``prepared`` and its fields, ``edited``, ``action``.
     """
     from langchain.agents import create_agent
     from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware, SummarizationMiddleware
@@ -205,12 +227,13 @@ def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, pre
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
+    from ..runtime.threads import thread_key
     from ..serving import PatchKVServerMiddleware
 
-    nonce = uuid.uuid4().hex[:12]
+    nonce = nonce or uuid.uuid4().hex[:12]
     timer = _FirstChunk()
     llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, temperature=0, max_tokens=max_tokens,
-                     streaming=True, stream_usage=True, max_retries=0, callbacks=[timer.handler])
+                     streaming=streaming, stream_usage=True, max_retries=0, callbacks=[timer.handler])
     if episode.workload == "clear":
         trigger, keep, at_least = (list(episode.setting) + [0, 0, 0])[:3]
         editor = ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=trigger, keep=keep, clear_at_least=at_least)])
@@ -219,8 +242,11 @@ def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, pre
         summarizer = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, temperature=0, max_tokens=96,
                                 max_retries=0)
         editor = SummarizationMiddleware(model=summarizer, trigger=("tokens", trigger), keep=("messages", keep))
-    mw = PatchKVServerMiddleware(editors=[editor], prepare=prepare, adapter=adapter, timeout_s=timeout_s,
-                                 cache_salt=(f"run-{nonce}" if salt else None))
+    mw = None
+    if middleware:
+        mw = PatchKVServerMiddleware(editors=[editor] if give_editors else [], prepare=prepare, adapter=adapter,
+                                     timeout_s=timeout_s, cache_salt=(f"run-{nonce}" if salt else None),
+                                     **(options or {}))
     script = scripted_tool_calls(episode.calls)
     results = list(episode.results)
     state = {"n": 0}
@@ -230,26 +256,24 @@ def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, pre
     def search(query: str) -> str:
         """Search the encyclopedia for a passage."""
         t0 = time.perf_counter()
-        if cover:
-            from ..runtime.threads import thread_key
-
+        if cover and mw is not None:
             mw.wait_prepared(thread_key(thread), timeout=600)
         time.sleep(max(0.0, tool_latency - (time.perf_counter() - t0)))
         i = state["n"]
         state["n"] += 1
         return results[i % len(results)]
 
-    agent = create_agent(llm, tools=[search], system_prompt=f"{episode.system}\n(session {nonce})",
-                         middleware=[editor, mw, script])
-    agent.invoke({"messages": [HumanMessage(episode.task)]},
-                 {"configurable": {"thread_id": thread}, "recursion_limit": 4 * len(episode.calls) + 10})
+    stack = [editor, *extra_middleware] + ([mw] if mw is not None else []) + [script]
+    agent = create_agent(llm, tools=[search], system_prompt=f"{episode.system}\n(session {nonce})", middleware=stack)
+    out = agent.invoke({"messages": [HumanMessage(episode.task)]},
+                       {"configurable": {"thread_id": thread}, "recursion_limit": 4 * len(episode.calls) + 10})
     rows = []
     for i, msg in enumerate(script.messages):
         st = dict(msg.response_metadata.get("patchkv") or {})
-        prompt, cached = st.get("prompt_tokens"), st.get("cached_tokens")
         rows.append({"episode": episode.id, "workload": episode.workload, "mode": "prepared" if prepare else "unprepared",
                      "call": i, "ttft_s": timer.ttft[i] if i < len(timer.ttft) else None, "call_s": st.get("call_s"),
-                     "prompt_tokens": prompt, "cached_tokens": cached, "tool_s": st.get("tool_s"),
+                     "prompt_tokens": st.get("prompt_tokens"), "cached_tokens": st.get("cached_tokens"),
+                     "tool_s": st.get("tool_s"),
                      **{k: st.get(k) for k in ("prepared", "prepared_reason", "prepared_tokens", "prepared_match_tokens",
                                                "prepared_reused_before", "predict_s", "render_s", "prewarm_s",
                                                "prepared_elapsed_s", "server")},
@@ -257,7 +281,13 @@ def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, pre
                      "cleared": (st.get("prepared_info") or {}).get("cleared_results"),
                      "action": script.actions[i]})
     _mark_edits(rows)
-    return rows
+    return EpisodeRun(rows=rows, messages=list(out["messages"]), middleware=mw, script=script, thread=thread,
+                      nonce=nonce)
+
+
+def run_server_episode(base_url: str, model: str, episode: ServerEpisode, *, prepare: bool, **kwargs: Any) -> list[dict]:
+    """The rows of :func:`run_episode_agent` (its keyword arguments pass through)."""
+    return run_episode_agent(base_url, model, episode, prepare=prepare, **kwargs).rows
 
 
 def _mark_edits(rows: list[dict]) -> None:
@@ -277,48 +307,55 @@ def _mark_edits(rows: list[dict]) -> None:
 
 def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode], *, tool_latency: float = 6.0,
                      cover: bool = False, max_tokens: int = 16, adapter: str = "auto", salt: bool = True,
-                     threads: int = 1, progress: bool = True) -> list[dict]:
-    """Every episode twice, unprepared then prepared (alternating per episode), on one server.
+                     threads: int = 1, before_run: Any = None, progress: bool = True) -> list[dict]:
+    """Every episode twice, unprepared and prepared, on one server, with one context for both runs (the
+    episode's nonce) and nothing reused across runs (a salt per run, or ``before_run`` emptying the cache).
+
+    With ``threads`` = 1 the two runs of an episode follow each other (their order alternates); with more,
+    ``threads`` episodes run at once, all unprepared runs first, then all prepared ones (so the two modes never
+    share the server at once), the throughput figure of the concurrent phase.
 
     Args:
-        threads: episodes run at once (each pair's two runs in the same slot order), for the concurrent phase.
-        Others: see :func:`run_server_episode`.
+        threads: episodes run at once.
+        before_run: called before each run (1 thread) or phase (more): e.g. a server's ``erase_cache``.
+        Others: see :func:`run_episode_agent`.
 
     Returns:
-        All rows, each with ``threads``.
+        All rows, each with ``threads`` and ``episode_s`` (its run's wall time).
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    jobs = [(ep, prep) for ep in episodes for prep in ((False, True) if hash(ep.id) % 2 else (True, False))]
-    bar = tqdm(total=len(jobs), desc=f"server bench ({threads} thread{'s' if threads > 1 else ''})",
-               disable=not progress) if tqdm else None
+    from tqdm import tqdm
+
+    nonces = {ep.id: uuid.uuid4().hex[:12] for ep in episodes}
+    bar = tqdm(total=2 * len(episodes), desc=f"server bench ({threads} thread{'s' if threads > 1 else ''})",
+               disable=not progress)
     rows: list[dict] = []
     lock = threading.Lock()
 
-    def one(job):
-        ep, prep = job
+    def one(ep: ServerEpisode, prep: bool) -> None:
         t0 = time.perf_counter()
         got = run_server_episode(base_url, model, ep, prepare=prep, tool_latency=tool_latency, cover=cover,
-                                 max_tokens=max_tokens, adapter=adapter, salt=salt)
+                                 max_tokens=max_tokens, adapter=adapter, salt=salt, nonce=nonces[ep.id])
         for r in got:
             r.update(threads=threads, episode_s=time.perf_counter() - t0)
         with lock:
             rows.extend(got)
-            if bar:
-                bar.update(1)
+            bar.update(1)
 
     if threads <= 1:
-        for job in jobs:
-            one(job)
+        for i, ep in enumerate(episodes):
+            for prep in ((False, True) if i % 2 == 0 else (True, False)):
+                if before_run:
+                    before_run()
+                one(ep, prep)
     else:
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(one, jobs))
-    if bar:
-        bar.close()
+        for prep in (False, True):
+            if before_run:
+                before_run()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda ep: one(ep, prep), episodes))
+    bar.close()
     _pair(rows)
     return rows
 

@@ -106,6 +106,25 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def erase_cache(self) -> None:
+        """Empty the server's prefix cache, so that a run reuses nothing of an earlier one (llama.cpp: every
+        slot erased; vLLM scopes runs by ``cache_salt`` instead, and this does nothing for it).
+
+        Raises:
+            RuntimeError: the server refused.
+        """
+        if self.name != "llama.cpp":
+            return
+        import json
+
+        with urllib.request.urlopen(self.root + "/slots", timeout=10) as r:
+            slots = json.load(r)
+        for slot in slots:
+            req = urllib.request.Request(f"{self.root}/slots/{int(slot['id'])}?action=erase", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"llama.cpp refused to erase slot {slot['id']}: HTTP {r.status}")
+
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -186,7 +205,8 @@ def llama_server(gguf: str | Path | None = None, *, binary: str | Path | None = 
         binary: the server (default: :func:`llama_binary`).
         model: the model alias it reports.
         parallel: slots (concurrent sequences, each with its own prefix).
-        ctx_per_slot: the context of each slot.
+        ctx_per_slot: the context of each slot (the server runs with its host prompt cache off and a slot
+            save path, so :meth:`ServerProcess.erase_cache` can empty it).
         threads: CPU threads (default: llama.cpp's).
         extra_args, startup_s, log_path: see :func:`vllm_server`.
 
@@ -201,8 +221,10 @@ def llama_server(gguf: str | Path | None = None, *, binary: str | Path | None = 
         from ..loading import ensure_embedded
 
         gguf = ensure_embedded()
+    slots = tempfile.mkdtemp(prefix="patchkv-llama-slots-")  # lets erase_cache() empty the slots between runs
     argv = [str(exe), "-m", str(gguf), "--alias", model, "--host", "127.0.0.1", "--port", "{port}",
             "--parallel", str(parallel), "-c", str(parallel * ctx_per_slot), "--jinja", "--no-webui",
+            "--cache-ram", "0", "--slot-save-path", slots,
             *(["--threads", str(threads)] if threads else []), *extra_args]
     return ServerProcess(argv, name="llama.cpp", model=model, health="/health", startup_s=startup_s,
                          log_path=log_path)

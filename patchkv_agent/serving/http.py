@@ -31,8 +31,9 @@ class ServerError(RuntimeError):
     """A server exchange that did not give a usable JSON object.
 
     Attributes:
-        kind: ``unreachable``, ``timeout``, ``status`` (an HTTP error status), ``malformed``, ``too_large``
-            or ``aborted``.
+        kind: ``unreachable``, ``timeout``, ``status`` (an HTTP error status), ``malformed``, ``too_large``,
+            ``truncated`` (fewer bytes than declared), ``aborted``; the adapters add ``unsupported`` (a request
+            the engine cannot serve) and ``unknown`` (a server that is no known engine).
         status: the HTTP status, where one came back.
     """
 
@@ -189,6 +190,7 @@ class Exchange:
                 raise ServerError("malformed", f"{what}: Content-Length {declared[:32]!r}") from None
             if n > self.max_bytes:
                 raise ServerError("too_large", f"{what}: declares {n} bytes, more than {self.max_bytes}")
+        n = int(declared) if declared is not None else None
         chunks, got = [], 0
         try:
             while True:
@@ -209,6 +211,8 @@ class Exchange:
             raise ServerError("unreachable", f"{what}: {type(e).__name__}: {e}") from e
         if self._aborted:
             raise ServerError("aborted", f"{what} was aborted")
+        if n is not None and got != n:
+            raise ServerError("truncated", f"{what}: the connection closed after {got} of {n} declared bytes")
         return b"".join(chunks)
 
 
