@@ -272,3 +272,42 @@ def test_a_summary_a_larger_result_would_trigger_is_the_outcome_prepared(model):
     ids = model.render([SystemMessage(SYSTEM)] + msgs, tool_schemas([search]), None)[1]
     assert np.array_equal(ids[: len(pred.token_ids)], pred.token_ids)
     assert "river and market" in model.engine.tokenizer.decode(pred.token_ids)
+
+
+def _run_cleared_agent(give_editors: bool):
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware
+
+    reg = RecordingRegistry(chat_engine())
+    llm = AgentScript(registry=reg, max_new_tokens=3)
+
+    @tool("search")
+    def slow_search(query: str) -> str:
+        """Search the encyclopedia for a passage."""
+        reg.wait_prepared(thread_key("w"), timeout=60)
+        return f"{query}: a landmark of Paris. " * 3
+
+    clear = ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=150, keep=2)])
+    mws = ([clear, PatchKVMiddleware(reg, editors=[clear])] if give_editors else
+           [clear, PatchKVMiddleware(reg)])  # the mistake: the editor given to the agent only
+    agent = create_agent(llm, tools=[slow_search], system_prompt=SYSTEM, middleware=mws)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = agent.invoke({"messages": [HumanMessage("Tell me about Paris landmarks.")]},
+                           {"configurable": {"thread_id": "w"}, "recursion_limit": 60})
+    mine = [w for w in caught if "PatchKVMiddleware: thread" in str(w.message)]
+    stats = [m.response_metadata.get("patchkv") or {} for m in out["messages"] if isinstance(m, AIMessage)]
+    return mine, stats
+
+
+def test_an_editor_not_given_to_the_middleware_is_warned_once_naming_the_fix(one_torch_thread):
+    mine, stats = _run_cleared_agent(give_editors=False)
+    assert len(mine) == 1 and "prepared_middleware" in str(mine[0].message), [str(w.message) for w in mine]
+    noted = [s for s in stats if s.get("prepared_unexplained")]
+    assert noted and all("not among editors" in s["prepared_unexplained"] for s in noted)
+    assert all(s["prepared"] in ("miss", "partial") for s in noted)
+    mine, stats = _run_cleared_agent(give_editors=True)
+    assert mine == [] and not any(s.get("prepared_unexplained") for s in stats)
+    assert [s["prepared"] for s in stats[1:]] == ["hit"] * (len(stats) - 1)
