@@ -6,7 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 cd "$ROOT"
 # The serving tests run real engines (vLLM's CPU build, llama.cpp's server): set them up (once, cached) and
-# make their absence a failure rather than a skip. PATCHKV_SKIP_SERVING=1 leaves them out (-m "not serving").
+# make their absence a failure rather than a skip. PATCHKV_SKIP_SERVING=1 skips the set-up (those tests then
+# skip, saying why).
 if [ "${PATCHKV_SKIP_SERVING:-0}" != "1" ]; then
   bash "$ROOT/scripts/serving_setup.sh" all >/dev/null
   export PATCHKV_REQUIRE_SERVERS=1

@@ -329,3 +329,28 @@ def test_a_real_call_waits_for_its_twin_no_longer_than_the_bound():
     t.join(5)
     with pytest.raises(ValueError):
         PreparedCalls(max_wait_s=-1)
+
+
+def test_the_server_bench_summary_splits_edited_and_append_calls_by_hand():
+    from patchkv_agent.eval.server_bench import _pair, summarize_server
+
+    def row(mode, call, ttft, edited, prepared=None, cached=0, prompt=1000, ep="e"):
+        return {"episode": ep, "workload": "clear", "mode": mode, "call": call, "ttft_s": ttft, "edited": edited,
+                "prepared": prepared, "cached_tokens": cached, "prompt_tokens": prompt, "threads": 1,
+                "episode_s": 10.0, "phase_s": 10.0, "action": {"text": f"a{call}", "tool_calls": []}}
+
+    rows = [row("unprepared", 0, 1.0, None), row("unprepared", 1, 0.2, None, cached=900),
+            row("unprepared", 2, 2.0, None, cached=128), row("unprepared", 3, 4.0, None, cached=0),
+            row("prepared", 0, 1.0, False), row("prepared", 1, 0.22, False, "hit", cached=900),
+            row("prepared", 2, 0.5, True, "hit", cached=896), row("prepared", 3, 2.0, True, "unfinished", cached=384)]
+    rows[-1]["action"] = {"text": "other", "tool_calls": []}
+    _pair(rows)
+    s = summarize_server(rows)["by_threads"][1]
+    assert s["predictable"] == 3 and s["outcomes"] == {"hit": 2, "unfinished": 1} and s["hit_rate"] == 2 / 3
+    assert s["same_action"] == 3 / 4
+    e, a = s["kinds"]["edited"], s["kinds"]["append"]
+    assert e["calls"] == 2 and e["ttft_median_unprepared_s"] == 3.0 and e["ttft_median_prepared_s"] == 1.25
+    assert e["ttft_ratio"] == 1.25 / 3.0 and e["paired_ratio_median"] == (0.25 + 0.5) / 2
+    assert a["calls"] == 1 and abs(a["ttft_ratio"] - 1.1) < 1e-9
+    assert e["cached_share_prepared"] == (0.896 + 0.384) / 2 and e["cached_share_unprepared"] == 0.064
+    assert s["throughput_calls_per_s"] == {"prepared": 0.4, "unprepared": 0.4}

@@ -349,23 +349,34 @@ def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode
                 if before_run:
                     before_run()
                 one(ep, prep)
+        for mode in ("prepared", "unprepared"):  # one at a time: the phase is the sum of its runs
+            wall = sum(r["episode_s"] for r in rows if r["mode"] == mode and r["call"] == 0)
+            for r in rows:
+                if r["mode"] == mode:
+                    r["phase_s"] = wall
     else:
         for prep in (False, True):
             if before_run:
                 before_run()
+            t0 = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(lambda ep: one(ep, prep), episodes))
+            wall = time.perf_counter() - t0
+            for r in rows:
+                if r["mode"] == ("prepared" if prep else "unprepared"):
+                    r["phase_s"] = wall
     bar.close()
     _pair(rows)
     return rows
 
 
 def _pair(rows: list[dict]) -> None:
-    """Each unprepared row takes ``edited`` from its prepared twin (same episode, call, threads) and both
-    get ``same_action``: the two runs' next actions agree."""
-    twins = {(r["episode"], r["call"], r.get("threads")): r for r in rows if r["mode"] == "prepared"}
+    """Each row meets its twin of the other mode (same episode, call, threads): an unprepared row takes
+    ``edited`` from its prepared twin, and both get ``same_action`` (the two runs' next actions agree)."""
+    by = {(r["mode"], r["episode"], r["call"], r.get("threads")): r for r in rows}
     for r in rows:
-        t = twins.get((r["episode"], r["call"], r.get("threads")))
+        other = "unprepared" if r["mode"] == "prepared" else "prepared"
+        t = by.get((other, r["episode"], r["call"], r.get("threads")))
         if t is None:
             continue
         if r["mode"] == "unprepared":
@@ -420,11 +431,15 @@ def summarize_server(rows: Sequence[dict]) -> dict:
             "same_action": _share([r.get("same_action") for r in prep]),
             "kinds": kinds,
             "episode_wall_median_s": wall,
-            "throughput_calls_per_s": {m: (sum(1 for r in rs if r["mode"] == m) /
-                                           sum(r["episode_s"] for r in rs if r["mode"] == m and r["call"] == 0) * n)
-                                       if any(r["mode"] == m for r in rs) else None for m in ("prepared", "unprepared")},
+            "throughput_calls_per_s": {m: _throughput([r for r in rs if r["mode"] == m]) for m in ("prepared", "unprepared")},
         }
     return out
+
+
+def _throughput(rows: Sequence[dict]) -> float | None:
+    """Calls per second of wall time over a mode's phase (its runs one after another, or at once)."""
+    wall = rows[0].get("phase_s") if rows else None
+    return len(rows) / wall if wall else None
 
 
 def _ratio(r: dict, rows: Sequence[dict]) -> float | None:
@@ -513,3 +528,97 @@ def write_server(rows: Sequence[dict], out_dir: str | Path, *, engine: str, comm
     (out / "server_summary.md").write_text(markdown_server(summary, engine=engine, command=command))
     plot_server(rows, out / "server_ttft.png")
     return summary
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+def _positive_float(s: str) -> float:
+    import argparse
+
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number >= 0")
+    return v
+
+
+def _threads(s: str) -> list[int]:
+    import argparse
+
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts such as 1,4, got {s!r}") from None
+    if not out or any(n < 1 or n > 64 for n in out):
+        raise argparse.ArgumentTypeError(f"--threads takes counts from 1 to 64, got {s!r}")
+    return out
+
+
+def add_cli(sub) -> None:
+    """The ``bench-server`` subcommand."""
+    p = sub.add_parser("bench-server", help="agents on a live vLLM / llama.cpp server with and without the tool-wait "
+                                            "prewarm, side by side (JSON, markdown, plot)")
+    p.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
+                   help="the engine to start on the embedded model (scripts/serving_setup.sh sets it up)")
+    p.add_argument("--base-url", default=None, help="use a running server at this OpenAI base URL instead of starting one")
+    p.add_argument("--served-model", default="smollm2", help="the model name the server serves")
+    p.add_argument("--episodes", type=int, default=10, help="episodes per workload (each run twice)")
+    p.add_argument("--workloads", default="clear,summarize", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--context", type=int, default=4000, help="the context the editors keep the agent near (tokens)")
+    p.add_argument("--tool-latency", type=_positive_float, default=6.0, help="seconds each tool takes")
+    p.add_argument("--cover", action="store_true", help="each tool lasts at least until its thread's prewarm is over")
+    p.add_argument("--threads", type=_threads, default=[1], help="comma-separated: episodes at once per phase (1,4)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens each call decodes at most")
+    p.add_argument("--seed", type=int, default=0, help="rotates the research histories")
+    p.add_argument("--out-dir", default="runs/server_bench")
+    p.set_defaults(func=cmd_bench_server)
+
+
+def cmd_bench_server(args) -> int:
+    """``patchkv-agent bench-server``: check the options, start the engine (unless ``--base-url``), run."""
+    import sys
+
+    from ..usage import UsageError
+
+    wls = [w for w in args.workloads.split(",") if w]
+    bad = [w for w in wls if w not in WORKLOADS]
+    if bad or not wls:
+        raise UsageError(f"--workloads: {bad or args.workloads!r} not among {', '.join(WORKLOADS)}")
+    if not 1 <= args.episodes <= 1000 or not 500 <= args.context <= 32768 or not 1 <= args.max_tokens <= 4096:
+        raise UsageError("--episodes takes 1-1000, --context 500-32768 tokens, --max-tokens 1-4096")
+    out = Path(args.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".write-test").write_text("")
+        (out / ".write-test").unlink()
+    except OSError as e:
+        raise UsageError(f"--out-dir {out}: not writable ({e.strerror}); pick another directory") from None
+    episodes = server_episodes(args.episodes, wls, context=args.context, seed=args.seed)
+    srv = None
+    if args.base_url is None:
+        from . import servers
+
+        try:
+            srv = (servers.vllm_server() if args.engine == "vllm" else
+                   servers.llama_server(parallel=max(args.threads), ctx_per_slot=max(8192, args.context * 2)))
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+        base_url, erase = srv.base_url, srv.erase_cache
+    else:
+        base_url, erase = args.base_url, None
+    try:
+        rows: list[dict] = []
+        for n in args.threads:
+            rows += run_server_bench(base_url, args.served_model, episodes, tool_latency=args.tool_latency,
+                                     cover=args.cover, max_tokens=args.max_tokens, salt=args.engine == "vllm",
+                                     threads=n, before_run=erase)
+    finally:
+        if srv is not None:
+            srv.stop()
+    command = "patchkv-agent " + " ".join(getattr(args, "argv", []) or [])
+    summary = write_server(rows, out, engine=args.engine, command=command)
+    print(markdown_server(summary, engine=args.engine, command=command))
+    print(f"wrote {out}/server_results.jsonl, server_summary.json, server_summary.md, server_ttft.png", file=sys.stderr)
+    return 0
