@@ -214,3 +214,21 @@ def test_prepared_middleware_builds_the_editors_and_the_server_middleware_once(v
     assert stack[0] is clear and isinstance(stack[1], PatchKVServerMiddleware) and stack[1].editors == [clear]
     with pytest.raises(ValueError, match="PatchKVChatModel or a ChatOpenAI"):
         prepared_middleware(object(), editors=[clear])
+
+
+def test_an_affinity_header_rides_on_every_call_and_its_prewarm(vllm_srv):
+    """Behind a router with session affinity, the prewarm reaches the replica the call reaches."""
+    import urllib.parse
+
+    proxy = FaultProxy(vllm_srv.root)
+    try:
+        run = _run(vllm_srv, url=proxy.base_url, prepare=True, cover=True, options={"affinity_header": "x-session-id"})
+        want = urllib.parse.quote(run.thread, safe="")
+        calls = proxy.requests("/v1/chat/completions")
+        warm = [r for r in proxy.requests() if r[0] in PREWARM_PATHS]
+        assert calls and warm
+        for path, headers, _ in calls + warm:
+            assert {k.lower(): v for k, v in headers.items()}.get("x-session-id") == want, path
+        assert all(r["prepared"] == "hit" for r in run.rows[1:])
+    finally:
+        proxy.close()

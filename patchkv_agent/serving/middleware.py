@@ -42,7 +42,8 @@ from ..langgraph.predict import (PredictedRequest, PreparedCalls, first_differen
 from ..results import PreparedOutcome
 from .adapter import ServerAdapter, adapter_for
 from .http import Endpoint, Exchange, ServerError
-from .openai import RENDER_KEYS, cached_tokens_of, chat_payload, endpoint_of, is_openai_model, salt_of, with_salt
+from .openai import (RENDER_KEYS, cached_tokens_of, chat_payload, endpoint_of, is_openai_model, salt_of, with_headers,
+                     with_salt)
 from .stats import ServerCallStats
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,13 @@ log = logging.getLogger(__name__)
 __all__ = ["PatchKVServerMiddleware"]
 
 MAX_PREPARATIONS = 32  # preparations alive at once, over all threads (a hung editor holds one until it returns)
+
+
+def _header_value(thread: str) -> str:
+    """A thread id as a header value (percent-encoded: any id is safe ASCII)."""
+    import urllib.parse
+
+    return urllib.parse.quote(thread, safe="")
 
 
 def _response_message(result: Any):
@@ -116,6 +124,9 @@ class PatchKVServerMiddleware(AgentMiddleware):
             its model sets one, travels with its prewarm).
         prepare: prewarm during tool waits (False: only the per-call evidence).
         scope: separates this agent's threads from other contexts of the same graph thread.
+        affinity_header: a header that carries the thread id (percent-encoded) on every real call and on its prewarm (e.g.
+            ``"x-session-id"``), for a router in front of several replicas that keeps a session on one
+            replica (session affinity); a prefix-aware router needs none (the prewarm starts like the call).
         timeout_s: the longest one socket operation of a preparation waits.
         max_prewarm_s: the longest one preparation's server requests take together.
         warn: warn once per thread when calls differ from the predictions in ways the editors did not make.
@@ -131,8 +142,8 @@ class PatchKVServerMiddleware(AgentMiddleware):
 
     def __init__(self, editors: Sequence[Any] | None = None, *, adapter: "str | ServerAdapter" = "auto",
                  cache_salt: "str | Callable[[str], str] | None" = None, prepare: bool = True,
-                 scope: str | None = None, timeout_s: float = 10.0, max_prewarm_s: float = 300.0,
-                 warn: bool = True):
+                 scope: str | None = None, affinity_header: str | None = None, timeout_s: float = 10.0,
+                 max_prewarm_s: float = 300.0, warn: bool = True):
         super().__init__()
         self.editors = list(editors or [])
         bad = [type(e).__name__ for e in self.editors if not isinstance(e, AgentMiddleware)]
@@ -145,6 +156,10 @@ class PatchKVServerMiddleware(AgentMiddleware):
         for name, v in (("timeout_s", timeout_s), ("max_prewarm_s", max_prewarm_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        if affinity_header is not None and (not isinstance(affinity_header, str) or not affinity_header
+                                            or any(c in affinity_header for c in ":\r\n\0 ")):
+            raise ValueError(f"affinity_header must be a header name such as 'x-session-id', got {affinity_header!r}")
+        self.affinity_header = affinity_header
         self.adapter, self.cache_salt, self.prepare = adapter, cache_salt, bool(prepare)
         self.scope, self.timeout_s, self.max_prewarm_s, self.warn = scope, float(timeout_s), float(max_prewarm_s), warn
         self.prepared_calls = PreparedCalls()
@@ -215,6 +230,10 @@ class PatchKVServerMiddleware(AgentMiddleware):
             self._set_prep(key, None, f"no server to prepare on: {e}")
             return
         thread = str(key[0])
+        if self.affinity_header:
+            endpoint = Endpoint(endpoint.root, tuple(sorted({**dict(endpoint.headers),
+                                                             self.affinity_header: _header_value(thread)}.items())),
+                                endpoint.model)
         prep = _Preparation(thread, endpoint, None, self.timeout_s, self.max_prewarm_s)
         with self._lock:
             old = self._preps.pop(key, None)
@@ -396,6 +415,8 @@ class PatchKVServerMiddleware(AgentMiddleware):
         salt = self._salt(str(key[0]))
         if salt is not None:
             request = with_salt(request, salt)
+        if self.affinity_header:
+            request = with_headers(request, {self.affinity_header: _header_value(str(key[0]))})
         st, prep, where = self._claim(key, request)
         return key, request, st, prep, where
 

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from .http import Endpoint
 
-__all__ = ["is_openai_model", "endpoint_of", "chat_payload", "cached_tokens_of", "salt_of", "with_salt",
+__all__ = ["is_openai_model", "endpoint_of", "chat_payload", "cached_tokens_of", "salt_of", "with_salt", "with_headers",
            "RENDER_KEYS"]
 
 # the payload fields that decide the prompt the server renders, or that a middleware changes with the request
@@ -103,6 +103,13 @@ def with_salt(request: Any, salt: str) -> Any:
     extra = {**(getattr(inner, "extra_body", None) or {}), **(kwargs.get("extra_body") or {}),
              **(settings.get("extra_body") or {}), "cache_salt": salt}
     return request.override(model_settings={**settings, "extra_body": extra})
+
+
+def with_headers(request: Any, headers: dict) -> Any:
+    """``request`` whose model call also sends ``headers`` (merged into its ``extra_headers`` setting)."""
+    settings = dict(getattr(request, "model_settings", None) or {})
+    return request.override(model_settings={**settings, "extra_headers": {**(settings.get("extra_headers") or {}),
+                                                                           **headers}})
 
 
 def cached_tokens_of(message: Any) -> int | None:
