@@ -104,6 +104,16 @@ BAD = [
     (["bench-host", "--device", "tpu"], r"--device 'tpu': expected 'cpu' or 'cuda'"),
     (["bench-host", "--model", "./none.gguf"], r"--model .* does not exist"),
     (["bench-host", "--out-dir", "{d}/notgguf.txt"], r"--out-dir .* is not a directory"),
+    # bench-server
+    (["bench-server", "--engine", "sglang"], r"--engine: invalid choice"),
+    (["bench-server", "--workloads", "clear,nope"], r"--workloads: \['nope'\] not among"),
+    (["bench-server", "--episodes", "0"], r"--episodes takes 1-1000"),
+    (["bench-server", "--context", "10"], r"--context must be >= 1000"),
+    (["bench-server", "--threads", "0"], r"--threads takes counts from 1 to 64"),
+    (["bench-server", "--threads", "a,b"], r"--threads takes comma-separated counts"),
+    (["bench-server", "--tool-latency", "-1"], r"--tool-latency: .*>= 0"),
+    (["bench-server", "--base-url", "ftp://x/v1"], r"--base-url: a server address must be http\(s\)"),
+    (["bench-server", "--out-dir", "{d}/notgguf.txt"], r"--out-dir .* is not a directory"),
     # stress
     (["stress", "--threads", "0"], r"--threads must be >= 1"),
     (["stress", "--versions", "1"], r"--versions must be >= 2"),

@@ -45,6 +45,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     f"{PKG}.langgraph": ("eval", "calibration", "cli"),
     f"{PKG}.eval": ("cli",),
     f"{PKG}.calibration": ("cli",),
+    f"{PKG}.serving": ("eval", "calibration", "cli"),
 }
 TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.core.provenance", f"{PKG}.profiles", f"{PKG}.results")
 

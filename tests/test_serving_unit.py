@@ -14,7 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from patchkv_agent.serving.adapter import PrewarmReply, adapter_for, count, token_ids
+from patchkv_agent.serving.adapter import PrewarmReply, count, token_ids
+from patchkv_agent.serving.engines import adapter_for
 from patchkv_agent.serving.http import Endpoint, Exchange, ServerError
 from patchkv_agent.serving.stats import ServerCallStats
 

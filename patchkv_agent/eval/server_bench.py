@@ -588,7 +588,16 @@ def cmd_bench_server(args) -> int:
         raise UsageError(f"--workloads: {bad or args.workloads!r} not among {', '.join(WORKLOADS)}")
     if not 1 <= args.episodes <= 1000 or not 500 <= args.context <= 32768 or not 1 <= args.max_tokens <= 4096:
         raise UsageError("--episodes takes 1-1000, --context 500-32768 tokens, --max-tokens 1-4096")
+    if args.base_url is not None:
+        from ..serving.http import Endpoint
+
+        try:
+            Endpoint.from_base_url(args.base_url)
+        except ValueError as e:
+            raise UsageError(f"--base-url: {e}") from None
     out = Path(args.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out-dir {out} is not a directory; pick a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / ".write-test").write_text("")

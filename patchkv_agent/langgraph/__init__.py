@@ -3,7 +3,7 @@
 - :class:`~patchkv_agent.langgraph.chat_model.PatchKVChatModel`: a chat model over the local model that
   reuses KV per graph thread (tools, streaming, async).
 - :class:`~patchkv_agent.langgraph.middleware.PatchKVMiddleware`: ``create_agent`` middleware (resume on
-  model calls, background offload while tools run); :func:`~patchkv_agent.langgraph.middleware.prepared_middleware`
+  model calls, background offload while tools run); :func:`~patchkv_agent.langgraph.prepared.prepared_middleware`
   builds an agent's editors and the middleware that runs them ahead in one list (in-process or on a server).
 - :func:`~patchkv_agent.langgraph.node.patchkv_node`: the same around a node of a hand-built ``StateGraph``.
 - :class:`~patchkv_agent.langgraph.checkpointer.PatchKVCheckpointSaver`: wraps any checkpoint saver and
@@ -19,7 +19,7 @@ from __future__ import annotations
 _EXPORTS = {
     "PatchKVChatModel": "chat_model",
     "PatchKVMiddleware": "middleware",
-    "prepared_middleware": "middleware",
+    "prepared_middleware": "prepared",
     "patchkv_node": "node",
     "PatchKVCheckpointSaver": "checkpointer",
     "TraceRecorder": "recorder",

@@ -17,7 +17,7 @@ _EXPORTS = {
     "PatchKVServerMiddleware": "middleware",
     "ServerAdapter": "adapter",
     "PrewarmReply": "adapter",
-    "adapter_for": "adapter",
+    "adapter_for": "engines",
     "VLLMAdapter": "vllm",
     "LlamaCppAdapter": "llamacpp",
     "ServerCallStats": "stats",

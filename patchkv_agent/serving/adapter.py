@@ -3,7 +3,7 @@
 An adapter knows one server's routes: how to render a chat request with the server's own chat template into
 token ids (:meth:`ServerAdapter.render`), and how to compute a token-id prompt into the server's prefix cache
 (:meth:`ServerAdapter.prewarm`). Each engine is one small module: :mod:`.vllm`, :mod:`.llamacpp`.
-:func:`adapter_for` picks one by name or asks the server which it is.
+:func:`~patchkv_agent.serving.engines.adapter_for` picks one by name or asks the server which it is.
 
 Every value read back is checked before it is used (:func:`token_ids`, :func:`count`): a server that answers
 with garbage gives a :class:`~patchkv_agent.serving.http.ServerError`, never a wrong prompt.
@@ -17,9 +17,9 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .http import Endpoint, Exchange, ServerError
+from .http import Exchange, ServerError
 
-__all__ = ["ServerAdapter", "PrewarmReply", "adapter_for", "token_ids", "count", "MAX_PROMPT_TOKENS", "ADAPTERS"]
+__all__ = ["ServerAdapter", "PrewarmReply", "token_ids", "count", "MAX_PROMPT_TOKENS"]
 
 MAX_PROMPT_TOKENS = 1 << 21  # more ids than any served context holds: a longer list is not a rendering
 
@@ -99,53 +99,3 @@ def count(value: Any, what: str, *, optional: bool = True) -> int | None:
     if type(value) is not int or not 0 <= value < (1 << 31):
         raise ServerError("malformed", f"{what}: {str(value)[:40]!r} is not a token count")
     return value
-
-
-def _adapters() -> dict[str, type[ServerAdapter]]:
-    from .llamacpp import LlamaCppAdapter
-    from .vllm import VLLMAdapter
-
-    return {"vllm": VLLMAdapter, "llama.cpp": LlamaCppAdapter}
-
-
-ADAPTERS = ("vllm", "llama.cpp")
-
-
-def adapter_for(spec: "str | ServerAdapter", endpoint: Endpoint | None = None, *,
-                timeout_s: float = 5.0) -> ServerAdapter:
-    """The adapter ``spec`` names (``"vllm"``, ``"llama.cpp"``, an instance), or for ``"auto"`` the one whose
-    server answers at ``endpoint``.
-
-    Args:
-        spec: a name from :data:`ADAPTERS`, ``"auto"`` or a :class:`ServerAdapter`.
-        endpoint: the server, for ``"auto"``.
-        timeout_s: the longest each probe waits.
-
-    Returns:
-        The adapter.
-
-    Raises:
-        ValueError: an unknown name, or ``"auto"`` without an endpoint.
-        ServerError: ``"auto"`` and no known engine answers (``kind="unknown"`` when one answers but is
-            neither, else the probe's own error).
-    """
-    if isinstance(spec, ServerAdapter):
-        return spec
-    table = _adapters()
-    if spec in table:
-        return table[spec]()
-    if spec != "auto":
-        raise ValueError(f"adapter must be one of {', '.join(ADAPTERS)}, 'auto' or a ServerAdapter, got {spec!r}")
-    if endpoint is None:
-        raise ValueError("adapter='auto' needs the server's endpoint to ask it which engine it is")
-    last: ServerError | None = None
-    for cls in table.values():
-        try:
-            if cls.detect(lambda: Exchange(endpoint, timeout_s=timeout_s, deadline_s=timeout_s, max_bytes=1 << 20)):
-                return cls()
-        except ServerError as e:
-            last = e
-    if last is not None and last.kind in ("unreachable", "timeout"):
-        raise last
-    raise ServerError("unknown", f"the server at {endpoint.root} is neither {' nor '.join(ADAPTERS)}; "
-                      "name its adapter (adapter='vllm' / 'llama.cpp') or pass a ServerAdapter")

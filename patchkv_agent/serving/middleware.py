@@ -40,7 +40,8 @@ from ..langgraph.keys import thread_key_from_config, using_thread_key
 from ..langgraph.predict import (PredictedRequest, PreparedCalls, first_difference, known_tokens,
                                  predict_agent_request, unexplained_edit)
 from ..results import PreparedOutcome
-from .adapter import ServerAdapter, adapter_for
+from .adapter import ServerAdapter
+from .engines import adapter_for
 from .http import Endpoint, Exchange, ServerError
 from .openai import (RENDER_KEYS, cached_tokens_of, chat_payload, endpoint_of, is_openai_model, salt_of, with_headers,
                      with_salt)
