@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from patchkv_agent.eval.server_bench import ServerEpisode, run_episode_agent
+from patchkv_agent.eval.server_bench import ServerEpisode, near_tie, run_episode_agent
 from serving_helpers import FAULTS, PREWARM_PATHS, FaultProxy, start_engine
 
 pytestmark = pytest.mark.serving
@@ -72,13 +72,36 @@ def _transcript(run) -> list:
 
 
 BLOCK = {"vllm": 128, "llama.cpp": 1}  # the prefix cache's granularity (vLLM CPU: 128-token blocks)
+# How far one engine's logits move when a prefix is computed in other batch splits (a prefix-cache hit, a
+# prewarm, or a longer prefill), measured on the embedded model: vLLM's CPU build decodes the same tokens;
+# llama.cpp's moves a token's logprob by up to ~0.35 nats and a top-two margin by up to ~0.6 (its prefix
+# cache alone does so), so a greedy flip under 1 nat is the engine's rounding, not the prewarm's doing.
+SPLIT_NOISE = {"vllm": {"logprob": 0.0, "tie": 0.0}, "llama.cpp": {"logprob": 0.5, "tie": 1.0}}
+
+
+def _same_decisions(srv, prep, plain) -> None:
+    """The prepared run decides what the unprepared one does, up to the engine's split noise: the same next
+    actions (vLLM); on llama.cpp, every shared token's logprob within the noise, and a differing action
+    only where the two runs parted at a near tie."""
+    noise = SPLIT_NOISE[srv.name]
+    for p, u in zip(prep.rows, plain.rows, strict=True):
+        assert p["tokens"] and u["tokens"], "the server returned no logprobs"
+        if not noise["tie"]:
+            assert p["action"] == u["action"], (p["call"], p["action"], u["action"])
+            continue
+        for a, b in zip(p["tokens"], u["tokens"]):
+            if a[0] != b[0]:
+                break
+            assert abs(a[1] - b[1]) <= noise["logprob"], (p["call"], a, b)
+        if p["action"] != u["action"]:
+            assert near_tie(p["tokens"], u["tokens"], noise["tie"]), (p["call"], p["tokens"], u["tokens"])
 
 
 def test_prepared_edited_calls_hit_reuse_the_prewarm_and_act_as_unprepared(srv):
     nonce = uuid.uuid4().hex[:12]  # one context for both runs (vLLM keeps them apart by their salts)
     plain = _run(srv, prepare=False, nonce=nonce)
     prep = _run(srv, prepare=True, cover=True, nonce=nonce)
-    assert [r["action"] for r in prep.rows] == [r["action"] for r in plain.rows]  # greedy, same server
+    _same_decisions(srv, prep, plain)  # greedy, same server
     assert _transcript(prep) == _transcript(plain)
     assert {r["server"] for r in prep.rows[1:]} == {srv.name}  # the adapter was detected
     assert [r["prepared"] for r in prep.rows[1:]] == ["hit"] * (len(prep.rows) - 1), [

@@ -16,6 +16,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from patchkv_agent.serving.adapter import PrewarmReply, count, token_ids
 from patchkv_agent.serving.engines import adapter_for
+from patchkv_agent.eval.server_bench import decoded_tokens, near_tie
 from patchkv_agent.serving.http import Endpoint, Exchange, ServerError
 from patchkv_agent.serving.stats import ServerCallStats
 
@@ -345,13 +346,34 @@ def test_the_server_bench_summary_splits_edited_and_append_calls_by_hand():
             row("prepared", 0, 1.0, False), row("prepared", 1, 0.22, False, "hit", cached=900),
             row("prepared", 2, 0.5, True, "hit", cached=896), row("prepared", 3, 2.0, True, "unfinished", cached=384)]
     rows[-1]["action"] = {"text": "other", "tool_calls": []}
+    rows[-1]["tokens"], rows[3]["tokens"] = [("other", -0.6, 0.3)], [("a3", -0.5, 0.2)]  # parted at a 0.3-nat tie
     _pair(rows)
     s = summarize_server(rows)["by_threads"][1]
     assert s["predictable"] == 3 and s["outcomes"] == {"hit": 2, "unfinished": 1} and s["hit_rate"] == 2 / 3
-    assert s["same_action"] == 3 / 4
+    assert s["same_action"] == 3 / 4 and s["action_ties"] == 1 and s["same_action_or_tie"] == 1.0
+    rows[-1]["tokens"] = [("other", -0.01, 4.0)]
+    rows[3]["tokens"] = [("a3", -0.02, 3.5)]  # a clear decision each way: a different action, not a tie
+    _pair(rows)
+    assert summarize_server(rows)["by_threads"][1]["same_action_or_tie"] == 3 / 4
     e, a = s["kinds"]["edited"], s["kinds"]["append"]
     assert e["calls"] == 2 and e["ttft_median_unprepared_s"] == 3.0 and e["ttft_median_prepared_s"] == 1.25
     assert e["ttft_ratio"] == 1.25 / 3.0 and e["paired_ratio_median"] == (0.25 + 0.5) / 2
     assert a["calls"] == 1 and abs(a["ttft_ratio"] - 1.1) < 1e-9
     assert e["cached_share_prepared"] == (0.896 + 0.384) / 2 and e["cached_share_unprepared"] == 0.064
     assert s["throughput_calls_per_s"] == {"prepared": 0.4, "unprepared": 0.4}
+
+
+def test_decoded_tokens_and_near_ties_read_the_servers_logprobs():
+    meta = {"logprobs": {"content": [
+        {"token": "A", "logprob": -0.1, "top_logprobs": [{"token": "A", "logprob": -0.1}, {"token": "B", "logprob": -2.6}]},
+        {"token": "c", "logprob": -0.7, "top_logprobs": [{"token": "c", "logprob": -0.7}, {"token": "d", "logprob": -0.9}]},
+        {"token": "x", "logprob": "junk"}]}}
+    toks = decoded_tokens(meta)
+    assert [t[0] for t in toks] == ["A", "c"] and toks[0][2] == pytest.approx(2.5) and toks[1][2] == pytest.approx(0.2)
+    assert decoded_tokens({}) == [] and decoded_tokens({"logprobs": None}) == []
+    other = [("A", -0.1, 2.5), ("d", -0.8, 0.1)]
+    assert near_tie(toks, other, 0.5) is True        # parted where the margin was 0.2 (and 0.1)
+    assert near_tie(toks, other, 0.05) is False
+    assert near_tie(toks, toks, 0.5) is None          # the same tokens
+    assert near_tie([("B", -0.3, 3.0)], toks, 1.0) is False  # parted where both led by 2.5+ nats
+    assert near_tie(toks[:1], toks, 0.5) is True      # one stopped where the other's next token led by 0.2

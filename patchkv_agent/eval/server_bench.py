@@ -41,6 +41,7 @@ __all__ = ["ServerEpisode", "EpisodeRun", "scripted_tool_calls", "server_episode
            "summarize_server", "markdown_server", "plot_server", "write_server", "SERVER_TARGETS", "WORKLOADS"]
 
 WORKLOADS = ("clear", "summarize")
+TIE_NATS = 1.0  # a greedy flip where the top two tokens were this close is the engine's rounding (see near_tie)
 SERVER_TARGETS = {  # the prewarm's targets on a server, reported beside the figures (never asserted)
     "edited_ttft_ratio": 0.3,   # median TTFT of edited prepared calls over unprepared ones, at most
     "hit_rate": 0.95,           # hits among the predictable calls (every call after a tool call)
@@ -116,8 +117,8 @@ def scripted_tool_calls(calls: Sequence[dict]):
     usage; after the last one the real response stands.
 
     Returns:
-        The middleware; ``actions`` holds each real response's ``{"text", "tool_calls"}``, ``messages`` what
-        the agent got.
+        The middleware; ``actions`` holds each real response's ``{"text", "tool_calls"}``, ``tokens`` its
+        decoded tokens (:func:`decoded_tokens`; empty without logprobs), ``messages`` what the agent got.
     """
     from langchain.agents.middleware import AgentMiddleware
     from langchain_core.messages import AIMessage
@@ -125,13 +126,14 @@ def scripted_tool_calls(calls: Sequence[dict]):
     class _Scripted(AgentMiddleware):
         def __init__(self):
             super().__init__()
-            self.calls, self.actions, self.messages, self._i = list(calls), [], [], 0
+            self.calls, self.actions, self.messages, self.tokens, self._i = list(calls), [], [], [], 0
 
         def _swap(self, result):
             msg = result.result[-1]
             self.actions.append({"text": msg.content if isinstance(msg.content, str) else str(msg.content),
                                  "tool_calls": [(c["name"], json.dumps(c["args"], sort_keys=True))
                                                 for c in msg.tool_calls]})
+            self.tokens.append(decoded_tokens(msg.response_metadata))
             if self._i < len(self.calls):
                 c = self.calls[self._i]
                 self._i += 1
@@ -150,6 +152,53 @@ def scripted_tool_calls(calls: Sequence[dict]):
             return self._swap(await handler(request))
 
     return _Scripted()
+
+
+def decoded_tokens(metadata: dict) -> list[tuple[str, float, float | None]]:
+    """The tokens a response decoded, from the ``logprobs`` the server returned (``logprobs=True``,
+    ``top_logprobs >= 2``): ``(token, logprob, margin)`` each, the margin being the chosen token's logprob
+    minus the best other candidate's (None where the server gave no second candidate).
+
+    Args:
+        metadata: a response's ``response_metadata``.
+
+    Returns:
+        The tokens in order; empty where the response carries no logprobs.
+    """
+    content = ((metadata or {}).get("logprobs") or {}).get("content") or []
+    out = []
+    for t in content:
+        if not isinstance(t, dict) or not isinstance(t.get("logprob"), (int, float)):
+            continue
+        others = [c.get("logprob") for c in t.get("top_logprobs") or []
+                  if isinstance(c, dict) and c.get("token") != t.get("token") and isinstance(c.get("logprob"), (int, float))]
+        out.append((str(t.get("token")), float(t["logprob"]), float(t["logprob"]) - max(others) if others else None))
+    return out
+
+
+def near_tie(a: Sequence[tuple], b: Sequence[tuple], eps: float) -> bool | None:
+    """Whether two runs of one call that decoded different tokens parted at a near tie: at the first token
+    where they differ, either run's chosen token led its runner-up by less than ``eps`` nats. An engine
+    that computes a prefix in other batch splits (a prefix-cache hit versus a longer prefill) rounds
+    differently, so greedy decoding may flip there; a flip past ``eps`` is a different decision.
+
+    Args:
+        a, b: the runs' :func:`decoded_tokens`.
+        eps: the margin (nats) under which a flip is a tie.
+
+    Returns:
+        None where the runs decoded the same tokens (or one carries none), else True / False.
+    """
+    if not a or not b:
+        return None
+    for (ta, _, ma), (tb, _, mb) in zip(a, b):
+        if ta != tb:
+            return any(m is not None and m < eps for m in (ma, mb))
+    if len(a) == len(b):
+        return None
+    longer = a if len(a) > len(b) else b  # one run stopped where the other went on: the stop was the choice
+    m = longer[min(len(a), len(b))][2]
+    return m is not None and m < eps
 
 
 class _FirstChunk:
@@ -194,7 +243,7 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
                       middleware: bool = True, tool_latency: float = 6.0, cover: bool = False, max_tokens: int = 16,
                       adapter: str = "auto", salt: bool = True, timeout_s: float = 10.0, api_key: str = "EMPTY",
                       streaming: bool = True, options: dict | None = None, give_editors: bool = True,
-                      extra_middleware: Sequence[Any] = (), nonce: str | None = None) -> EpisodeRun:
+                      extra_middleware: Sequence[Any] = (), nonce: str | None = None, logprobs: bool = True) -> EpisodeRun:
     """Run one episode on the server (see the module docstring).
 
     Args:
@@ -216,10 +265,11 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
         give_editors: give the middleware the agent's editors (False: the mistake it warns about).
         extra_middleware: middleware placed between the editors and the prewarm middleware.
         nonce: the run's nonce (default: a new one).
+        logprobs: ask for each decoded token's logprob and runner-up (rows' ``tokens``; :func:`near_tie`).
 
     Returns:
         The :class:`EpisodeRun`; its rows: ``episode``, ``workload``, ``mode``, ``call``, ``ttft_s``,
-        ``call_s``, ``prompt_tokens``, ``cached_tokens``, ``prepared`` and its fields, ``edited``, ``action``.
+        ``call_s``, ``prompt_tokens``, ``cached_tokens``, ``prepared`` and its fields, ``edited``, ``action``, ``tokens``.
     """
     from langchain.agents import create_agent
     from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware, SummarizationMiddleware
@@ -233,7 +283,8 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
     nonce = nonce or uuid.uuid4().hex[:12]
     timer = _FirstChunk()
     llm = ChatOpenAI(base_url=base_url, api_key=api_key, model=model, temperature=0, max_tokens=max_tokens,
-                     streaming=streaming, stream_usage=True, max_retries=0, callbacks=[timer.handler])
+                     streaming=streaming, stream_usage=True, max_retries=0, callbacks=[timer.handler],
+                     **({"logprobs": True, "top_logprobs": 2} if logprobs else {}))
     if episode.workload == "clear":
         trigger, keep, at_least = (list(episode.setting) + [0, 0, 0])[:3]
         editor = ContextEditingMiddleware(edits=[ClearToolUsesEdit(trigger=trigger, keep=keep, clear_at_least=at_least)])
@@ -279,7 +330,7 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
                                                "prepared_elapsed_s", "server")},
                      "summarized": "SummarizationMiddleware" in (st.get("prepared_info") or {}),
                      "cleared": (st.get("prepared_info") or {}).get("cleared_results"),
-                     "action": script.actions[i]})
+                     "action": script.actions[i], "tokens": script.tokens[i]})
     _mark_edits(rows)
     return EpisodeRun(rows=rows, messages=list(out["messages"]), middleware=mw, script=script, thread=thread,
                       nonce=nonce)
@@ -372,7 +423,8 @@ def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode
 
 def _pair(rows: list[dict]) -> None:
     """Each row meets its twin of the other mode (same episode, call, threads): an unprepared row takes
-    ``edited`` from its prepared twin, and both get ``same_action`` (the two runs' next actions agree)."""
+    ``edited`` from its prepared twin, and both get ``same_action`` (the two runs' next actions agree) and
+    ``action_tie`` (where they differ, whether they parted at a near tie: :func:`near_tie` at ``TIE_NATS``)."""
     by = {(r["mode"], r["episode"], r["call"], r.get("threads")): r for r in rows}
     for r in rows:
         other = "unprepared" if r["mode"] == "prepared" else "prepared"
@@ -382,6 +434,7 @@ def _pair(rows: list[dict]) -> None:
         if r["mode"] == "unprepared":
             r["edited"] = t.get("edited")
         r["same_action"] = r["action"] == t["action"]
+        r["action_tie"] = None if r["same_action"] else near_tie(r.get("tokens"), t.get("tokens"), TIE_NATS)
 
 
 def _median(xs):
@@ -429,6 +482,9 @@ def summarize_server(rows: Sequence[dict]) -> dict:
             "calls": len(prep), "predictable": len(predictable), "outcomes": outcomes,
             "hit_rate": outcomes.get("hit", 0) / len(predictable) if predictable else None,
             "same_action": _share([r.get("same_action") for r in prep]),
+            "action_ties": sum(1 for r in prep if r.get("action_tie")),
+            "same_action_or_tie": _share([r.get("same_action") or bool(r.get("action_tie")) for r in prep
+                                          if r.get("same_action") is not None]),
             "kinds": kinds,
             "episode_wall_median_s": wall,
             "throughput_calls_per_s": {m: _throughput([r for r in rs if r["mode"] == m]) for m in ("prepared", "unprepared")},
@@ -480,7 +536,8 @@ def markdown_server(summary: dict, *, engine: str, command: str = "") -> str:
                          f"{f(k['cached_share_unprepared'], 2)} / {f(k['cached_share_prepared'], 2)} | "
                          f"{f(s['hit_rate'], 3)} | {f(s['same_action'], 3)} |")
         lines.append("")
-        lines.append(f"{n} thread(s): outcomes {s['outcomes']}; throughput (calls/s) {s['throughput_calls_per_s']}")
+        lines.append(f"{n} thread(s): outcomes {s['outcomes']}; throughput (calls/s) {s['throughput_calls_per_s']}; "
+                     f"next actions that differ at a near tie (< {TIE_NATS} nat): {s.get('action_ties', 0)}")
     lines += ["", f"Targets: {summary['targets']}"]
     return "\n".join(lines) + "\n"
 
