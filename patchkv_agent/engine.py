@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .core.checkpoint import Checkpoint
+from .core.checkpoint import Checkpoint, identity_fallback
 from .core.diff import Edit, diff_versions
 from .core.encoding import SegmentEncoder
 from .core.lexicon import WordIndex
@@ -235,9 +235,7 @@ class PatchKVEngine:
 
     def __repr__(self) -> str:
         name = getattr(self.model, "patchkv_source", None) or type(self.model).__name__
-        parts = [f"{k}={_short(getattr(self._settings, k))} [{self._sources[k]}]"
-                 for k in RecoverySettings.field_names()]
-        return f"PatchKVEngine({name}, " + ", ".join(parts) + ")"
+        return f"PatchKVEngine({name}, {self._settings.describe(self._sources)})"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
@@ -374,18 +372,7 @@ class PatchKVEngine:
     def _validate_checkpoint(self, ckpt: Checkpoint) -> Fallback | None:
         """None for a checkpoint of the current weights; a ``WEIGHTS_CHANGED`` fallback for one of this
         model before an in-place change; raises for anything else."""
-        if not isinstance(ckpt, Checkpoint):
-            raise TypeError(f"expected a Checkpoint from PatchKVEngine.checkpoint, got {type(ckpt).__name__}")
-        current = self.refresh_fingerprint()
-        if ckpt.fingerprint == current:
-            return None
-        if ckpt.fingerprint in self._past_fingerprints:
-            return Fallback(FallbackKind.WEIGHTS_CHANGED,
-                            f"the model's weights changed since this checkpoint was written "
-                            f"({ckpt.fingerprint[:24]}... -> {current[:24]}...); its KV is stale")
-        raise ValueError(
-            f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
-            f"engine's ({current[:24]}...); re-create it with this engine's checkpoint()")
+        return identity_fallback(ckpt, self.refresh_fingerprint(), self._past_fingerprints)
 
     # ----------------------------------------------------------- checkpoint
 
@@ -708,8 +695,3 @@ class PatchKVEngine:
 
 _SETTINGS_FIELDS = frozenset(RecoverySettings.field_names())
 
-
-def _short(v) -> str:
-    if isinstance(v, LengthModel):
-        return f"LengthModel(quantile={v.quantile})" if getattr(v, "quantile", None) is not None else repr(v)
-    return repr(v)

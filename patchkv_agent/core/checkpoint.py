@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from ..kernels import RunPayload, key_residual_sq, quantize_gather, value_residual_layers
+from .fallback import Fallback, FallbackKind
 from .plan import DEFAULT_BLOCK_SIZE
 from .provenance import CheckpointProvenance
 from .precision import FP16_SAFE, PrecisionPolicy, Run, Tag, assign_tags, cluster_runs
@@ -268,3 +269,32 @@ class Checkpoint:
         """Exact payload bytes of the K/V held."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                    for k, v in zip(self.keys, self.values))
+
+
+def identity_fallback(ckpt: "Checkpoint", current: str, past: set[str] | frozenset[str]) -> Fallback | None:
+    """Whether a checkpoint is of the model whose fingerprint is ``current``.
+
+    Args:
+        ckpt: the checkpoint.
+        current: the model's fingerprint now.
+        past: the fingerprints the model had before its weights changed in place.
+
+    Returns:
+        None for a checkpoint of the current weights; a ``WEIGHTS_CHANGED`` fallback for one written before
+        an in-place change (its KV is stale).
+
+    Raises:
+        TypeError: ``ckpt`` is not a :class:`Checkpoint`.
+        ValueError: a checkpoint of another model or tokenizer.
+    """
+    if not isinstance(ckpt, Checkpoint):
+        raise TypeError(f"expected a Checkpoint from PatchKVEngine.checkpoint, got {type(ckpt).__name__}")
+    if ckpt.fingerprint == current:
+        return None
+    if ckpt.fingerprint in past:
+        return Fallback(FallbackKind.WEIGHTS_CHANGED,
+                        f"the model's weights changed since this checkpoint was written "
+                        f"({ckpt.fingerprint[:24]}... -> {current[:24]}...); its KV is stale")
+    raise ValueError(
+        f"checkpoint was written by another model or tokenizer ({ckpt.fingerprint[:24]}...) than this "
+        f"engine's ({current[:24]}...); re-create it with this engine's checkpoint()")

@@ -161,6 +161,21 @@ class RecoverySettings:
         """The settings' fields, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
 
+    def describe(self, sources: dict[str, str]) -> str:
+        """``field=value [source]`` for every field, comma-separated (a length model by its quantile).
+
+        Args:
+            sources: where each field came from (``PatchKVEngine.settings_sources``).
+
+        Returns:
+            The description (what an engine's ``repr`` shows).
+        """
+        def short(v) -> str:
+            q = getattr(v, "quantile", None) if isinstance(v, LengthModel) else None
+            return f"LengthModel(quantile={q})" if q is not None else repr(v)
+
+        return ", ".join(f"{k}={short(getattr(self, k))} [{sources.get(k, '?')}]" for k in self.field_names())
+
     def changed_fields(self) -> tuple[str, ...]:
         """The fields whose value differs from the built-in default."""
         default = RecoverySettings()
