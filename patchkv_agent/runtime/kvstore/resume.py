@@ -96,7 +96,7 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
     req = new_token_ids if isinstance(new_token_ids, ResumeRequest) else engine.request(
         new_token_ids, strategy, max_new_tokens)
     t0 = time.perf_counter()
-    if req.strategy.name == "exact":
+    if not req.strategy.uses_checkpoint:  # nothing to read: the key is still checked
         store.check_key(key)
         ckpt, reason = None, None
     else:
