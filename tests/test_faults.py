@@ -219,7 +219,7 @@ def test_redis_down_in_the_middle_of_a_read(engine, pair, ckpt, exact, redis_ser
     assert_exact(res, exact, "Redis unavailable while reading")
 
 
-# ----------------------------------------------------------------------------- damaged metadata (issue 13)
+# ----------------------------------------------------------------------------- damaged metadata
 
 
 def _flip_meta_bit(store, key):
@@ -239,8 +239,8 @@ def _flip_meta_bit(store, key):
 
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_non_utf8_metadata_is_an_exact_resume_every_time(tier, engine, pair, ckpt, exact, tmp_path, request):
-    """Finding: one flipped bit in an entry's metadata (non-UTF-8) raised UnicodeDecodeError out of
-    resume_from_store, and every later call on that thread failed the same way."""
+    """One flipped bit in an entry's metadata (non-UTF-8) raises no UnicodeDecodeError out of
+    resume_from_store, on this call or any later call on that thread."""
     store = _store(tier, tmp_path, request)
     key = store.key_for(ckpt, thread_id="t", version=1)
     store.put(key, ckpt)
@@ -273,7 +273,7 @@ def test_registry_generate_survives_damaged_metadata(engine, pair, exact, tmp_pa
 
 
 def test_background_delete_on_a_dead_redis_logs_one_line(engine, pair, ckpt, redis_server, caplog):
-    """Finding: background delete failures on a dead Redis logged a ~40-line traceback each."""
+    """A background delete failure on a dead Redis logs one line (not a ~40-line traceback)."""
     import logging
 
     from patchkv_agent.runtime.kvstore import RedisStore
@@ -477,7 +477,7 @@ def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
         args.func(args)
 
 
-# ----------------------------------------------------------------------------- fault mode (issue 13)
+# ----------------------------------------------------------------------------- fault mode
 
 
 def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
