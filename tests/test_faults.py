@@ -484,9 +484,8 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
     """``stress --faults`` in small: bit flips in metadata and payloads, a SIGKILLed writer process, Redis
     pauses and restarts (when redis-server is installed), budget pressure. Every result equals the thread
     run alone, 0 exceptions escape, 0 acknowledged entries are lost."""
-    import shutil
-
     from patchkv_agent.eval.faults import format_fault_summary, run_fault_stress
+    from patchkv_agent.eval.redis_server import redis_server_path
 
     s = run_fault_stress(threads=6, versions=3, engine=engine, writer_kills=1, inject_rate=0.6, budget_entries=4,
                          progress=False)
@@ -499,7 +498,7 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
     assert s["exact_fallbacks"].get("corrupt_checkpoint", 0) > 0
     w = s["per_tier"]["disk"]["writer"]
     assert w["checked"] > 0 and w["lost"] == []
-    if shutil.which("redis-server"):
+    if redis_server_path():
         assert f["redis_restart"] == 1 and f["redis_pause"] == 2
 
 
