@@ -5,8 +5,8 @@ Boundary: argument parsing and wiring only: episodes come from :func:`patchkv_ag
 ``add_calibrate_cli(subparsers)``; ``calibrate_main(args)`` runs it.
 
 Default size: 3 workloads x 6 episodes x 3 versions at ~1.5k tokens (2WikiMQA at 1.8k), the 4 tau_V
-candidates and the full 4 x 4 (kappa, block) grid on the validation pairs; its run time is in
-runs/results/LOG.md (section "Calibration run time"). On a shared machine pass ``--threads 1`` (torch
+candidates and the full 4 x 4 (kappa, block) grid on the validation pairs; it takes about 15 minutes
+on 2 free CPU cores (the shipped profile records its own run's ``wall_s``). On a shared machine pass ``--threads 1`` (torch
 threads competing with other processes for few cores are slower than one).
 
 The agent stage (:mod:`.agent_stage`) is opt-in: ``--agent-workloads agent-clear,...`` also selects the

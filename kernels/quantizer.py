@@ -25,10 +25,10 @@ Groups:
   the last group is shorter when ``head_dim`` is not a multiple (head_dim 80: 32 + 32 + 16).
 
 Keys are scaled per channel, not per token, because key outliers live in fixed channels: a per-token
-range is set by the outlier channel and crushes every other channel of the token. The errors measured
-when the formats were chosen (per-channel vs per-token keys, round trips, the 4-bit value residual on
-SmolLM2) are in runs/results/LOG.md (section "Transport formats"); ``test_kernels`` re-checks the
-per-channel/per-token ordering on synthetic keys with outlier channels.
+range is set by the outlier channel and crushes every other channel of the token. On SmolLM2's cached
+keys (8 bit, block 32) the relative error is 0.0022 per channel against 0.0080 per token; the 4-bit value
+residual is ~0.08 (median). ``test_kernels`` re-checks the per-channel/per-token ordering on synthetic keys
+with outlier channels.
 """
 
 from __future__ import annotations

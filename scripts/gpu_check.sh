@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the first GPU (issue 21), on a bare machine: no install, no network, no model weights.
+# One command for a GPU check on a bare machine: no install, no network, no model weights.
 # Stages, most valuable first, each under its own timeout (clamped to GPU_CHECK_BUDGET_S overall); a stage that
 # fails is recorded (exit status, last log lines in summary.md) and the next one runs:
 #   env        versions, GPU, a Triton smoke kernel (when it fails the later stages run PATCHKV_KERNELS=torch),

@@ -1,4 +1,4 @@
-"""PatchKVChatModel at its input boundary (issue 22): a forced tool call cut off at any length is an
+"""PatchKVChatModel at its input boundary: a forced tool call cut off at any length is an
 ``invalid_tool_calls`` entry with ``finish_reason="length"``; malformed tool schemas and ``tool_choice``
 values raise a ValueError / TypeError naming the problem; ``json_mode`` works without a schema.
 

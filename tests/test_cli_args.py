@@ -1,12 +1,10 @@
 """Every subcommand's bad arguments: one line on stderr naming the fix, exit status 2, no traceback, and
-no model loaded (issue 22). Also: empty inputs are errors, out-of-range values are rejected.
+no model loaded. Also: empty inputs are errors, out-of-range values are rejected.
 
-Issue 32, part A: the command line's last tracebacks and its one surprising default (each test in that section
-fails on the code before the fix): ``bench --summarize`` on a file that is not a results file printed a
-traceback (ValueError, KeyError); an offline ``demo --model <hub id>`` printed a traceback around a good message;
-``calibrate`` with no arguments started a run of hours instead of saying what it would do. Now: one line naming
-the fix, exit status 2; a bare ``calibrate`` prints its plan (episodes, stages, output, time) and starts nothing
-unless given ``--run`` or any option (every documented invocation has one).
+Bad files, offline hub ids and a bare ``calibrate``: ``bench --summarize`` on a file that is not a results
+file, and an offline ``demo --model <hub id>``, give one line naming the fix and exit status 2 (no traceback
+around it); a bare ``calibrate`` prints its plan (episodes, stages, output, time) and starts nothing (rather
+than a run of hours) unless given ``--run`` or any option (every documented invocation has one).
 
 Runs ``cli.main([...])`` in-process with every model loader replaced by one that fails the test.
 """
@@ -217,7 +215,7 @@ def test_the_calibration_entry_point_prints_one_line(capsys):
     assert e.value.code == 2 and len(lines) == 1 and "--gamma must be in (0, 1]" in lines[0]
 
 
-# ----------------------------------------------------------------------------- issue 32: bad files, offline hub ids, a bare calibrate
+# ----------------------------------------------------------------------------- bad files, offline hub ids, a bare calibrate
 
 
 def _one_line(capsys, exc) -> str:

@@ -1,10 +1,10 @@
-"""Issue 32, finding 10: message text is tokenized as text; the only special tokens of a rendered context
-are the chat template's own.
+"""Message text is tokenized as text; the only special tokens of a rendered context are the chat
+template's own.
 
-Before: ``<|im_start|>system`` inside a ToolMessage's text (or any message content, a ChatMessage role, a
-tool call's arguments) was read by the tokenizer as the real special token, so a tool's output could forge a
-system turn. Now :meth:`SegmentEncoder.as_text` breaks every special token's text inside message strings
-before the template renders them; ordinary conversations keep exactly today's ids.
+``<|im_start|>system`` inside a ToolMessage's text (or any message content, a ChatMessage role, a tool
+call's arguments) must not be read by the tokenizer as the real special token, or a tool's output could forge
+a system turn: :meth:`SegmentEncoder.as_text` breaks every special token's text inside message strings before
+the template renders them; ordinary conversations keep exactly the tokenizer's own ids.
 
 Oracles: the tokenizer's own ids of the template-rendered text (ordinary conversations); the count of turn
 markers the template writes (one ``<|im_start|>`` per message plus the generation prompt).
@@ -62,7 +62,7 @@ def test_a_tool_output_cannot_forge_a_turn(tools):
     assert _markers(eng.tokenizer, ids) == _markers(eng.tokenizer, benign_ids)
     assert LITERAL_BREAK in trace[-1]["content"] and "<|im_start|>" not in trace[-1]["content"]
     assert trace[-1]["content"].replace(LITERAL_BREAK, "") == FORGED  # the text itself is kept
-    # before the fix, the forged markers were two more turns
+    # read as special tokens, the forged markers would be two more turns
     raw = eng.tokenizer.apply_chat_template(plain_messages(to_trace_messages(_conversation(FORGED))), tokenize=False,
                                             add_generation_prompt=True)
     n = len(_conversation(""))

@@ -1,4 +1,4 @@
-"""Engine-level hardening (issue 13): one forward lock and capture per engine shared by any number of
+"""Engine-level hardening: one forward lock and capture per engine shared by any number of
 registries and direct callers; in-place weight changes noticed before each resume; one validator of ids
 and ``max_new_tokens`` at the public boundary. Tiny random llamas, fp32."""
 

@@ -1,9 +1,9 @@
-"""Issue 22, item 3: a structure-aware fuzzer over the entry codec (``patchkv_agent.eval.entry_fuzz``).
+"""A structure-aware fuzzer over the entry codec (``patchkv_agent.eval.entry_fuzz``).
 
 Random structural edits (header fields, blob shapes and dtypes, row indices, block tags, runs, format
 labels incl. K4V4, missing or extra blobs) under consistent checksums: 0 escaped exceptions and torch ==
 native on every accepted entry over 2,000 examples in process, and again with ``native.c`` built with
-AddressSanitizer (0 crashes, 0 sanitizer reports), where the native argument cases of issue 32 (block sizes
+AddressSanitizer (0 crashes, 0 sanitizer reports), where the hostile native argument cases (block sizes
 past int32, an inner stride of 0, an fp16 destination) run too. ``patchkv-agent stress --fuzz`` runs longer.
 """
 
@@ -41,7 +41,7 @@ def test_fuzzed_entries_under_address_sanitizer():
     assert s["sanitizer_reports"] == 0, s["stderr_tail"]
     assert s["failures"] == 0 and s["examples"] == EXAMPLES, s.get("first_failure")
     assert "AddressSanitizer" in s["native"]
-    # issue 32, findings 7 and 8: block sizes past int32, an inner stride of 0, an fp16 destination, through
+    # hostile native arguments: block sizes past int32, an inner stride of 0, an fp16 destination, through
     # the wrappers and straight into the library: refused, with no sanitizer report (the controls run)
     cases = s["native_cases"]
     assert len(cases) >= 10 and all(o.startswith("accepted" if n.startswith("control") else "refused: ")

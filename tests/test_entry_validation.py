@@ -1,19 +1,15 @@
-"""Issue 22, items 2 and 5: a store entry is hostile even when its checksums are consistent, and K/V
-beyond the fp16 range never break a checkpoint.
+"""A store entry is hostile even when its checksums are consistent, and K/V beyond the fp16 range never
+break a checkpoint.
 
-Findings (each test below failed on the code before the fix):
-
-- an entry whose header fields disagree with its blob table (a group size or block size of 0, a row
-  count larger than the blobs, a truncated scale blob, K4V4 data labelled as another format, row
-  indices out of range, K/V of another shape than the model's) killed the process in the native kernel
-  (SIGFPE), read past its buffers, or raised ValueError / IndexError out of ``resume_from_store``; now
-  every such entry is refused by the codec before any tensor op, quarantined, and the resume is exact
-  with the reason in ``stats["fallback"]``;
-- the native library trusted its arguments: a job with a block size of 0 or rows past its buffers
-  crashed or read out of bounds; it now checks them and returns an error code, and the native and
-  torch paths refuse the same payloads with the same ``ValueError``;
-- a model whose activations exceed the fp16 range made ``checkpoint()`` raise; non-finite values in a
-  forward went unreported.
+- An entry whose header fields disagree with its blob table (a group size or block size of 0, a row count
+  larger than the blobs, a truncated scale blob, K4V4 data labelled as another format, row indices out of
+  range, K/V of another shape than the model's) is refused by the codec before any tensor op (no SIGFPE in
+  the native kernel, no read past its buffers, no ValueError / IndexError out of ``resume_from_store``),
+  quarantined, and the resume is exact with the reason in ``stats["fallback"]``;
+- the native library checks its arguments (a job with a block size of 0 or rows past its buffers returns
+  an error code), and the native and torch paths refuse the same payloads with the same ``ValueError``;
+- a model whose activations exceed the fp16 range still checkpoints, and non-finite values in a forward
+  are reported.
 """
 
 from __future__ import annotations
@@ -248,7 +244,7 @@ print("rc", rc, "written", bool(dk.any()))
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native library is not built")
 @pytest.mark.parametrize("case", ["block_size_0", "rows_past_the_payload", "dst_row_past_the_end", "head_dim_1025"])
 def test_the_native_library_checks_its_own_arguments(case):
-    # in a subprocess: before the fix, these killed the process (SIGFPE) or wrote past the destination
+    # in a subprocess: unchecked, these would kill the process (SIGFPE) or write past the destination
     proc = subprocess.run([sys.executable, "-c", _NATIVE_PROBE, case], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -297,7 +293,7 @@ def test_checkpoint_never_raises_for_kv_beyond_fp16_and_keeps_those_blocks_full(
     e = _loud_engine(factor)
     rng = np.random.default_rng(7)
     ids = rng.integers(3, 200, 48).tolist()
-    ckpt = e.checkpoint(ids)  # raised ValueError("resid must be finite and non-negative") before the fix
+    ckpt = e.checkpoint(ids)  # activations past fp16 checkpoint (no ValueError "resid must be finite and non-negative")
     v = ckpt.values[1]
     unsafe = (~torch.isfinite(v) | (v.abs() > 6e4)).any(2).any(0).numpy()
     assert unsafe.any()

@@ -1,4 +1,4 @@
-"""Host-side resume path (issue 21): carried word ids, the fast id validation, the native value residual,
+"""Host-side resume path: carried word ids, the fast id validation, the native value residual,
 and the host benchmark / GPU check script in their small modes. No test here times anything or needs a GPU."""
 
 from __future__ import annotations

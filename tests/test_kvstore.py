@@ -1,13 +1,12 @@
 """One conformance suite that every KV store tier passes (memory, disk, Redis): the store's contract, the
-integrity checks of issue 13 that hold on every tier, and the codec. Tier-specific checks (spill, disk
+integrity checks that hold on every tier, and the codec. Tier-specific checks (spill, disk
 crashes, Redis sharing, namespaces and index) are in ``test_kvstore_tiers.py``.
 
 The Redis tier runs against a real redis-server on loopback (the ``redis_server`` fixture of conftest.py)
 and skips with a clear message only when redis-server or the client is not installed.
 
-Issue 13 (hardening): every byte read back is verified (metadata included) and a broken entry is
-quarantined; sizes come from verified data only. Each of those findings has a test here that fails on the
-code before the fix.
+Integrity: every byte read back is verified (metadata included) and a broken entry is quarantined; sizes
+come from verified data only.
 """
 
 from __future__ import annotations
@@ -283,7 +282,7 @@ def test_concurrent_access_from_threads(tier):
     assert s.stats.evictions > 0
 
 
-# ----------------------------------------------------------------------------- integrity (issue 13)
+# ----------------------------------------------------------------------------- integrity
 
 
 def _non_utf8(raw: bytes) -> bytes:
@@ -319,8 +318,8 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_metadata_is_refused_quarantined_and_never_breaks_the_next_call(tier, damage):
-    """Finding: one flipped bit in a disk entry's metadata raised UnicodeDecodeError out of get (and every
-    later call); unchecked metadata fields drove sizes and reads. Now: CorruptCheckpoint, the entry is
+    """One flipped bit in an entry's metadata raises no UnicodeDecodeError out of get (on this call or a
+    later one), and no unchecked metadata field drives sizes or reads: CorruptCheckpoint, the entry is
     quarantined and counted, the next call is a plain miss that says why, the store keeps working."""
     raw_fn, fn, fix = DAMAGE[damage]
     if tier.name == "memory" and raw_fn is not None:
@@ -371,8 +370,8 @@ def test_quarantine_spares_an_entry_another_writer_replaced_meanwhile(tier, monk
 
 
 def test_damaged_size_records_cannot_evict_valid_entries_or_disable_the_budget(tier):
-    """Finding: one damaged size field (disk ``nbytes``, Redis ``:size``) made the next put evict every valid
-    entry, and a negative one switched the budget off. Sizes now come from verified records only."""
+    """One damaged size field (disk ``nbytes``, Redis ``:size``) evicts no valid entry on the next put, and a
+    negative one leaves the budget on: sizes come from verified records only."""
     if tier.name == "memory":
         pytest.skip("the memory tier's sizes never leave the process (nothing stored to damage)")
     cks = [make_ckpt(90 + i) for i in range(10)]
@@ -410,7 +409,7 @@ def _damage_size(tier, store, key, value):
 
 
 def test_a_fifo_in_place_of_an_entry_never_blocks(tier, tmp_path):
-    """Finding: a FIFO in place of a metadata file hung DiskStore() while it scanned."""
+    """A FIFO in place of a metadata file never hangs DiskStore() while it scans."""
     if tier.name != "disk":
         pytest.skip("only the disk tier reads files")
     s = tier.open()

@@ -1,21 +1,17 @@
-"""Hostile sizes and links in the KV stores (issue 32, part A, trust boundary round three): what a planted
-entry, index record or link costs.
+"""Hostile sizes and links in the KV stores: what a planted entry, index record or link costs.
 
-Findings (each test below fails on the code before the fix):
+- Declared sizes: a disk entry of a few KiB declaring a GiB (a sparse file), one declaring more than the
+  host's memory, and an old-layout directory with a sparse 16 GiB ``data.bin``. Declared sizes are checked
+  against the file, the budget, this host's memory and the requesting model (``EntryLimits``) before anything
+  is allocated, refused entries are quarantined, and ``DiskStore()`` still opens;
+- Budgets: one planted entry (disk) or self-consistent Redis index record declaring a TiB evicts nothing
+  valid (an over-budget size is quarantined or rebuilt from verified metadata), and 100k junk digests in
+  Redis ``:lru`` are pruned in batches, not one round trip each;
+- Links: a ``.quarantine`` symlink, and ``.gone`` or deployment-directory links, never redirect deletes or
+  writes out of the store: it refuses links inside itself and works relative to its own directory
+  descriptors.
 
-1. a disk entry of a few KiB declaring a GiB (a sparse file) was read whole (+2 GiB RSS, seconds) before its
-   checksum failed; one declaring more than the host's memory raised ``MemoryError`` out of ``get`` and was
-   never quarantined; an old-layout directory with a sparse 16 GiB ``data.bin`` made every ``DiskStore()``
-   open raise. Now declared sizes are checked against the file, the budget, this host's memory and the
-   requesting model (``EntryLimits``) before anything is allocated, and refused entries are quarantined;
-2. one planted entry (disk) or self-consistent Redis index record declaring a TiB made the next put evict
-   every valid entry; 100k junk digests in Redis ``:lru`` cost one round trip each on the first put. Now an
-   over-budget size is quarantined (or rebuilt from verified metadata), and junk is pruned in batches;
-9. a ``.quarantine`` symlink made quarantine pruning delete files in the link's target, and ``.gone`` or
-   deployment-directory links redirected writes out of the store. Now the store refuses links inside itself
-   and works relative to its own directory descriptors.
-
-Finding 3 (what decoding a hostile checkpointer database costs) is tested in ``test_serde.py``.
+What decoding a hostile checkpointer database costs is tested in ``test_serde.py``.
 """
 
 from __future__ import annotations

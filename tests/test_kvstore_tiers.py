@@ -5,9 +5,8 @@ expiry, namespaces and index.
 Redis runs against a real redis-server on loopback (the ``redis_server`` fixture of conftest.py) and skips
 with a clear message only when redis-server or the client is not installed.
 
-Issue 13 (hardening): the disk replace never loses both copies; Redis namespaces are unambiguous and
-``clear`` deletes exactly its own keys; damaged index records are rebuilt from verified metadata. Each of
-those findings has a test here that fails on the code before the fix.
+Hardening: the disk replace never loses both copies; Redis namespaces are unambiguous and ``clear``
+deletes exactly its own keys; damaged index records are rebuilt from verified metadata.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ def test_redis_without_client_names_the_install(monkeypatch):
         RedisStore()
 
 
-# ----------------------------------------------------------------------------- disk: crashes (issue 13)
+# ----------------------------------------------------------------------------- disk: crashes
 
 
 def _crash_in_child(store, key, ckpt, when: str) -> None:
@@ -140,9 +139,9 @@ def _crash_in_child(store, key, ckpt, when: str) -> None:
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_disk_crash_between_replace_steps_never_loses_both_copies(tmp_path, when):
-    """Finding: a crash between the two renames of a disk replace left the entry reported as never stored,
-    and both valid copies were garbage-collected later. Now the new copy is written and fsynced before one
-    atomic swap; recovery on open rolls back what a crash left before the swap."""
+    """A crash during a disk replace never leaves the entry reported as never stored (with both valid copies
+    garbage-collected later): the new copy is written and fsynced before one atomic swap; recovery on open
+    rolls back what a crash left before the swap."""
     s = DiskStore(tmp_path, deployment="dep")
     old = make_ckpt(110)
     key, _ = put_entry(s, old)
@@ -205,7 +204,7 @@ def test_disk_bit_flip_in_metadata_is_quarantined_on_open(tmp_path):
         s2.get(bad)
 
 
-# ----------------------------------------------------------------------------- Redis: isolation and index (issue 13)
+# ----------------------------------------------------------------------------- Redis: isolation and index
 
 
 def _all_keys(store):
@@ -213,8 +212,8 @@ def _all_keys(store):
 
 
 def test_redis_namespaces_are_unambiguous(redis_server):
-    """Finding: the namespace was f"{prefix}:{deployment}", so prefix "p" + deployment "x:y" and prefix
-    "p:x" + deployment "y" shared keys, LRU and budget."""
+    """Prefix "p" + deployment "x:y" and prefix "p:x" + deployment "y" share no keys, LRU or budget (as a
+    namespace of f"{prefix}:{deployment}" would make them)."""
     from patchkv_agent.runtime.kvstore import RedisStore
 
     a = RedisStore(redis_server.url, prefix="p", deployment="x:y")
@@ -229,8 +228,8 @@ def test_redis_namespaces_are_unambiguous(redis_server):
 
 
 def test_redis_clear_deletes_exactly_its_own_keys(redis_server):
-    """Finding: RedisStore(deployment="*").clear() deleted another deployment's entries (a glob built from
-    the deployment name). clear() now deletes the keys its namespace index lists, nothing else."""
+    """RedisStore(deployment="*").clear() deletes no other deployment's entries (as a glob built from the
+    deployment name would): clear() deletes the keys its namespace index lists, nothing else."""
     from patchkv_agent.runtime.kvstore import RedisStore
 
     prefix = f"clr{uuid.uuid4().hex[:8]}"
@@ -251,8 +250,8 @@ def test_redis_clear_deletes_exactly_its_own_keys(redis_server):
 
 
 def test_redis_damaged_index_records_are_rebuilt_from_verified_metadata(redis_server):
-    """Finding: a damaged ``:keys`` record made keys(), nbytes(), every budgeted put and
-    ThreadRegistry.expect() raise, orphaning the entry just written."""
+    """A damaged ``:keys`` record makes none of keys(), nbytes(), a budgeted put or ThreadRegistry.expect()
+    raise (which would orphan the entry just written)."""
     from patchkv_agent.runtime.kvstore import RedisStore
 
     cks = [make_ckpt(125 + i) for i in range(3)]
@@ -278,8 +277,8 @@ def test_redis_damaged_index_records_are_rebuilt_from_verified_metadata(redis_se
 
 
 def test_redis_fields_outside_every_checksum_are_not_trusted(redis_server, monkeypatch):
-    """Finding: the hash fields ``nblobs``, ``gen`` and ``nbytes`` were used unchecked (a damaged nblobs of
-    3e6 cost 11 s of MGET and then an IndexError). Blob names and counts now come from checksummed
+    """The hash fields ``nblobs``, ``gen`` and ``nbytes`` are not trusted (used unchecked, a damaged nblobs of
+    3e6 would cost 11 s of MGET and then an IndexError): blob names and counts come from checksummed
     metadata; a hostile but checksummed blob table is refused before any blob is fetched."""
     from patchkv_agent.runtime.kvstore import RedisStore
 

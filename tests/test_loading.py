@@ -1,5 +1,5 @@
 """Model loading (``patchkv_agent/loading.py``): sources resolved before loading (clear, immediate errors), the
-GGUF dequantization cache key, and the trust boundary of the dequantized-weights cache (issue 22): hashed when
+GGUF dequantization cache key, and the trust boundary of the dequantized-weights cache: hashed when
 written, verified on load, rebuilt with a log line when tampered with, replaced, truncated or unreadable."""
 
 from __future__ import annotations

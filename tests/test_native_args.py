@@ -1,15 +1,13 @@
-"""Issue 32, findings 7 and 8: every size and stride handed to ``native.c`` is checked in Python and again
-in C.
+"""Every size and stride handed to ``native.c`` is checked in Python and again in C.
 
-Finding 7: a ``block_size`` >= 2^32 (from a profile or the settings) was wrapped to int32 by ctypes: a heap
-buffer overflow (write) in ``pkv_quantize`` under AddressSanitizer, SIGSEGV / SIGABRT in a normal build.
-Finding 8: the wrappers, called with an fp16 destination (scatter) or a source of inner stride 0
-(quantize), wrote or read out of bounds.
+Hostile arguments: a ``block_size`` >= 2^32 (from a profile or the settings), which ctypes would wrap to int32
+(a heap buffer overflow in ``pkv_quantize``); an fp16 destination (scatter) or a source of inner stride 0
+(quantize), which would be written or read out of bounds.
 
-Now the wrappers raise ValueError naming the argument, the settings refuse block sizes >= 2^31, and the
-library checks every buffer against the sizes it is given (sources and destinations to the end of their
-storage, every output of a quantize job) and returns an error code. The cases run in a child process (before
-the fix they crashed it); ``tests/test_entry_fuzz.py`` runs them again with ``native.c`` built with
+The wrappers raise ValueError naming the argument, the settings refuse block sizes >= 2^31, and the library
+checks every buffer against the sizes it is given (sources and destinations to the end of their storage,
+every output of a quantize job) and returns an error code. The cases run in a child process (so that a crash
+fails the test rather than the run); ``tests/test_entry_fuzz.py`` runs them again with ``native.c`` built with
 AddressSanitizer.
 """
 
@@ -45,7 +43,7 @@ def test_out_of_range_sizes_and_strides_are_refused_by_the_wrappers_and_the_libr
     proc = subprocess.run([sys.executable, "-m", "patchkv_agent.eval.entry_fuzz", "--native-cases", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PATCHKV_CACHE_DIR": str(tmp_path / "cache"), "PATCHKV_NATIVE": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]  # before the fix: killed by a signal (or a heap overflow)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # unchecked: killed by a signal (or a heap overflow)
     cases = json.loads(out.read_text())["native_cases"]
     _outcomes(cases)
     assert "block_size must be an int in [1, 2^31)" in cases["quantize block_size 4294967297"]

@@ -1,9 +1,8 @@
-"""The native library's trust checks (issue 13): built into and loaded from a private directory, verified
-against the SHA-256 recorded at build time; anything else is refused and the torch reference is used,
-with the reason in ``native.status()``.
+"""The native library's trust checks: built into and loaded from a private directory, verified against the
+SHA-256 recorded at build time; anything else is refused and the torch reference is used, with the reason in
+``native.status()``.
 
-Finding: a compiled native library was loaded from a predictable path in the user cache with no check,
-so a file planted there ran at import.
+Guards against a file planted at a predictable path in the user cache being loaded (and run) at import.
 """
 
 from __future__ import annotations

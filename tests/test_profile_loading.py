@@ -1,12 +1,12 @@
-"""Issue 32, finding 6: junk in a profile folder cannot break, hang or exhaust an engine built with the
-default ``profile="auto"``.
+"""Junk in a profile folder cannot break, hang or exhaust an engine built with the default
+``profile="auto"``.
 
-Before: a non-UTF-8 file (UnicodeDecodeError), deep nesting (RecursionError), ``d_min: Infinity`` /
-``d_max: 1e30`` (OverflowError) in ``$PATCHKV_PROFILE_DIR`` or the cache's profiles broke every engine; a
-FIFO hung it, a link to /dev/zero read without bound, and ``block_size: 2^32`` was accepted (the native
-quantizer then truncated it to int32). Now profile files are read only as regular files, size-capped and
-without blocking; undecodable or out-of-range files are skipped with a warning naming the file (an
-explicit path raises ValueError naming it), and every numeric field is range-checked.
+The junk: a non-UTF-8 file (UnicodeDecodeError), deep nesting (RecursionError), ``d_min: Infinity`` /
+``d_max: 1e30`` (OverflowError) in ``$PATCHKV_PROFILE_DIR`` or the cache's profiles, a FIFO, a link to
+/dev/zero, and ``block_size: 2^32`` (which the native quantizer would truncate to int32). Profile files are
+read only as regular files, size-capped and without blocking; undecodable or out-of-range files are skipped
+with a warning naming the file (an explicit path raises ValueError naming it), and every numeric field is
+range-checked.
 """
 
 from __future__ import annotations

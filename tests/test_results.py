@@ -1,4 +1,4 @@
-"""Typed results (issue 33): a resume's stats are frozen parts (engine, runtime, call) with one JSON form, and a
+"""Typed results: a resume's stats are frozen parts (engine, runtime, call) with one JSON form, and a
 checkpoint's provenance is typed and read back strictly (stored entries are untrusted)."""
 
 from __future__ import annotations

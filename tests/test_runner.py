@@ -1,4 +1,4 @@
-"""The model's runner (issue 33, item 4): the user's model is left as it was given, engines over one model share
+"""The model's runner: the user's model is left as it was given, engines over one model share
 one runner (one forward lock, one weight watch), and K/V keep one layout through the engine's paths. Tiny
 random llamas, fp32."""
 

@@ -1,11 +1,10 @@
 """Checkpointer databases read from outside the process (``replay --from-checkpointer``), through the
 allowlist deserializer of ``patchkv_agent/langgraph/serde.py``.
 
-- issue 22: a database crafted to run code never runs it (a marker file is never written), other hostile
+- code: a database crafted to run code never runs it (a marker file is never written), other hostile
   files give one line and a non-zero exit; the serializer reads what LangGraph writes;
-- issue 32, finding 3: ``replay --from-checkpointer`` decoded a database of empty msgpack maps at 74x
-  amplification. Now every blob's values are counted (and containers' declared lengths checked) before it
-  is decoded (the test fails on the code before the fix).
+- decoding costs: a database of empty msgpack maps is not decoded at 74x amplification: every blob's values
+  are counted (and containers' declared lengths checked) before it is decoded.
 """
 
 from __future__ import annotations
@@ -215,7 +214,7 @@ def test_the_serializer_reads_what_langgraph_writes_and_round_trips_plain_values
         AllowlistSerializer(max_blob_bytes=10).loads_typed(("msgpack", b"\x90" * 11))
 
 
-# --------------------------------------------------------------------------- decoding costs (issue 32, finding 3)
+# --------------------------------------------------------------------------- decoding costs
 
 
 def _db(path: Path, blob: bytes, type_: str = "msgpack") -> Path:

@@ -432,8 +432,8 @@ def test_loop_bench_rows_and_summary(engine, tmp_path):
 
 
 def test_an_open_stream_pins_its_thread_against_eviction(engine):
-    """Finding (issue 13): an eviction during an open stream offloaded context-only KV and dropped the
-    stream's commit. Now the thread is skipped by eviction until its stream closes."""
+    """An eviction during an open stream would offload context-only KV and drop the stream's commit: the
+    thread is skipped by eviction until its stream closes."""
     reg = ThreadRegistry(engine, resident_budget_bytes=1)
     ca, cb = ctx(100), ctx(101)
     with reg.stream(A, ca, max_new_tokens=4) as sa:

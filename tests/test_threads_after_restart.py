@@ -1,12 +1,12 @@
-"""Issue 32, findings 4 and 5: what a thread reads back after a restart is bound to what it wrote.
+"""What a thread reads back after a restart is bound to what it wrote.
 
-Finding 4: after a restart the registry picked a store entry by thread, version and model only, so an entry
-of other tokens planted under the thread and version was served (|dlogit| ~2 against exact, no fallback).
-Now an entry is bound to the handle's ``ids_hash`` as well; any other is never served (exact, with the reason).
+Entries: after a restart the registry picks a store entry by thread, version, model and the handle's
+``ids_hash``, so an entry of other tokens planted under the thread and version is never served (picked by the
+first three alone it would be: |dlogit| ~2 against exact, no fallback); the resume is exact, with the reason.
 
-Finding 5: checkpoint metadata of thread A could name thread B's KV handle (and drop B's resident KV), and a
-malformed handle raised ValueError / KeyError / TypeError out of ``get_tuple``. Now a handle acts only for
-its own thread and namespace; anything else is skipped with a warning.
+Handles: checkpoint metadata of thread A naming thread B's KV handle cannot act on B (drop B's resident KV),
+and a malformed handle raises nothing (no ValueError / KeyError / TypeError out of ``get_tuple``): a handle
+acts only for its own thread and namespace; anything else is skipped with a warning.
 
 Oracles: the exact resume of the same context (logits), and a registry that never saw the hostile data.
 """
@@ -55,7 +55,7 @@ def _written(engine, store, ids):
     return handle
 
 
-# ------------------------------------------------------------------ finding 4
+# ------------------------------------------------------------------ entries bound to their ids
 
 
 def test_an_entry_of_other_tokens_under_the_threads_version_is_never_served_after_a_restart(engine):
@@ -107,7 +107,7 @@ def test_a_handle_without_a_usable_ids_hash_is_not_served_from_the_store(engine)
         fresh.close()
 
 
-# ------------------------------------------------------------------ finding 5
+# ------------------------------------------------------------------ handles act for their own thread
 
 
 def _cfg(tid: str) -> dict:

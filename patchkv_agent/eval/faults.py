@@ -35,7 +35,6 @@ import contextlib
 import os
 import random
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +53,7 @@ from ..core.fallback import FallbackKind
 from ..engine import PatchKVEngine
 from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
                                StoreUnavailable, resume_from_store)
-from .redis_server import RedisProcess
+from .redis_server import RedisProcess, redis_server_path
 from .stress import ThreadEpisode, same_as_solo, stress_workload
 from .tiny import tiny_engine
 
@@ -474,7 +473,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
 
     Args:
         threads, versions: agent threads and context versions per thread (>= 2).
-        tiers: tiers to run (default memory, disk, and redis when ``redis-server`` is on PATH).
+        tiers: tiers to run (default memory, disk, and redis when a ``redis-server`` is found: :func:`.redis_server_path`).
         budget_entries: each store's budget, in checkpoints of the first thread's size.
         length: tokens of each thread's first version.
         max_new_tokens: greedy tokens per resume.
@@ -497,7 +496,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
     if versions < 2 or threads < 1:
         raise ValueError("need threads >= 1 and versions >= 2")
     if tiers is None:
-        tiers = ("memory", "disk") + (("redis",) if shutil.which("redis-server") else ())
+        tiers = ("memory", "disk") + (("redis",) if redis_server_path() else ())
     for t in tiers:
         if t not in ("memory", "disk", "redis"):
             raise ValueError(f"unknown tier {t!r}; choose from memory, disk, redis")

@@ -73,7 +73,7 @@ HELDOUT_WORKLOADS: dict[str, str] = {
     "follow-repeated": "the edited name's old value repeated in many later records",
     "follow-paraphrase": "later records refer to the edited entity by its role, never by its name",
 }
-"""Shapes the reader rule was not written for (issue 20): measured, never used to set its constants."""
+"""Shapes the reader rule was not written for: measured, never used to set its constants."""
 _NICKS = ("Ace", "Bear", "Coach", "Duke", "Echo", "Falcon", "Gizmo", "Hawk", "Iggy", "Jazz")
 _STREETS = ("Elm Street", "Oak Avenue", "Pine Road", "Maple Lane", "Cedar Way", "Birch Court", "Willow Drive",
             "Ash Boulevard", "Spruce Place", "Linden Row", "Poplar Walk", "Hazel Square")

@@ -53,7 +53,7 @@ __all__ = ["run_host_bench", "run_tokenize_bench", "host_engine", "plot_host", "
 STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
 DEFAULT_LENGTHS = (2048, 8192, 32768, 131072)
 DEFAULT_EDITS = (1, 4, 16)
-TARGETS_MS = {8192: 1.0, 32768: 3.0, 131072: 10.0}  # issue 21: one edit, host time outside forward and KV copy
+TARGETS_MS = {8192: 1.0, 32768: 3.0, 131072: 10.0}  # host-time targets: one edit, time outside forward and KV copy
 
 _WORDS = ["the", "result", "Sofia", "tool", "call", "json", "value", "id", "name", "error", "ok", "city",
           "of", "in", "to", "data", "query", "page", "x", "42"]
@@ -356,7 +356,7 @@ def format_host(summary: dict[str, Any]) -> str:
 
 def plot_host(summary: dict[str, Any], path: str | Path) -> None:
     """Host time (outside forward and KV copy) against context length, one line per edit count, with the
-    issue's targets; and the KV copy's bandwidth against memcpy's."""
+    targets (``TARGETS_MS``); and the KV copy's bandwidth against memcpy's."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -53,7 +53,7 @@ from .traces import plain_messages, version_ids
 __all__ = ["ToolLatency", "prepared_loop_episode", "run_prepared_bench", "summarize_prepared", "markdown_prepared",
            "plot_prepared", "write_prepared", "TARGETS", "call_kind"]
 
-TARGETS = {  # issue 30's targets of the tool-wait preparation (reported beside the figures, never asserted)
+TARGETS = {  # targets of the tool-wait preparation (reported beside the figures, never asserted)
     "hit_vs_floor": 1.15,     # median e2e TTFT of a hit over the no-edit floor's, at most
     "hit_rate": 0.95,         # hits among the calls of ClearToolUsesEdit / SummarizationMiddleware workloads
     "miss_vs_patchkv": 1.05,  # a call that is not a hit over today's resume of the same call, at most
@@ -516,7 +516,7 @@ def markdown_prepared(summary: dict[str, Any], command: str | None = None) -> st
     out += ["", "Outcomes: " + "; ".join(f"{w}: " + ", ".join(f"{k} {n}" for k, n in g["outcomes"].items())
                                         for w, g in summary["by_workload"].items()), ""]
     t = summary.get("targets") or TARGETS
-    out += ["Targets (issue 30), medians per workload:", "",
+    out += ["Targets of the tool-wait preparation, medians per workload:", "",
             "| workload | hit / floor <= %.2f | hit rate >= %.2f | not hit / patchkv <= %.2f | prefix / hit >= %.1fx |"
             % (t["hit_vs_floor"], t["hit_rate"], t["miss_vs_patchkv"], t["prefix_over_hit"]), "|---|---:|---:|---:|---:|"]
     for w, g in summary["by_workload"].items():

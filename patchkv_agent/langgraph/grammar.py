@@ -5,7 +5,8 @@ tokenizer once and, at each decode step, fills a bitmask of the tokens that keep
 grammar; :class:`GrammarProcessor` applies it to the step's logits (a
 :class:`~patchkv_agent.core.sampling.LogitsProcessor`), so the choice runs in the same resume/decode path
 as every other token (KV reuse is unchanged; only the token choice is masked). Picked over llguidance by
-``scripts/grammar_backends.py`` on this project's CPU (runs/results/LOG.md).
+``scripts/grammar_backends.py`` on SmolLM2's tokenizer (one CPU thread: 0.25 ms per token against 0.30, tokenizer
+set-up 0.29 s against 0.66 s), and for its structural tags, which give ``tool_choice="auto"`` directly.
 
 Formats (the tool-call text is the JSON protocol of :mod:`~patchkv_agent.langgraph.tools`):
 
