@@ -226,3 +226,129 @@ def test_prepare_async_checks_its_arguments(reg):
     assert reg.prepare_async(thread_key("never-seen"), lambda: None) is None
     with pytest.raises(ValueError, match="prepare_chunk_tokens"):
         ThreadRegistry(reg.engine, prepare_chunk_tokens=0)
+
+
+@pytest.fixture
+def hung():
+    """A predictor gate that is never opened during the test (opened in teardown, so no thread lingers)."""
+    gate = threading.Event()
+    yield gate
+    gate.set()
+
+
+def _exact(eng, ids, n):
+    return eng.resume(None, ids, strategy="exact", max_new_tokens=n)
+
+
+def _assert_exact(res, ref) -> None:
+    assert res.output_ids == ref.output_ids
+    assert float((res.logits - ref.logits).abs().max()) < TOL
+
+
+def test_a_hung_prediction_holds_neither_the_worker_nor_other_threads(hung, one_torch_thread):
+    """Thread A's predictor never returns; thread B's heal, offload and resumes go on through the one worker
+    (the default deadline is never reached: nothing here waits for it) and are exact; A's next call
+    proceeds and says its prediction was unfinished."""
+    eng = tiny_engine("llama")
+    reg = ThreadRegistry(eng, prepare_chunk_tokens=24)
+    try:
+        ka, ctx_a, rng_a = _first_call(reg, "hung-a")
+        started = threading.Event()
+
+        def never():
+            started.set()
+            hung.wait()
+            return ctx_a[:100]
+
+        fut_a = reg.prepare_async(ka, never)
+        assert started.wait(30) and reg.phase(ka) is Phase.PREPARING
+        kb, ctx_b, rng_b = _first_call(reg, "hung-b")
+        edited = np.concatenate([ctx_b[:50], ctx_b[51:]])
+        r1 = reg.generate(kb, edited, max_new_tokens=2)  # a selective resume: approximate rows to heal
+        assert r1.stats.approx_rows > 0
+        assert reg.offload_async(kb).result(timeout=30) is not None  # hang guard, not a speed claim
+        assert any(e["event"] == "heal" and e["key"] == reg.active(kb) for e in reg.events)
+        nxt = np.concatenate([edited, np.asarray(r1.output_ids[:-1]), rng_b.integers(0, eng.spec.vocab_size, 9)])
+        r2 = reg.generate(kb, nxt, max_new_tokens=3)
+        assert r2.stats.base == "resident" and r2.stats.base_approx_rows == 0 and r2.stats.approx_rows == 0
+        _assert_exact(r2, _exact(eng, nxt, 3))
+        ctx_b2 = np.concatenate([nxt, np.asarray(r2.output_ids[:-1])])
+        assert reg.offload_async(kb, release=True).result(timeout=30) is not None  # the resident KV is freed
+        assert reg.handle(kb)["kv"] == "offloaded"
+        r3 = reg.generate(kb, ctx_b2, strategy="exact", max_new_tokens=2)
+        _assert_exact(r3, _exact(eng, ctx_b2, 2))
+        assert not fut_a.done()  # A's predictor is still hung
+        new_a = np.concatenate([ctx_a, rng_a.integers(0, eng.spec.vocab_size, 7)])
+        ra = reg.generate(ka, new_a, max_new_tokens=3)
+        assert ra.stats.prepared == "unfinished" and "predicting" in ra.stats.prepared_reason
+        assert ra.stats.base == "resident" and ra.stats.fallback is None
+        _assert_exact(ra, _exact(eng, new_a, 3))
+    finally:
+        hung.set()
+        reg.close()
+
+
+def test_a_prediction_past_its_deadline_is_abandoned_and_recorded(hung, one_torch_thread):
+    eng = tiny_engine("llama")
+    reg = ThreadRegistry(eng, prepare_chunk_tokens=24, predict_timeout_s=0.2)
+    try:
+        k, ctx, rng = _first_call(reg, "deadline")
+        fut = reg.prepare_async(k, lambda: hung.wait() and ctx)
+        assert fut.result(timeout=30) is None  # hang guard: the deadline settles it
+        assert reg.phase(k) is not Phase.PREPARING
+        new = np.concatenate([ctx, rng.integers(0, eng.spec.vocab_size, 7)])
+        res = reg.generate(k, new, max_new_tokens=3)
+        st = res.stats
+        assert st.prepared == "failed" and "timed out after 0.2 s" in st.prepared_reason and st.base == "resident"
+        _assert_exact(res, _exact(eng, new, 3))
+        # the worker moved on: the next version's preparation is computed and hit
+        ctx2 = np.concatenate([new, np.asarray(res.output_ids[:-1])])
+        reg.prepare_async(k, lambda: ctx2).result(timeout=30)
+        nxt = np.concatenate([ctx2, rng.integers(0, eng.spec.vocab_size, 5)])
+        res2 = reg.generate(k, nxt, max_new_tokens=2)
+        assert res2.stats.prepared == "hit" and res2.stats.base == "prepared"
+        _assert_exact(res2, _exact(eng, nxt, 2))
+    finally:
+        hung.set()
+        reg.close()
+
+
+class _Interrupt(KeyboardInterrupt):
+    pass
+
+
+class _Exit(SystemExit):
+    pass
+
+
+@pytest.mark.parametrize("error", [_Interrupt("stop now"), KeyboardInterrupt(), BaseException("odd"), _Exit(3)],
+                         ids=["keyboard-interrupt-subclass", "keyboard-interrupt", "base-exception", "system-exit"])
+def test_a_predictor_raising_a_base_exception_is_contained_and_recorded(reg, error, one_torch_thread):
+    from concurrent.futures import wait
+
+    k, ctx, rng = _first_call(reg, f"base-{type(error).__name__}-{error}")
+
+    def boom():
+        raise error
+
+    fut = reg.prepare_async(k, boom)
+    wait([fut], timeout=30)  # never .result(): a leaked KeyboardInterrupt would stop the test session
+    assert fut.done() and fut.exception() is None and fut.result() is None
+    new = np.concatenate([ctx, rng.integers(0, reg.engine.spec.vocab_size, 6)])
+    res = reg.generate(k, new, max_new_tokens=3)
+    st = res.stats
+    assert st.prepared == "failed" and st.base == "resident" and st.fallback is None
+    assert st.prepared_reason.startswith(f"the prediction raised {type(error).__name__}")
+    if str(error):
+        assert str(error) in st.prepared_reason
+    _assert_exact(res, reg.engine.resume(None, new, strategy="exact", max_new_tokens=3))
+    assert reg.offload_async(k).result(timeout=30) is not None  # the worker is alive
+
+
+def test_predict_timeout_is_checked(reg):
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="predict_timeout_s"):
+            ThreadRegistry(reg.engine, predict_timeout_s=bad)
+    unbounded = ThreadRegistry(reg.engine, predict_timeout_s=None)
+    assert unbounded.predict_timeout_s is None
+    unbounded.close()

@@ -197,7 +197,7 @@ class PatchKVMiddleware(AgentMiddleware):
                         self._predicted[key] = pred
                 return render_prediction(model, pred)
 
-            self.registry.prepare_async(key, predict)  # queued before the offload: the next call needs it first
+            self.registry.prepare_async(key, predict)  # before the offload: the offload then leaves the heal to it
         if self.offload == "never":
             return
         if self.offload == "always" or (msg is not None and msg.tool_calls):

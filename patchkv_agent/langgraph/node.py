@@ -7,9 +7,10 @@ when it returns, the thread's KV is offloaded in the registry's background worke
 checkpoint work overlaps whatever the graph does next (tools, retrieval, a controller editing the
 context) and the next call of the node waits for it only if it is not done.
 
-With ``predict_next=``, the node also prepares its next call: the hook (run in the registry's worker,
-after the node returns) gives the ids of the next call's context up to what is not known yet, and they are
-computed exactly while the graph goes on (:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.prepare_async`);
+With ``predict_next=``, the node also prepares its next call: the hook (run on a thread of its own after
+the node returns, for the registry's ``predict_timeout_s`` at most) gives the ids of the next call's
+context up to what is not known yet, and they are computed exactly while the graph goes on
+(:meth:`~patchkv_agent.runtime.threads.ThreadRegistry.prepare_async`);
 :func:`~patchkv_agent.langgraph.predict.known_prefix_ids` renders a predicted message list to such ids.
 Without the hook nothing is prepared.
 
@@ -59,9 +60,10 @@ def patchkv_node(fn: Callable, registry: ThreadRegistry, *, scope: str | None = 
             an AIMessage with tool calls), ``"always"`` (the graph always pauses after this node, e.g. a
             controller or a tool follows), ``"never"``.
         predict_next: ``predict_next(state, update)`` -> the next call's context ids up to the unknown part
-            (token ids, a :class:`~patchkv_agent.runtime.state.Prediction`, or None), called in the
-            registry's worker whenever the node's update asks for tools (or always, with
-            ``offload="always"``); None: nothing is prepared.
+            (token ids, a :class:`~patchkv_agent.runtime.state.Prediction`, or None), called on a thread
+            of its own (abandoned past the registry's ``predict_timeout_s``; what it raises is recorded)
+            whenever the node's update asks for tools (or always, with ``offload="always"``); None:
+            nothing is prepared.
 
     Returns:
         A node ``(state, config) -> update`` (a coroutine function when ``fn`` is one).

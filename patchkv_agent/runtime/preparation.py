@@ -3,10 +3,13 @@
 :class:`PreparationMixin` holds the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` methods of the
 preparation (:meth:`~PreparationMixin.prepare_async`, :meth:`~PreparationMixin.wait_prepared`,
 :meth:`~PreparationMixin.phase`, and the job and hand-over the registry's ``stream`` calls): a predictor
-runs in the registry's worker, ``engine.prepare`` computes the prediction's K/V in chunks that give way to
-foreground forwards (:mod:`patchkv_agent.core.prepare`), and the next resume takes the result as its base
-when the call's context continues it. A preparation is a :class:`~patchkv_agent.runtime.state.Preparation`
-on the thread's record; its stages (queued, predicting, computing, done) change under the thread lock.
+runs on a daemon thread of its own for ``predict_timeout_s`` at most (a hung or raising predictor never
+holds the registry's worker, so offloads, heals and other threads go on), then ``engine.prepare``
+computes the prediction's K/V in the worker, in chunks that give way to foreground forwards
+(:mod:`patchkv_agent.core.prepare`), and the next resume takes the result as its base when the call's
+context continues it. A preparation is a :class:`~patchkv_agent.runtime.state.Preparation` on the
+thread's record; its stages (predicting, queued for the worker, computing, done) change under the thread
+lock.
 
 Boundary: mixed into the registry (uses its tables, its worker, its engine); knows the engine's public
 ``prepare`` and ``validate_ids``, nothing about LangChain (predictors come from the caller).
@@ -14,7 +17,9 @@ Boundary: mixed into the registry (uses its tables, its worker, its engine); kno
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -37,10 +42,12 @@ class PreparationMixin:
 
     def prepare_async(self, key: ThreadKey | None, predict: Callable[[], "Prediction | Any"], *,
                       chunk_tokens: int | None = None) -> Future | None:
-        """Compute the thread's predicted next context exactly in the background worker, while its tools run.
+        """Compute the thread's predicted next context exactly in the background, while its tools run.
 
-        ``predict`` runs in the worker and returns the next call's context up to what is not known yet
-        (a :class:`~patchkv_agent.runtime.state.Prediction`, or token ids, or None). Its K/V are computed
+        ``predict`` runs on a daemon thread of its own and returns the next call's context up to what is
+        not known yet (a :class:`~patchkv_agent.runtime.state.Prediction`, or token ids, or None); one
+        that runs past the registry's ``predict_timeout_s`` is abandoned (its result, if it ever comes, is
+        dropped; the preparation fails with ``"the prediction timed out ..."``). Its K/V are computed
         exactly from the thread's resident version (its leading exact rows copied, the rest recomputed in
         chunks of ``chunk_tokens`` rows, each giving way to foreground forwards). The next resume of the
         thread whose ids start with the prepared ones appends only what follows (``base`` ``"prepared"``,
@@ -53,7 +60,8 @@ class PreparationMixin:
 
         Args:
             key: the thread key (its active context).
-            predict: the predictor (called once, in the worker; exceptions become ``prepared_reason``).
+            predict: the predictor (called once, on its own thread; whatever it raises, ``BaseException``
+                included, becomes ``prepared_reason``).
             chunk_tokens: rows per background forward (default: the registry's ``prepare_chunk_tokens``).
 
         Returns:
@@ -77,11 +85,12 @@ class PreparationMixin:
                 return old.future
             if old is not None:
                 old.stop.set()
-            prep = Preparation(version=th.version, predict=predict,
+            prep = Preparation(version=th.version, predict=predict, future=Future(),
                                chunk_tokens=chunk_tokens or self.prepare_chunk_tokens)
             th.preparation = prep
-            prep.future = self._executor.submit(self._prepare_job, th, prep)
-            return prep.future
+        threading.Thread(target=self._prepare_thread, args=(th, prep), daemon=True,
+                         name=f"patchkv-prepare-{str(th.key[0])[:24]}").start()
+        return prep.future
 
     def wait_prepared(self, key: ThreadKey | None, timeout: float | None = None) -> float:
         """Wait until the preparation of ``key``'s current version is over (done, failed or stopped).
@@ -106,49 +115,93 @@ class PreparationMixin:
             log.exception("preparation of thread %s failed", th.key)
         return time.perf_counter() - t0
 
+    def _prepare_thread(self, th: ThreadState, prep: Preparation) -> None:
+        """The preparation's own thread: run :meth:`_prepare_job` and settle ``prep.future`` with its result
+        (None when the job failed: the failure is recorded as the preparation's reason, never raised)."""
+        try:
+            out = self._prepare_job(th, prep)
+        except BaseException as e:  # noqa: BLE001 - nothing a preparation does may reach a caller
+            log.exception("preparation of thread %s failed", th.key)
+            out = self._finish(th, prep, f"the preparation failed: {type(e).__name__}: {e}")
+        prep.future.set_result(out)
+
     def _prepare_job(self, th: ThreadState, prep: Preparation) -> float | None:
-        """Predict, then compute the prediction's KV in chunks (see :meth:`prepare_async`)."""
+        """Predict (:meth:`_predict`), then compute the prediction's KV in the worker (:meth:`_compute_job`).
 
-        def current() -> bool:
-            return not prep.stop.is_set() and th.version == prep.version and th.preparation is prep
-
-        def finish(reason: str | None) -> None:
-            with th.lock:
-                prep.reason = prep.reason or reason
-                prep.stage = "done"
-
-        if not current():
-            return finish("superseded before it started")
+        Returns:
+            The seconds predicting and computing took, or None when nothing was computed (the reason is
+            on ``prep``).
+        """
+        if not self._prep_current(th, prep):
+            return self._finish(th, prep, "superseded before it started")
         prep.stage = "predicting"
         t0 = time.perf_counter()
-        try:
-            pred = prep.predict()
-        except Exception as e:  # a predictor's fault never reaches the caller: the next resume says so
-            log.warning("prediction for thread %s failed: %s", th.key, e)
-            pred = Prediction(reason=f"the prediction raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                              if str(e) else f"the prediction raised {type(e).__name__}")
+        pred = self._predict(th, prep)
         prep.predict_s = time.perf_counter() - t0
         if not isinstance(pred, Prediction):
             pred = Prediction(token_ids=pred, reason=None if pred is not None else "no prediction")
         prep.info = dict(pred.info)
         if pred.token_ids is None:
-            return finish(pred.reason or "no prediction")
+            return self._finish(th, prep, pred.reason or "no prediction")
         try:
             ids = self.engine.validate_ids(pred.token_ids, "predicted token_ids")
         except ValueError as e:
-            return finish(f"the prediction is not a valid context: {e}")
+            return self._finish(th, prep, f"the prediction is not a valid context: {e}")
         with th.lock:
-            if not current():
-                prep.stage = "done"
-                prep.reason = prep.reason or "superseded while predicting"
-                return None
-            prep.ids, prep.reason = ids, pred.reason
-            base, prep.stage = th.resident, "computing"
+            if not self._prep_current(th, prep):
+                return self._finish(th, prep, "superseded while predicting", locked=True)
+            prep.ids, prep.reason, prep.stage = ids, pred.reason, "queued"
         try:
-            res = self.engine.prepare(base, ids, chunk_tokens=prep.chunk_tokens, should_stop=lambda: not current())
+            return self._executor.submit(self._compute_job, th, prep).result()
+        except RuntimeError as e:  # the registry closed while it predicted
+            return self._finish(th, prep, f"the preparation was not computed: {e}")
+
+    def _predict(self, th: ThreadState, prep: Preparation) -> Any:
+        """Call ``prep.predict`` on a daemon thread of its own and wait ``predict_timeout_s`` at most.
+
+        Returns:
+            What the predictor returned, or a :class:`~patchkv_agent.runtime.state.Prediction` without ids
+            whose reason says that it raised (any ``BaseException``: contained here, never re-raised) or ran
+            past its deadline (then it is abandoned: its thread finishes on its own, its result is dropped).
+        """
+        out: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                out["value"] = prep.predict()
+            except BaseException as e:  # noqa: BLE001 - a predictor's fault never reaches the caller
+                out["error"] = e
+
+        hook = threading.Thread(target=call, daemon=True, name=f"patchkv-predict-{str(th.key[0])[:24]}")
+        hook.start()
+        hook.join(self.predict_timeout_s)
+        if hook.is_alive():
+            log.warning("prediction for thread %s timed out after %g s; abandoned", th.key, self.predict_timeout_s)
+            return Prediction(reason=f"the prediction timed out after {self.predict_timeout_s:g} s")
+        e = out.get("error")
+        if e is None:
+            return out.get("value")
+        log.warning("prediction for thread %s failed: %s: %s", th.key, type(e).__name__, e)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return Prediction(reason=f"the prediction raised {type(e).__name__}" + (f": {first}" if first else ""))
+
+    def _compute_job(self, th: ThreadState, prep: Preparation) -> float | None:
+        """The worker's part: compute the predicted ids' KV in chunks from the thread's resident version.
+
+        Returns:
+            The seconds predicting and computing took, or None when nothing was computed (the reason is
+            on ``prep``).
+        """
+        with th.lock:
+            if not self._prep_current(th, prep):
+                return self._finish(th, prep, "superseded before it was computed", locked=True)
+            ids, base, prep.stage = prep.ids, th.resident, "computing"
+        try:
+            res = self.engine.prepare(base, ids, chunk_tokens=prep.chunk_tokens,
+                                      should_stop=lambda: not self._prep_current(th, prep))
         except Exception as e:
             log.exception("preparing thread %s failed", th.key)
-            return finish(f"the preparation failed: {type(e).__name__}: {e}")
+            return self._finish(th, prep, f"the preparation failed: {type(e).__name__}: {e}")
         with th.lock:
             prep.result, prep.stage = res, "done"
         self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
@@ -156,6 +209,19 @@ class PreparationMixin:
                             "prepare_s": res.stats.ttft_s})
         self._enforce_resident_budget(keep=th.key)
         return prep.predict_s + res.stats.ttft_s
+
+    @staticmethod
+    def _prep_current(th: ThreadState, prep: Preparation) -> bool:
+        """Whether ``prep`` is still the preparation of ``th``'s current version (not stopped)."""
+        return not prep.stop.is_set() and th.version == prep.version and th.preparation is prep
+
+    @staticmethod
+    def _finish(th: ThreadState, prep: Preparation, reason: str, locked: bool = False) -> None:
+        """Mark ``prep`` done without a result, its first reason kept (``locked``: the caller holds
+        ``th.lock``); returns None, the job's result."""
+        with contextlib.nullcontext() if locked else th.lock:
+            prep.reason = prep.reason or reason
+            prep.stage = "done"
 
     def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool,
                           strategy: Any = "patchkv") -> tuple[ResumeResult | None, dict]:

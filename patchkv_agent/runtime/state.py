@@ -44,10 +44,10 @@ class Preparation:
     """One preparation of a thread's next context (the registry's record; fields change under its lock)."""
 
     version: int                          # the thread version it continues
-    predict: Any                          # () -> Prediction | ids | None, run by the worker
+    predict: Any                          # () -> Prediction | ids | None, run on a thread of its own
     chunk_tokens: int
     stop: threading.Event = field(default_factory=threading.Event)
-    stage: str = "queued"                 # queued -> predicting -> computing -> done
+    stage: str = "queued"                 # queued -> predicting -> queued (for the worker) -> computing -> done
     future: Future | None = None
     ids: np.ndarray | None = None         # the predicted ids
     result: ResumeResult | None = None    # their exact KV (fewer rows when stopped)

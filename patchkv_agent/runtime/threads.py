@@ -42,7 +42,8 @@ two callers on one key never overwrite each other's KV. :meth:`handle`, :meth:`o
 :meth:`wait` act on the context the key's last call used.
 
 *Preparation* (:meth:`ThreadRegistry.prepare_async`): while a thread's tools run, its predicted next
-context is computed exactly in the worker, in chunks that give way to foreground forwards; the next resume
+context (the predictor runs on a thread of its own, ``predict_timeout_s`` at most, so it never holds the
+worker) is computed exactly in the worker, in chunks that give way to foreground forwards; the next resume
 starts from it when the call's context continues it (base ``"prepared"``), and says in its stats whether
 the preparation was a hit, partial, a miss, unfinished or failed. :meth:`phase` tells where a thread's KV
 is (:class:`~patchkv_agent.runtime.lifecycle.Phase`; the states and their moves: :mod:`.lifecycle`).
@@ -91,6 +92,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_RESIDENT_BUDGET = 1 << 30
 DEFAULT_PREPARE_CHUNK = 256
+DEFAULT_PREDICT_TIMEOUT = 30.0  # seconds a preparation's predictor may run (ThreadRegistry(predict_timeout_s=))
 
 
 class ThreadRegistry(PreparationMixin, ResidencyMixin):
@@ -113,16 +115,19 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             the key's last one).
         prepare_chunk_tokens: rows per background forward of a preparation (:meth:`prepare_async`): the
             most a foreground forward of another thread waits for one.
+        predict_timeout_s: seconds a preparation's predictor may run (on its own thread, never the
+            worker's) before it is abandoned and the preparation fails with the reason; None: no limit.
 
     Raises:
-        ValueError: a bad ``on_evict``, budget or ``contexts``, or ``offload_budget_bytes`` together with
-            ``store`` (give the budget to the store).
+        ValueError: a bad ``on_evict``, budget, ``contexts`` or ``predict_timeout_s``, or
+            ``offload_budget_bytes`` together with ``store`` (give the budget to the store).
     """
 
     def __init__(self, engine: PatchKVEngine, *, resident_budget_bytes: int = DEFAULT_RESIDENT_BUDGET,
                  offload_budget_bytes: int | None = None, on_evict: str = "offload", workers: int = 1,
                  store: KVStore | None = None, heal: bool = True, contexts: int = 4,
-                 prepare_chunk_tokens: int = DEFAULT_PREPARE_CHUNK):
+                 prepare_chunk_tokens: int = DEFAULT_PREPARE_CHUNK,
+                 predict_timeout_s: float | None = DEFAULT_PREDICT_TIMEOUT):
         if on_evict not in ("offload", "drop"):
             raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= 64:
@@ -130,6 +135,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         if isinstance(prepare_chunk_tokens, bool) or not isinstance(prepare_chunk_tokens, int) \
                 or prepare_chunk_tokens < 1:
             raise ValueError(f"prepare_chunk_tokens must be an int >= 1, got {prepare_chunk_tokens!r}")
+        if predict_timeout_s is not None and (isinstance(predict_timeout_s, bool)
+                                              or not isinstance(predict_timeout_s, (int, float))
+                                              or not 0 < predict_timeout_s < float("inf")):
+            raise ValueError(f"predict_timeout_s must be a finite number of seconds > 0 or None, "
+                             f"got {predict_timeout_s!r}")
         if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
             raise ValueError("budgets must be >= 0 bytes")
         if store is not None and offload_budget_bytes is not None:
@@ -142,6 +152,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         self.on_evict = on_evict
         self.heal, self.contexts = bool(heal), contexts
         self.prepare_chunk_tokens = prepare_chunk_tokens
+        self.predict_timeout_s = None if predict_timeout_s is None else float(predict_timeout_s)
         self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
         self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
         self._lock = threading.Lock()
