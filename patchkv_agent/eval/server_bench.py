@@ -257,7 +257,8 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
         cover: a tool lasts at least until its thread's prewarm is over (a tool wait that covers it).
         max_tokens: tokens each call decodes at most.
         adapter: the prewarm adapter (``auto``, ``vllm``, ``llama.cpp``).
-        salt: give the run a cache salt of its own (engines with salts; llama.cpp's has none).
+        salt: give the run a cache salt of its own, from the nonce and the mode (engines with salts; llama.cpp's
+            has none), so that the two modes' runs of one nonce never reuse each other's blocks.
         timeout_s: the prewarm's socket timeout.
         api_key: sent with every request.
         streaming: stream each call (its first chunk times the TTFT).
@@ -294,9 +295,10 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
                                 max_retries=0)
         editor = SummarizationMiddleware(model=summarizer, trigger=("tokens", trigger), keep=("messages", keep))
     mw = None
+    mode = "prepared" if prepare else "unprepared"  # the salt is the run's: its twin of the other mode reuses nothing
     if middleware:
         mw = PatchKVServerMiddleware(editors=[editor] if give_editors else [], prepare=prepare, adapter=adapter,
-                                     timeout_s=timeout_s, cache_salt=(f"run-{nonce}" if salt else None),
+                                     timeout_s=timeout_s, cache_salt=(f"run-{nonce}-{mode}" if salt else None),
                                      **(options or {}))
     script = scripted_tool_calls(episode.calls)
     results = list(episode.results)
