@@ -29,28 +29,34 @@ def _max_new_tokens(text: str) -> int:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    """A per-strategy summary table (medians over rows) as aligned text."""
+    """A per-strategy summary table (medians over rows) as aligned text; a noise floor's rows (emulations,
+    scored and never timed) show ``-`` for their timing."""
     by: dict[str, list[dict]] = {}
     for r in rows:
         by.setdefault(r["strategy"], []).append(r)
-    prefix_ttft = statistics.median(r["ttft_s"] for r in by["prefix"]) if "prefix" in by else None
+
+    def median(rs, f):
+        vals = [float(r[f]) for r in rs if r.get(f) is not None]
+        return statistics.median(vals) if vals else None
+
+    def mean(rs, f):
+        vals = [float(r[f]) for r in rs if r.get(f) is not None]
+        return statistics.fmean(vals) if vals else None
+
+    def fmt(v, spec, scale=1.0):
+        return "-" if v is None else format(v * scale, spec)
+
+    prefix_ttft = median(by.get("prefix", []), "ttft_s")
     head = ["strategy", "ttft_ms", "vs_prefix", "recompute", "ratio", "payload_MiB", "kl", "top1", "tf", "exact_cont", "f1"]
     lines = [head]
     for s, rs in by.items():
-        ttft = statistics.median(r["ttft_s"] for r in rs)
-
-        def mean(f):
-            vals = [float(r[f]) for r in rs if r.get(f) is not None]
-            return statistics.fmean(vals) if vals else None
-
-        def fmt(v, spec):
-            return "-" if v is None else format(v, spec)
-
+        ttft = median(rs, "ttft_s")
         lines.append([
-            s, f"{ttft * 1e3:.1f}", fmt(prefix_ttft / ttft if prefix_ttft else None, ".2f") + "x",
-            f"{statistics.fmean(r['recompute_tokens'] for r in rs):.0f}", f"{mean('recompute_ratio'):.3f}",
-            f"{mean('payload_bytes') / 2**20:.2f}", fmt(mean("first_token_kl"), ".4f"), fmt(mean("top1_agree"), ".2f"),
-            fmt(mean("tf_agree"), ".2f"), fmt(mean("exact_continuation"), ".2f"), fmt(mean("f1"), ".2f"),
+            s, fmt(ttft, ".1f", 1e3), fmt(prefix_ttft / ttft if prefix_ttft and ttft else None, ".2f") + "x",
+            fmt(mean(rs, "recompute_tokens"), ".0f"), fmt(mean(rs, "recompute_ratio"), ".3f"),
+            fmt(mean(rs, "payload_bytes"), ".2f", 2.0 ** -20), fmt(mean(rs, "first_token_kl"), ".4f"),
+            fmt(mean(rs, "top1_agree"), ".2f"), fmt(mean(rs, "tf_agree"), ".2f"), fmt(mean(rs, "exact_continuation"), ".2f"),
+            fmt(mean(rs, "f1"), ".2f"),
         ])
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in lines)

@@ -62,6 +62,18 @@ def test_replay_writes_every_row_like_the_library(engine, loads, tmp_path, capsy
     assert loads == ["smollm2-135m"] and "wrote 9 rows" in capsys.readouterr().out
 
 
+def test_replay_with_a_noise_floor_scores_its_untimed_rows_and_exits_0(engine, loads, tmp_path, capsys):
+    write_traces([_trace(0)], tmp_path / "t.jsonl")
+    assert _run(tmp_path / "t.jsonl", "--out", tmp_path / "r.jsonl", "--noise-floor", "kv-bf16") == 0
+    rows = read_results(tmp_path / "r.jsonl")
+    floor = [r for r in rows if r.get("floor")]
+    assert [(r["version"], r["strategy"]) for r in floor] == [(1, "kv-bf16"), (2, "kv-bf16")]
+    assert all(r["ttft_s"] is None and r["top1_agree"] in (0.0, 1.0) for r in floor)  # scored, never timed
+    table = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[1:] if line.strip()}
+    assert table["kv-bf16"][1] == "-" and table["kv-bf16"][2] == "-x"  # no timing, no speed-up
+    assert float(table["prefix"][1]) > 0 and table["prefix"][2] == "1.00x"
+
+
 @pytest.mark.parametrize("content,where", [
     (lambda good: good + "\n{not json\n", r"t\.jsonl:3: not valid JSON"),
     (lambda good: good + "\n" + json.dumps({"id": "b", "versions": [{"token_ids": [1]}]}) + "\n",
