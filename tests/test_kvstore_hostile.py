@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -320,3 +321,89 @@ def test_recovery_removes_only_the_temporaries_the_store_names(tmp_path):
     other.write_text("someone else's")
     s2 = DiskStore(tmp_path / "kv", deployment="d", fsync=False)
     assert not mine.exists() and other.read_text() == "someone else's" and s2.keys() == [key]
+
+
+# ------------------------------------------------------------------ declared sizes cost at most a small multiple
+
+
+def _traced_peak(fn):
+    """(result or raised exception, peak bytes Python allocated while ``fn`` ran)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - returned for the test to judge
+            out = e
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_sparse_entry_within_every_limit_is_verified_before_its_data_is_allocated(tmp_path, no_big_reads):
+    host = host_memory_bytes()
+    if host is not None and host < 8 << 30:
+        pytest.skip("the planted entry must fit this host's memory to reach the read")
+    c = make_ckpt(6)
+    s = DiskStore(tmp_path / "kv", deployment="d", fsync=False)  # no budget, no model limits
+    key, _ = put_entry(s, c)
+    n = _plant_sparse(s, key, _hostile_meta(c, key, 1 << 22))  # 1.2 GiB declared, a few KiB on disk
+    assert n > 1 << 30 and os.stat(s.path_of(key)).st_blocks * 512 < 1 << 20
+    err, peak = _traced_peak(lambda: s.get(key))
+    assert isinstance(err, CorruptCheckpoint) and "failed its checksum" in str(err), err
+    assert max(no_big_reads, default=0) < BIG_READ  # the 1.2 GiB buffer was never allocated
+    assert peak < 64 << 20, peak  # one bounded chunk at a time
+    assert s.stats.corrupt == 1 and s.stats.quarantined == 1 and not os.path.lexists(s.path_of(key))
+    with pytest.raises(CheckpointMissing, match="quarantined"):
+        s.get(key)
+
+
+def test_metadata_over_the_byte_or_value_cap_is_refused_unparsed():
+    from patchkv_agent.runtime.kvstore.codec import MAX_META_BYTES, MAX_META_VALUES, parse_meta
+
+    long_text = json.dumps({"x": "a" * (6 << 20)}).encode()  # one value, 6 MiB
+    many = b"[" + b"{}," * (1 << 20) + b"{}]"  # 3 MiB: 2^20 commas, 1 + 2^20 + 1 brackets (~70 MiB parsed)
+    assert len(long_text) > MAX_META_BYTES > len(many) and 1 + many.count(b",") > MAX_META_VALUES
+    for raw, why in ((long_text, f"has {len(long_text)} bytes \\(more than {MAX_META_BYTES}"),
+                     (many, f"holds up to {(1 << 21) + 3} JSON values \\(more than {MAX_META_VALUES}")):
+        err, peak = _traced_peak(lambda: parse_meta(raw, "entry metadata"))
+        assert isinstance(err, CorruptCheckpoint), err
+        assert re.search(why, str(err)), str(err)
+        assert peak < 2 * len(raw) + (1 << 20), peak
+    ok = {"blobs": [{"name": f"k.{i}", "shape": [2, 40, 16]} for i in range(1000)]}  # a big real table parses
+    assert parse_meta(json.dumps(ok).encode()) == ok
+
+
+def test_a_disk_entry_with_oversized_metadata_is_quarantined_unread(tmp_path, no_big_reads):
+    s = DiskStore(tmp_path / "kv", deployment="d", fsync=False)
+    key, _ = put_entry(s, make_ckpt(7))
+    other, _ = put_entry(s, make_ckpt(8), "bystander")
+    raw = b"[" + b"{}," * ((5 << 20) // 3) + b"{}]"  # 5 MiB of metadata, ~110 MiB if parsed
+    with open(s.path_of(key), "wb") as f:
+        f.write(D.HEADER.pack(D.MAGIC, len(raw), xxhash.xxh3_64_intdigest(raw)) + raw)
+    err, peak = _traced_peak(lambda: s.get(key))
+    assert isinstance(err, CorruptCheckpoint) and f"metadata length of {len(raw)} bytes" in str(err), err
+    assert max(no_big_reads) == D.HEADER.size and peak < 1 << 20, (no_big_reads, peak)
+    assert s.stats.quarantined == 1 and not os.path.lexists(s.path_of(key))
+    assert_same_checkpoint(s.get(other), make_ckpt(8))
+
+
+def test_a_redis_metadata_hash_over_the_cap_is_never_fetched(redis_server, monkeypatch):
+    from patchkv_agent.runtime.kvstore import RedisStore
+
+    s = RedisStore(redis_server.url, prefix=f"meta{uuid.uuid4().hex[:8]}", deployment="d")
+    key, _ = put_entry(s, make_ckpt(9))
+    other, _ = put_entry(s, make_ckpt(10), "bystander")
+    s.client.hset(s.meta_key(key), "meta", b"[" + b"{}," * ((5 << 20) // 3) + b"{}]")
+    fetched = []
+    real = s.client.hget
+    monkeypatch.setattr(s.client, "hget", lambda name, field: fetched.append((name, field)) or real(name, field))
+    with pytest.raises(CorruptCheckpoint, match=r"metadata hash holds \d+ bytes, more than \d+ .*refused unread"):
+        s.get(key)
+    assert (s.meta_key(key), "meta") not in fetched and s.stats.quarantined == 1
+    assert not s.client.exists(s.meta_key(key))
+    with pytest.raises(CheckpointMissing):
+        s.get(key)
+    assert_same_checkpoint(s.get(other), make_ckpt(10))
+    s.clear()

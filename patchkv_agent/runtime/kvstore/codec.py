@@ -12,7 +12,9 @@ it builds a single tensor; a failure raises :class:`~patchkv_agent.core.checkpoi
 subclass :class:`ForeignCheckpoint`) naming what failed.
 
 Nothing read back is trusted before it is verified: :func:`parse_meta` turns stored metadata bytes into a
-dict or a ``CorruptCheckpoint`` (never a ``UnicodeDecodeError`` or ``JSONDecodeError``);
+dict or a ``CorruptCheckpoint`` (never a ``UnicodeDecodeError`` or ``JSONDecodeError``; metadata over
+:data:`MAX_META_BYTES` bytes or :data:`MAX_META_VALUES` values is refused unparsed, so parsing costs a small
+multiple of the stored bytes);
 :func:`check_meta` verifies the metadata checksum and then every field's type and range (blob names, dtypes,
 shapes, lengths); :func:`entry_nbytes` derives an entry's size from the verified shapes and dtypes (what the
 budgets count), never from a stored size field.
@@ -39,7 +41,8 @@ from ...core.provenance import CheckpointProvenance
 SCHEMA = 1
 _PAYLOAD_HEADER = ("tag", "n_rows", "num_kv_heads", "head_dim", "block_size", "v_group")
 _PAYLOAD_FIELDS = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero")
-MAX_META_BYTES = 64 << 20   # stored metadata larger than this is refused unread
+MAX_META_BYTES = 4 << 20   # stored metadata larger than this is refused unread (a real entry's is a few KiB)
+MAX_META_VALUES = 1 << 18   # JSON values stored metadata may hold (each costs ~70 B parsed): more is refused unparsed
 MAX_LAYERS = 4096
 MAX_DIMS = 8
 MAX_ENTRY_BYTES = 1 << 42   # 4 TiB: a size beyond this is damage, not data
@@ -192,13 +195,30 @@ def meta_checksum(meta: Mapping[str, Any]) -> str:
 def parse_meta(raw: bytes | bytearray | memoryview | str, what: str = "stored metadata") -> dict[str, Any]:
     """Stored metadata bytes -> the metadata dict (not yet verified: pass it to :func:`check_meta`).
 
+    What parsing may cost is bounded before anything is parsed: more than :data:`MAX_META_BYTES` bytes, or
+    more than :data:`MAX_META_VALUES` JSON values (counted as the commas, colons and brackets in the bytes,
+    an upper bound), is refused unparsed, so no stored metadata costs more than a small multiple of its
+    length in memory.
+
+    Args:
+        raw: the stored bytes (or text).
+        what: what they are, for the message.
+
+    Returns:
+        The parsed JSON object.
+
     Raises:
-        CorruptCheckpoint: too large, not UTF-8, not JSON, or not a JSON object.
+        CorruptCheckpoint: too large, too many values, not UTF-8, not JSON, or not a JSON object.
     """
     if len(raw) > MAX_META_BYTES:
-        raise CorruptCheckpoint(f"{what} has {len(raw)} bytes (more than {MAX_META_BYTES}: damaged)")
+        raise CorruptCheckpoint(f"{what} has {len(raw)} bytes (more than {MAX_META_BYTES}: damaged, refused unread)")
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    values = 1 + sum(data.count(c) for c in (b",", b":", b"[", b"{"))
+    if values > MAX_META_VALUES:
+        raise CorruptCheckpoint(f"{what} holds up to {values} JSON values (more than {MAX_META_VALUES}: damaged, "
+                                "refused unparsed)")
     try:
-        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        text = raw if isinstance(raw, str) else data.decode("utf-8")
         meta = json.loads(text)
     except UnicodeDecodeError:
         raise CorruptCheckpoint(f"{what} is not UTF-8 (damaged bytes)") from None

@@ -17,7 +17,11 @@ recorded) so the next call sees a plain miss; nothing that is not a regular file
 reading (a FIFO or a directory in place of an entry is skipped, never waited on). Sizes are checked before
 anything is allocated: the length the verified blob table makes must be the file's, within the budget and
 this host's memory, and (for a ``get`` with :class:`~.codec.EntryLimits`) what the requesting model can
-need; an entry failing that is quarantined unread, so a sparse file declaring terabytes costs nothing.
+need; an entry failing that is quarantined unread, so a sparse file declaring terabytes costs nothing. A
+file whose allocated blocks hold less than half its length (mostly holes, which the store never writes) is
+verified in bounded chunks before its data is allocated, so what a read allocates before verification is
+never more than twice the bytes the file really holds; metadata is bounded by the header check and
+:func:`~.codec.parse_meta` (:data:`~.codec.MAX_META_BYTES`, :data:`~.codec.MAX_META_VALUES`).
 
 No path inside the store is followed through a symbolic link: the deployment directory, ``.gone`` and
 ``.quarantine`` are checked with ``lstat`` when the store opens (a link is refused with an error naming the
@@ -176,9 +180,21 @@ def _read_exact(fd: int, n: int, offset: int) -> bytearray:
     return buf
 
 
-def _verified_chunks(fd: int, specs: list) -> Iterator[bytes]:
-    """The blobs of a data file in bounded chunks, each blob's xxh3 checked at its end (CorruptCheckpoint)."""
-    off = 0
+def _verified_chunks(fd: int, specs: list, offset: int = 0) -> Iterator[bytes]:
+    """The blobs of a data file in bounded chunks (16 MiB at most), each blob's xxh3 checked at its end.
+
+    Args:
+        fd: the open file.
+        specs: the verified blob table (the blobs lie back to back in its order).
+        offset: where the first blob starts.
+
+    Returns:
+        An iterator of the chunks.
+
+    Raises:
+        CorruptCheckpoint: the data ends early or a blob fails its checksum.
+    """
+    off = offset
     for spec in specs:
         h, left = xxhash.xxh3_64(), spec["nbytes"]
         while left:
@@ -497,6 +513,9 @@ class DiskStore(KVStore):
                 if st.st_size != data_off + n:
                     raise CorruptCheckpoint(f"entry file of {key.describe()} has {st.st_size} bytes, expected "
                                             f"{data_off + n} (truncated or wrong length)")
+                if n and st.st_blocks * 512 < n // 2:  # mostly holes: verified in bounded chunks before allocating
+                    for _ in _verified_chunks(fd, meta["blobs"], data_off):
+                        pass
                 data = _read_exact(fd, n, data_off)
         except FileNotFoundError:
             self._index_pop(key)

@@ -22,7 +22,10 @@ counted, its reason recorded). Budgets count sizes from verified records only; a
 self-consistent one) declaring more than the whole budget or this host's memory is quarantined, never a
 reason to evict others. Before a blob is fetched, the verified metadata is checked against the budget, this
 host's memory and the requesting model (:class:`~.codec.EntryLimits`), and every blob value's length
-(``STRLEN``) against the length its metadata makes. Scanning the index is pipelined in batches, and
+(``STRLEN``) against the length its metadata makes; the metadata's own length (``HSTRLEN``) is checked
+against :data:`~.codec.MAX_META_BYTES` before it is fetched, and an index record longer than
+:data:`MAX_RECORD_BYTES` is treated as damaged, so nothing fetched is parsed at more than a small multiple
+of its stored length. Scanning the index is pipelined in batches, and
 members of ``:lru`` that are not entries (junk digests, expired entries) are pruned in batches, so a
 hundred thousand of them cost a few round trips, not one each.
 
@@ -49,7 +52,7 @@ import xxhash
 
 from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .base import CheckpointMissing, KVStore, StoreUnavailable
-from .codec import (MAX_ENTRY_BYTES, CheckpointKey, check_meta, decode_checkpoint, entry_nbytes, meta_checksum,
+from .codec import (MAX_ENTRY_BYTES, MAX_META_BYTES, CheckpointKey, check_meta, decode_checkpoint, entry_nbytes, meta_checksum,
                     parse_meta)
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ _GEN = re.compile(r"[0-9a-f]{12}")
 _ESCAPE = set('%:*?[]\\{}') | {chr(c) for c in range(33)} | {"\x7f"}
 MAX_BLOBS = 1 << 20
 BATCH = 1000  # members per pipelined batch when the index is scanned or pruned
+MAX_RECORD_BYTES = 1 << 16  # an index record longer than this is damaged (rebuilt from the verified metadata)
+_OVERSIZE = b"\xff oversize "  # what _hget_meta returns for a metadata value too long to fetch
+_WRONG_TYPE = b"\xff wrong type"  # ... and for a name that holds no hash
 
 
 def escape_part(text: str) -> str:
@@ -150,17 +156,38 @@ class RedisStore(KVStore):
     # ------------------------------------------------------------------ verified reads
 
     def _hget_meta(self, mk: str) -> bytes | None:
+        return self._hget_meta_on(self.client, mk)
+
+    def _hget_meta_on(self, conn, mk: str) -> bytes | None:
+        """The ``meta`` field of the hash ``mk`` read through ``conn`` (the client, or a watching pipeline),
+        its length checked first (``HSTRLEN``): a value over :data:`~.codec.MAX_META_BYTES`, or something
+        other than a hash under the name, is never fetched; a marker that :meth:`_verified_meta` refuses
+        stands in for it.
+
+        Args:
+            conn: the client or a pipeline in immediate (watch) mode.
+            mk: the metadata hash's name.
+
+        Returns:
+            The stored bytes, a refusal marker, or None when there is no entry.
+        """
         try:
-            return self.client.hget(mk, "meta")
+            n = conn.hstrlen(mk, "meta")
+            if n > MAX_META_BYTES:
+                return _OVERSIZE + str(n).encode()  # declared in Redis, never fetched
+            return conn.hget(mk, "meta")
         except self._response_error as e:
             if "WRONGTYPE" in str(e):
-                return b"\xff wrong type"  # something else under the entry's name: damaged
+                return _WRONG_TYPE  # something else under the entry's name: damaged
             raise
 
     def _verified_meta(self, raw: bytes | None, key: CheckpointKey | None) -> dict | None:
         """The metadata stored for ``key`` after its checksum and fields were checked (None: no entry)."""
         if raw is None:
             return None
+        if raw.startswith(_OVERSIZE):
+            raise CorruptCheckpoint(f"metadata hash holds {raw[len(_OVERSIZE):].decode()} bytes, more than "
+                                    f"{MAX_META_BYTES} (damaged, refused unread)")
         meta = parse_meta(raw, "metadata hash")
         check_meta(meta, key)
         store = meta.get("store")
@@ -176,7 +203,7 @@ class RedisStore(KVStore):
     def _parse_record(self, digest: str, rec: bytes | None) -> tuple[CheckpointKey, int, str, int] | None:
         """(key, nbytes, gen, nblobs) of an index record, or None when it is absent or damaged (a size over the
         whole budget counts as damaged: the record is then rebuilt from the entry's verified metadata)."""
-        if rec is None:
+        if rec is None or len(rec) > MAX_RECORD_BYTES:
             return None
         try:
             check, body = bytes(rec).split(b" ", 1)
@@ -338,14 +365,6 @@ class RedisStore(KVStore):
                 return True
 
             return self.client.transaction(drop, mk, value_from_callable=True)
-
-    def _hget_meta_on(self, pipe, mk: str) -> bytes | None:
-        try:
-            return pipe.hget(mk, "meta")
-        except self._response_error as e:
-            if "WRONGTYPE" in str(e):
-                return b"\xff wrong type"
-            raise
 
     def _delete_entry(self, digest: str, key: CheckpointKey | None) -> None:
         names = [f"{self.ns}:meta:{digest}", *self._entry_blob_names(digest, key)]
