@@ -172,7 +172,7 @@ def test_prewarms_follow_each_replicas_url_and_key(vllm_srv):
             nonce = runs[name].nonce
             toks = [r for r in warm if r[0] == "/tokenize"]
             assert toks and all(nonce in r[2]["messages"][0]["content"] for r in toks)  # this thread's content only
-            assert all(r[2].get("cache_salt") == f"run-{nonce}" for r in warm if r[0] == "/v1/completions")
+            assert all(r[2].get("cache_salt") == f"run-{nonce}-prepared" for r in warm if r[0] == "/v1/completions")
             assert all(r["prepared"] == "hit" for r in runs[name].rows[1:])
     finally:
         a.close()
