@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from langchain_core.messages import AIMessage, HumanMessage
@@ -225,31 +226,46 @@ def main(argv: list[str] | None = None) -> int:
         agent.invoke({"messages": [HumanMessage(f"Find evidence with the search tool to answer this question: "
                                                 f"{ex['input']}")]},
                      {"configurable": {"thread_id": f"q{q}"}, "recursion_limit": 4 * args.searches + 20})
-    edited = [r for r in rows if r["edit"] not in ("first call", "append")]
     resumed = [r for r in rows if r["edit"] != "first call"]
     if resumed:
-        def med(rs, k):
-            vals = [r[k] for r in rs if r.get(k)]
-            return statistics.median(vals) if vals else float("nan")
-
-        print(f"\n{len(resumed)} resumed calls ({len(edited)} edited by a middleware): median TTFT patchkv "
-              f"{med(resumed, 'patchkv_s') * 1e3:.0f} ms, prefix {med(resumed, 'prefix_s') * 1e3:.0f} ms, no-edit "
-              f"floor {med(resumed, 'floor_s') * 1e3:.0f} ms; next action equal to exact's in "
-              f"{sum(r['same_action'] for r in resumed)}/{len(resumed)} calls "
-              f"({sum(r['same_action'] for r in edited)}/{len(edited)} edited); "
-              f"{sum(1 for r in resumed if r['fallback'])} exact fallbacks; median wait for the base's heal "
-              f"{statistics.median(r['heal_wait_s'] for r in resumed) * 1e3:.0f} ms (the heal runs while the tool "
-              f"runs; on this CPU it can outlast a {args.tool_latency:.1f} s tool)")
-        hits = [r for r in resumed if r.get("prepared") == "hit"]
-        if not args.no_prepare:
-            print(f"prepared during the {args.tool_latency:.1f} s tool wait: {len(hits)}/{len(resumed)} resumed calls "
-                  f"({sum(1 for r in edited if r.get('prepared') == 'hit')}/{len(edited)} edited); their median TTFT "
-                  f"{med(hits, 'patchkv_s') * 1e3:.0f} ms vs their no-edit floor {med(hits, 'floor_s') * 1e3:.0f} ms "
-                  f"and prefix {med(hits, 'prefix_s') * 1e3:.0f} ms; next action equal to exact's in "
-                  f"{sum(r['same_action'] for r in hits)}/{len(hits)}; misses: "
-                  + (", ".join(sorted({str(r.get('prepared')) + ' (' + str(r.get('prepared_reason'))[:60] + ')'
-                                       for r in resumed if r.get('prepared') not in ('hit', None)})) or "none"))
+        print_summary(resumed, args)
     return 0
+
+
+def print_summary(resumed: list[dict], args) -> None:
+    """Edited and append-only calls apart (on appended calls every strategy is alike; the edited ones are where
+    the strategies differ): count, median TTFT of PatchKV / prefix / floor, the prepared outcomes, the next
+    action against exact's."""
+    def med(rs, k):
+        vals = [r[k] for r in rs if r.get(k)]
+        return statistics.median(vals) * 1e3 if vals else float("nan")
+
+    print()
+    for kind, rs in (("edited by a middleware", [r for r in resumed if r["edit"] != "append"]),
+                     ("append-only", [r for r in resumed if r["edit"] == "append"])):
+        if not rs:
+            print(f"{kind}: no calls")
+            continue
+        outcomes = Counter(str(r.get("prepared") or "not prepared") for r in rs)
+        ratio = med(rs, "patchkv_s") / med(rs, "prefix_s")
+        print(f"{kind}: {len(rs)} calls, median TTFT patchkv {med(rs, 'patchkv_s'):.0f} ms, prefix "
+              f"{med(rs, 'prefix_s'):.0f} ms ({ratio:.2f}x), no-edit floor {med(rs, 'floor_s'):.0f} ms; next action "
+              f"equal to exact's in {sum(r['same_action'] for r in rs)}/{len(rs)}; prepared: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+              + f"; {sum(1 for r in rs if r['fallback'])} exact fallbacks")
+    slower = [r for r in resumed if r.get("patchkv_s") and r.get("prefix_s") and r["patchkv_s"] > r["prefix_s"]]
+    print(f"calls slower than prefix: {len(slower)}/{len(resumed)}"
+          + "".join(f"; call {r['call']} ({r['edit']}, prepared {r.get('prepared')}) {r['patchkv_s'] * 1e3:.0f} vs "
+                    f"{r['prefix_s'] * 1e3:.0f} ms" for r in slower[:4]))
+    if not args.no_prepare:
+        misses = sorted({f"{r.get('prepared')} ({str(r.get('prepared_reason'))[:60]})" for r in resumed
+                         if r.get("prepared") not in ("hit", None)})
+        print(f"prepared during the {args.tool_latency:.1f} s tool wait: "
+              f"{sum(1 for r in resumed if r.get('prepared') == 'hit')}/{len(resumed)} resumed calls; other outcomes: "
+              + (", ".join(misses) or "none"))
+    heal = statistics.median(r["heal_wait_s"] for r in resumed) * 1e3
+    print(f"median wait for the base's heal {heal:.0f} ms (the heal runs while the tool runs; on this CPU it can "
+          f"outlast a {args.tool_latency:.1f} s tool)")
 
 
 if __name__ == "__main__":

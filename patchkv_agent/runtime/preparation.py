@@ -259,7 +259,8 @@ class PreparationMixin:
         out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)),
                    _shared_resident=sr)
         if not use:
-            out.update(prepared=PreparedOutcome.MISS, prepared_reason="the call asked for the exact strategy")
+            out.update(prepared=PreparedOutcome.MISS,
+                        prepared_reason=f"the call's strategy ({getattr(strategy, 'name', strategy)}) reads no base")
         elif sp == done and full:
             out.update(prepared=PreparedOutcome.HIT, prepared_reason=prep.reason)
             return res, out

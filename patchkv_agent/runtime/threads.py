@@ -448,17 +448,17 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         with self._lock:
             self._active[primary] = key
         th = self._thread(key)
-        prepared, prep_stats = self._take_preparation(th, ids, use=strategy != "exact", strategy=strat)
+        prepared, prep_stats = self._take_preparation(th, ids, use=strat.uses_checkpoint, strategy=strat)
         # a heal in progress gives the exact base this resume wants (a prepared base is exact already)
         heal_wait_s = 0.0 if prepared is not None else self._wait_heal(th)
         with th.lock:
             resident = th.resident is not None or prepared is not None
         # a resident thread resumes from its resident KV: a pending offload is not waited for
-        wait_s = 0.0 if resident and strategy != "exact" else self._wait_pending(th)
+        wait_s = 0.0 if resident and strat.uses_checkpoint else self._wait_pending(th)
         with th.lock:
             base_heal = th.heal_stats
             base_approx = th.resident.approx_rows if th.resident is not None else None
-            if strategy == "exact":  # no base needed: do not write one
+            if not strat.uses_checkpoint:  # no base needed (exact): do not write one
                 base, base_version, source, skey = None, None, BaseKind.NONE, None
                 fallback = None
             elif prepared is not None:
@@ -470,7 +470,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                 fallback = th.lost if base is None and skey is None else None
             if skey is not None:  # the store read runs outside the forward lock
                 res = resume_from_store(self.engine, self.store, skey, req, forward_lock=self.forward_lock)
-                if res.stats.strategy == "exact" and res.stats.fallback is not None:
+                if res.stats.fallback is not None:  # nothing of the stored checkpoint was used
                     base_version, source = None, BaseKind.NONE  # evicted, corrupt, missing: exact, reason recorded
             else:
                 with self.forward_lock:
