@@ -59,6 +59,26 @@ def test_summarize_exact_numbers():
     assert pooled["ttft_s_median"] == pytest.approx(0.05) and pooled["speedup_vs_prefix"] == pytest.approx(4.0)
 
 
+def test_summarize_reports_edited_and_append_only_calls_apart():
+    kinds = ["clear", "append", "append", "summarize"]
+    rows = []
+    for i, kind in enumerate(kinds):
+        for strategy, t in (("prefix", 1.0 + i), ("patchkv", 0.25 + i if kind != "append" else 1.0 + i)):
+            rows.append({**row("w", strategy, t, ep=f"e{i}"), "call_kind": kind, "version": 1})
+    s = summarize(rows)
+    w = s["by_call"]["w"]
+    assert set(w) == {"edited", "append"}
+    assert w["edited"]["patchkv"]["n"] == 2 and w["append"]["patchkv"]["n"] == 2
+    # edited: prefix median (1 + 4) / 2 over patchkv's (0.25 + 3.25) / 2; append-only: alike
+    assert w["edited"]["patchkv"]["speedup_vs_prefix"] == pytest.approx(2.5 / 1.75)
+    assert w["append"]["patchkv"]["speedup_vs_prefix"] == pytest.approx(1.0)
+    assert s["by_workload"]["w"]["patchkv"]["n"] == 4  # the pooled table is unchanged
+    md = markdown_table(s).splitlines()
+    assert "| w | edited | patchkv | 2 | 1750.0 | 1.43x | - |" in md
+    assert "| w | append | prefix | 2 | 2500.0 | 1.00x | - |" in md
+    assert "by_call" not in summarize(ROWS)  # rows without call kinds: no split
+
+
 def test_markdown_table_exact_text():
     md = markdown_table(summarize(ROWS))
     lines = md.splitlines()
@@ -88,12 +108,12 @@ def tiny_traces(vocab: int) -> list[dict]:
     rng = np.random.default_rng(3)
     v0 = rng.integers(3, vocab, 80).tolist()
     v1 = v0[:20] + rng.integers(3, vocab, 9).tolist() + v0[26:]
-    v2 = v1[:50] + rng.integers(3, vocab, 4).tolist() + v1[60:]
+    v2 = v1 + rng.integers(3, vocab, 4).tolist()  # an append-only call: nothing before its new tokens changed
     w0 = rng.integers(3, vocab, 60).tolist()
     w1 = w0[:10] + w0[20:]  # a compaction: span removed, suffix shifts left
     return [
         {"id": "tiny/0", "workload": "tiny-a", "edit": "multi", "answers": ["x"],
-         "versions": [{"token_ids": v0}, {"token_ids": v1}, {"token_ids": v2}]},
+         "versions": [{"token_ids": v0}, {"token_ids": v1, "edit": "multi"}, {"token_ids": v2, "edit": "none"}]},
         {"id": "tiny/1", "workload": "tiny-b", "edit": "compact_history",
          "versions": [{"token_ids": w0}, {"token_ids": w1}]},
     ]
@@ -115,7 +135,13 @@ def test_run_bench_rows_files_and_resume(engine, tmp_path):
         ex, pre = key[(tr_id, k, "exact")], key[(tr_id, k, "prefix")]
         assert pre["output_ids"] == ex["output_ids"]
         assert pre["top1_agree"] and pre["tf_agree"] == 1.0 and pre["exact_continuation"]
-        assert pre["payload_bytes"] == 0 and key[(tr_id, k, "cacheblend")]["payload_bytes"] > 0
+        # cacheblend restores the rows after an edit; an append-only call has none (its prefix is reused)
+        assert pre["payload_bytes"] == 0 and (key[(tr_id, k, "cacheblend")]["payload_bytes"] > 0) == (k == 1)
+    assert {(r["id"], r["version"], r["call_kind"]) for r in rows} == {
+        ("tiny/0", 1, "multi"), ("tiny/0", 2, "append"), ("tiny/1", 1, "compact_history")}
+    split = summary["by_call"]["tiny-a"]
+    assert split["edited"]["prefix"]["n"] == split["append"]["prefix"]["n"] == 1
+    assert split["append"]["prefix"]["ttft_s_median"] == key[("tiny/0", 2, "prefix")]["ttft_s"]
     assert summary["errors"] == [] and summary["strategies"] == STRATS
     assert summary["workloads"] == ["tiny-a", "tiny-b"] and "all" in summary["by_workload"]
     for name in ("summary.json", "summary.md", "frontier_tiny-a.png", "frontier_tiny-b.png"):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .traces import ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
+from .traces import APPEND, ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
 
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
@@ -31,6 +31,7 @@ FOLLOW_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", NOREADERS, "patc
 ``patchkv-noreaders`` (:func:`register_noreaders`), so that one run measures what the reader blocks buy."""
 RESULTS_FILE = "results.jsonl"
 ALL = "all"  # the pooled group in a summary with several workloads
+EDITED = "edited"  # the call kind of every row that is not append-only (summary["by_call"])
 
 _COLUMNS = (  # (summary key, Markdown header, format)
     ("n", "n", "d"),
@@ -337,6 +338,8 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
         (answers the new gold, among the (episode, version) pairs where ``exact`` does), ``stale_rate``
         (answers the previous version's gold, among the pairs where ``exact`` does not) and their
         denominators ``follow_n`` / ``stale_n`` (None / 0 without such rows).
+        Where rows carry ``call_kind`` (replay rows do), ``by_call`` holds the same groups for edited and
+        append-only calls apart: ``{workload: {"edited" | "append": {strategy: {...}}}}``.
 
     Raises:
         KeyError: a row without ``strategy`` or ``ttft_s``.
@@ -347,13 +350,29 @@ def summarize(rows: Sequence[dict]) -> dict[str, Any]:
     by = {w: _by_strategy([r for r in rows if str(r.get("workload")) == w], strategies) for w in workloads}
     if len(workloads) > 1:
         by[ALL] = _by_strategy(rows, strategies)
-    return {
+    out = {
         "n_rows": len(rows),
         "models": sorted({str(r.get("model")) for r in rows}),
         "workloads": workloads,
         "strategies": strategies,
         "by_workload": by,
     }
+    if any(r.get("call_kind") for r in rows):
+        out["by_call"] = _by_call(rows, workloads, strategies)
+    return out
+
+
+def _by_call(rows: list[dict], workloads: list[str], strategies: list[str]) -> dict[str, dict[str, dict]]:
+    """``{workload: {"edited" | "append": {strategy: group}}}``: edited calls and append-only calls apart (on
+    an append-only call every strategy computes the same new tokens; the edited ones are where they differ).
+    Rows without ``call_kind`` count as edited; each workload's prefix median is that call kind's own."""
+    out: dict[str, dict[str, dict]] = {}
+    for w in workloads + ([ALL] if len(workloads) > 1 else []):
+        ws = [r for r in rows if w == ALL or str(r.get("workload")) == w]
+        kinds = {EDITED: [r for r in ws if r.get("call_kind") != APPEND],
+                 APPEND: [r for r in ws if r.get("call_kind") == APPEND]}
+        out[w] = {k: _by_strategy(rs, strategies) for k, rs in kinds.items() if rs}
+    return out
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
@@ -377,6 +396,18 @@ def markdown_table(summary: dict[str, Any]) -> str:
                 v = g.get(key)
                 cells.append("-" if v is None else format(v, spec) + ("x" if key == "speedup_vs_prefix" else ""))
             lines.append("| " + " | ".join(cells) + " |")
+    if summary.get("by_call"):
+        lines += ["", "Edited and append-only calls apart:", "",
+                  "| workload | calls | strategy | n | TTFT ms (median) | speedup vs prefix | next action |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+        for w, kinds in summary["by_call"].items():
+            for kind, groups in kinds.items():
+                for s, g in groups.items():
+                    cells = [w, kind, s, str(g["n"])]
+                    for key, spec in (("ttft_ms_median", ".1f"), ("speedup_vs_prefix", ".2f"), ("next_action", ".3f")):
+                        v = g.get(key)
+                        cells.append("-" if v is None else format(v, spec) + ("x" if key == "speedup_vs_prefix" else ""))
+                    lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

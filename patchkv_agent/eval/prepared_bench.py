@@ -48,7 +48,7 @@ from ..runtime.threads import ThreadRegistry, thread_key
 from .bench import _mean  # the summaries' shared aggregates (None-skipping)
 from .loop_bench import _median
 from .metrics import NEXT_ACTION_TOKENS, next_action_agree
-from .traces import plain_messages, version_ids
+from .traces import call_kind, plain_messages, version_ids
 
 __all__ = ["ToolLatency", "prepared_loop_episode", "run_prepared_bench", "summarize_prepared", "markdown_prepared",
            "plot_prepared", "write_prepared", "TARGETS", "call_kind"]
@@ -129,13 +129,6 @@ class ToolLatency:
 
 
 # ------------------------------------------------------------------------------------------ running
-
-def call_kind(edit: str | None) -> str:
-    """The kind of a call from its version's ``edit``: ``clear``, ``summarize``, ``offload`` ... or
-    ``append`` (nothing edited)."""
-    e = str(edit or "none").split(":", 1)[0]
-    return "append" if e in ("none", "base", "") else e
-
 
 def _decode(engine, stream, max_new_tokens: int) -> tuple[list[int], str]:
     """Drain ``stream`` greedily up to the end of its first tool call (the next action is decided there)

@@ -20,7 +20,7 @@ from ..results import ResumeResult
 from .metrics import (NEXT_ACTION_TOKENS, answer_match, fidelity, first_token_kl, next_action, next_action_agree,
                       token_f1, top1_agree)
 from .noise_floor import run_floor
-from .traces import RESULT_FIELDS, version_ids
+from .traces import RESULT_FIELDS, call_kind, version_ids
 
 __all__ = ["RESULT_FIELDS", "replay_episode"]
 
@@ -105,7 +105,8 @@ def _floor_row(engine, trace, k, floor: str, ids, ref: ResumeResult, max_new_tok
     text = dec(fr.output_ids, skip_special_tokens=True) if dec else ""
     ref_text = dec(ref.output_ids, skip_special_tokens=True) if dec else ""
     row: dict[str, Any] = {"id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
-                           "version": k, "strategy": floor, "model": model_name, "floor": True,
+                           "call_kind": _kind(trace, k), "version": k, "strategy": floor, "model": model_name,
+                           "floor": True,
                            "prompt_tokens": len(ids), "ttft_s": None, "recompute_ratio": 1.0,
                            "recompute_tokens": len(ids), "payload_bytes": 0, "output_ids": fr.output_ids,
                            "output_text": text, "first_token_kl": first_token_kl(ref.logits, fr.logits),
@@ -119,12 +120,19 @@ def _floor_row(engine, trace, k, floor: str, ids, ref: ResumeResult, max_new_tok
     return row
 
 
+def _kind(trace: dict, k: int) -> str:
+    """The call kind of version ``k`` (:func:`~.traces.call_kind`): its own ``edit`` where versions carry one
+    (agent episodes: an edit, then the append-only calls after it), else the trace's."""
+    v = trace["versions"][k]
+    return call_kind(v.get("edit") if isinstance(v, dict) and "edit" in v else trace.get("edit"))
+
+
 def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answers, model_name) -> dict:
     st = res.stats
     text = engine.tokenizer.decode(res.output_ids, skip_special_tokens=True) if engine.tokenizer else ""
     row: dict[str, Any] = {
-        "id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"), "version": k,
-        "strategy": strategy, "model": model_name,
+        "id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
+        "call_kind": _kind(trace, k), "version": k, "strategy": strategy, "model": model_name,
     }
     for f in ("prompt_tokens", "prefix_tokens", "new_tokens", "suffix_tokens", "recompute_tokens",
               "recompute_ratio", "payload_bytes", "ttft_s", "plan_s", "restore_s", "recompute_s", "offload_s",

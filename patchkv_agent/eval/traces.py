@@ -27,7 +27,7 @@ from ..langgraph.tools import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CL
 
 __all__ = ["RESULT_FIELDS", "TRACE_VERSION_KEYS", "TOOL_CALL_OPEN", "TOOL_CALL_CLOSE", "TOOL_RESPONSE_OPEN",
            "TOOL_RESPONSE_CLOSE", "plain_messages", "version_ids", "validate_trace", "read_traces",
-           "write_traces", "read_results", "ResultsFile", "row_key"]
+           "write_traces", "read_results", "ResultsFile", "row_key", "call_kind", "APPEND"]
 
 TRACE_VERSION_KEYS = ("messages", "text", "token_ids")
 RESULT_FIELDS = (
@@ -36,6 +36,21 @@ RESULT_FIELDS = (
     "recompute_s", "offload_s", "stats_s", "quantize_s", "output_ids", "output_text", "first_token_kl",
     "top1_agree", "tf_agree", "exact_continuation", "f1",
 )
+APPEND = "append"  # the call kind of a version that edits nothing (its context continues the previous one)
+
+
+def call_kind(edit: str | None) -> str:
+    """The kind of a call from its version's ``edit``: ``clear``, ``summarize``, ``offload``, ``replace`` ...
+    or :data:`APPEND` (nothing edited: ``none``, ``base`` or empty).
+
+    Args:
+        edit: a version's (or, where versions carry none, the trace's) ``edit`` field.
+
+    Returns:
+        The kind (the part before a ``:``).
+    """
+    e = str(edit or "none").split(":", 1)[0]
+    return APPEND if e in ("none", "base", "") else e
 
 
 # --------------------------------------------------------------------------------------------- rendering
