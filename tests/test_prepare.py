@@ -352,3 +352,93 @@ def test_predict_timeout_is_checked(reg):
     unbounded = ThreadRegistry(reg.engine, predict_timeout_s=None)
     assert unbounded.predict_timeout_s is None
     unbounded.close()
+
+
+def test_a_predictions_own_model_call_is_exact_and_runs_in_background_chunks(reg, one_torch_thread):
+    k, ctx, rng = _first_call(reg, "summarizer-exact")
+    summary_ids = rng.integers(0, reg.engine.spec.vocab_size, 150)
+    got = {}
+
+    def predict():  # a summarizer writing its summary through the same registry, in a context of its own
+        got["res"] = reg.generate(thread_key("summarizer-exact", "#summary"), summary_ids, max_new_tokens=4)
+        return ctx[:50]
+
+    reg.prepare_async(k, predict).result()
+    res = got["res"]
+    ref = reg.engine.resume(None, summary_ids, strategy="exact", max_new_tokens=4)
+    assert float((res.logits - ref.logits).abs().max()) < TOL and res.output_ids == ref.output_ids
+    assert _rows_equal(res, ref) < TOL
+    assert res.stats.recompute_tokens == 1  # the chunks computed the rest before the resume ran
+
+
+def test_a_real_call_stops_the_predictions_model_call_instead_of_paying_for_it(one_torch_thread):
+    """The call that finds its preparation still predicting takes the model at the next chunk boundary of
+    the prediction's own model call (a summary), and that call ends there: it raises PreparationStopped
+    inside the predictor (so nothing is stored for a real call to be served), never computing further."""
+    from patchkv_agent.runtime.background import PreparationStopped
+
+    eng = tiny_engine("llama")
+    reg = ThreadRegistry(eng, prepare_chunk_tokens=16)
+    try:
+        k, ctx, rng = _first_call(reg, "summarizer-stop")
+        at_chunk, go = threading.Event(), threading.Event()
+        chunks: list[int] = []
+        orig = eng.prepare
+
+        def gated(base, ids, *, chunk_tokens, should_stop):
+            def check():
+                chunks.append(len(chunks))
+                if len(chunks) == 2:  # mid-way through the summary's prefill: hand over to the real call
+                    at_chunk.set()
+                    go.wait(10)
+                return should_stop()
+            return orig(base, ids, chunk_tokens=chunk_tokens, should_stop=check)
+
+        eng.prepare = gated
+        raised = {}
+
+        def predict():
+            try:
+                reg.generate(thread_key("summarizer-stop", "#summary"), rng.integers(0, eng.spec.vocab_size, 200),
+                             max_new_tokens=8)
+            except PreparationStopped as e:
+                raised["e"] = e
+                raise
+            return ctx[:50]
+
+        fut = reg.prepare_async(k, predict)
+        assert at_chunk.wait(10)
+        new = np.concatenate([ctx, rng.integers(0, eng.spec.vocab_size, 7)])
+        eng.prepare = orig  # the real call's own path (it does not prepare)
+        res = reg.generate(k, new, max_new_tokens=2)
+        go.set()
+        fut.result(10)
+        st = res.stats
+        assert st.prepared == "unfinished" and "predicting" in st.prepared_reason and st.base == "resident"
+        assert "e" in raised and len(chunks) == 2  # the check the real call came in ended it: one chunk ran
+        ref = eng.resume(None, new, strategy="exact", max_new_tokens=2)
+        assert res.output_ids == ref.output_ids
+        assert not [e for e in reg.events if e.get("event") == "prepared" and e["key"] == k]  # nothing computed
+    finally:
+        eng.prepare = orig
+        reg.close()
+
+
+def test_a_predictions_decode_stops_at_the_next_step_once_abandoned(reg, one_torch_thread):
+    from patchkv_agent.runtime.background import PreparationStopped, predicting
+
+    stop = threading.Event()
+    ids = np.random.default_rng(5).integers(0, reg.engine.spec.vocab_size, 40)
+    key = thread_key("decode-stop")
+    with predicting(stop):
+        s = reg.stream(key, ids, max_new_tokens=10)
+        drawn = [next(s), next(s)]
+        stop.set()
+        with pytest.raises(PreparationStopped):
+            next(s)
+        with pytest.raises(PreparationStopped):  # a new call of an abandoned prediction computes nothing
+            reg.stream(key, ids, max_new_tokens=1)
+    ref = reg.engine.resume(None, ids, strategy="exact", max_new_tokens=2)
+    assert drawn == ref.output_ids  # what it drew before it stopped is exact's
+    th = reg._peek(reg.active(key))
+    assert th.streams == 0 and list(th.token_ids) == list(ids)  # the stopped stream was closed and committed

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..results import PreparedOutcome, ResumeResult
+from .background import predicting
 from .keys import ThreadKey
 from .lifecycle import Phase, view_of
 from .state import Prediction, Preparation, ThreadState, shared_prefix
@@ -168,7 +169,8 @@ class PreparationMixin:
 
         def call() -> None:
             try:
-                out["value"] = prep.predict()
+                with predicting(prep.stop):  # its own model calls run behind real ones, and stop with it
+                    out["value"] = prep.predict()
             except BaseException as e:  # noqa: BLE001 - a predictor's fault never reaches the caller
                 out["error"] = e
 

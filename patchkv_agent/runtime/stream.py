@@ -8,11 +8,13 @@ nothing about stores or LangGraph.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.sampling import Sampler
 from ..results import ResumeResult
+from .background import PreparationStopped, check_not_stopped
 
 if TYPE_CHECKING:
     from ..engine import PatchKVEngine
@@ -38,11 +40,16 @@ class TokenStream:
         max_new_tokens: tokens to draw at most.
         sampler: how each token is chosen (None: greedy).
         commit: ``commit(result, cache)``, called once when the stream ends (None: nothing is kept).
+        stop: the stop event of the prediction that opened the stream (None: a real call). A prediction's
+            stream decodes each step in the forward lock's background mode, and raises
+            :class:`~patchkv_agent.runtime.background.PreparationStopped` (after closing) at the first step
+            once ``stop`` is set (:mod:`patchkv_agent.runtime.background`).
     """
 
     def __init__(self, engine: "PatchKVEngine", result: ResumeResult, max_new_tokens: int,
-                 sampler: Sampler | None = None, commit: Callable[[ResumeResult, Any], None] | None = None):
-        self._engine, self._commit = engine, commit
+                 sampler: Sampler | None = None, commit: Callable[[ResumeResult, Any], None] | None = None,
+                 stop: "threading.Event | None" = None):
+        self._engine, self._commit, self._stop = engine, commit, stop
         self._sampler = sampler if sampler is not None else Sampler()
         self.result = result
         self.max_new_tokens = max_new_tokens
@@ -71,8 +78,17 @@ class TokenStream:
         if not out:
             tok = self._sampler(self.result.logits)
         else:
-            with self._engine.forward_lock:
-                logits = self._engine.runner.decode_step(self._cache, out[-1], self._pos)
+            if self._stop is None:
+                with self._engine.forward_lock:
+                    logits = self._engine.runner.decode_step(self._cache, out[-1], self._pos)
+            else:  # a prediction's call: each step behind every foreground forward, none once it is abandoned
+                try:
+                    with self._engine.forward_lock.background():
+                        check_not_stopped(self._stop)
+                        logits = self._engine.runner.decode_step(self._cache, out[-1], self._pos)
+                except PreparationStopped:
+                    self.close()
+                    raise
             self._pos += 1
             tok = self._sampler(logits)
         self._decode_s += time.perf_counter() - t0

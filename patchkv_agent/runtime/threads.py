@@ -1,8 +1,7 @@
 """Per-thread context versions and their KV: resident after decode, offloaded while the thread waits.
 
-A :class:`ThreadRegistry` holds, for every thread key (``thread_id``, ``checkpoint_ns``), the thread's
-current context version (token ids, a monotone version number) and the KV of that version in one of
-two places:
+A :class:`ThreadRegistry` holds, for every thread key (``thread_id``, ``checkpoint_ns``), the thread's current
+context version (token ids, a monotone version number) and the KV of that version in one of two places:
 
 - *resident*: the last resume's K/V (what a decode leaves on the accelerator), or
 - *offloaded*: a :class:`~patchkv_agent.core.checkpoint.Checkpoint` written by ``engine.checkpoint_from``, which
@@ -15,49 +14,46 @@ two places:
   keeps one entry (its latest offloaded version); a registry opened on a persistent tier after a restart
   finds it again through :meth:`ThreadRegistry.expect`.
 
-:meth:`ThreadRegistry.stream` / :meth:`ThreadRegistry.generate` resume a thread's next version: no KV
--> ``exact`` (and, when the KV existed once but is gone, ``stats["fallback"]`` says why); KV ->
-``engine.resume(checkpoint, ids, strategy)``. A thread whose KV is still resident resumes from it directly
-(:meth:`~patchkv_agent.engine.PatchKVEngine.as_checkpoint`: full precision, the statistics its last resume
-took), never waiting for an offload: an offload exists for memory pressure, other processes and restarts,
-not for the next call of a live thread, so a pending one finishes later for those (or is discarded when
-the thread has moved on). Resident KV beyond ``resident_budget_bytes`` is evicted least-recently-used
-first (never a thread with an open stream): offloaded, or dropped with the reason recorded for the next
-resume. An offload needs no forward (the statistics come from the resume), so it runs outside the forward
-lock and never delays another thread's resume.
+:meth:`ThreadRegistry.stream` / :meth:`ThreadRegistry.generate` resume a thread's next version: no KV -> ``exact``
+(and, when the KV existed once but is gone, ``stats["fallback"]`` says why); KV -> ``engine.resume(checkpoint, ids,
+strategy)``. A thread whose KV is still resident resumes from it directly
+(:meth:`~patchkv_agent.engine.PatchKVEngine.as_checkpoint`: full precision, the statistics its last resume took),
+never waiting for an offload: an offload exists for memory pressure, other processes and restarts, not for the next
+call of a live thread, so a pending one finishes later for those (or is discarded when the thread has moved on).
+Resident KV beyond ``resident_budget_bytes`` is evicted least-recently-used first (never a thread with an open
+stream): offloaded, or dropped with the reason recorded for the next resume. An offload needs no forward (the
+statistics come from the resume), so it runs outside the forward lock and never delays another thread's resume.
 
-*Healing* (``heal=True``, the default): a selective resume leaves approximate rows (restored ones, and
-every row computed while they were in view). Carried forward, they would shape every later call of the
-thread. So an offload first recomputes those rows exactly (:meth:`~patchkv_agent.engine.PatchKVEngine.heal`,
-one forward under the forward lock, while the agent's tool runs and the model is idle), installs the
-exact KV as the thread's resident state and checkpoints that: an approximation never outlives the call it
-sped up. A resume that arrives while its thread is healing waits for the heal (``heal_wait_s``).
+*Healing* (``heal=True``, the default): a selective resume leaves approximate rows (restored ones, and every row
+computed while they were in view). Carried forward, they would shape every later call of the thread. So an offload
+first recomputes those rows exactly (:meth:`~patchkv_agent.engine.PatchKVEngine.heal`, one forward under the forward
+lock, while the agent's tool runs and the model is idle), installs the exact KV as the thread's resident state and
+checkpoints that: an approximation never outlives the call it sped up. A resume that arrives while its thread is
+healing waits for the heal (``heal_wait_s``).
 
-*Several contexts per thread* (``contexts=4``): a summarizer, a router or a sub-agent calling the same
-model under the same graph thread has a context of its own. A thread key holds up to ``contexts`` recent
-contexts (each a thread of the registry under the key ``(thread_id, ns#ctxN)``); a call continues the
-one it shares the most with (the longest common prefix, or, when no context shares half of itself, the
-most tokens the diff can reuse) and opens a new one when none shares a quarter of the new version, so
-two callers on one key never overwrite each other's KV. :meth:`handle`, :meth:`offload_async` and
-:meth:`wait` act on the context the key's last call used.
+*Several contexts per thread* (``contexts=4``): a summarizer, a router or a sub-agent calling the same model under
+the same graph thread has a context of its own. A thread key holds up to ``contexts`` recent contexts (each a thread
+of the registry under the key ``(thread_id, ns#ctxN)``); a call continues the one it shares the most with (the
+longest common prefix, or, when no context shares half of itself, the most tokens the diff can reuse) and opens a
+new one when none shares a quarter of the new version, so two callers on one key never overwrite each other's KV.
+:meth:`handle`, :meth:`offload_async` and :meth:`wait` act on the context the key's last call used.
 
-*Preparation* (:meth:`ThreadRegistry.prepare_async`): while a thread's tools run, its predicted next
-context (the predictor runs on a thread of its own, ``predict_timeout_s`` at most, so it never holds the
-worker) is computed exactly in the worker, in chunks that give way to foreground forwards; the next resume
-starts from it when the call's context continues it (base ``"prepared"``), and says in its stats whether
-the preparation was a hit, partial, a miss, unfinished or failed. :meth:`phase` tells where a thread's KV
-is (:class:`~patchkv_agent.runtime.lifecycle.Phase`; the states and their moves: :mod:`.lifecycle`).
+*Preparation* (:meth:`ThreadRegistry.prepare_async`): while a thread's tools run, its predicted next context (the
+predictor runs on a thread of its own, ``predict_timeout_s`` at most; a model call it makes runs behind every real
+call and stops with it: :mod:`.background`) is computed exactly in the worker, in chunks that give way to foreground
+forwards; the next resume starts from it when the call's context continues it (base ``"prepared"``); its stats say
+whether the preparation was a hit, partial, a miss, unfinished or failed. :meth:`phase` tells where a thread's KV is
+(:class:`~patchkv_agent.runtime.lifecycle.Phase`, :mod:`.lifecycle`).
 
-Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its
-snapshot and to install the result, not while it quantizes and copies), the engine's ``forward_lock`` for
-the model forward (one forward at a time per model, shared with every other registry and direct caller of
-that engine), one short registry lock for the tables. A thread lock may be held while
-taking the forward lock, never the reverse. Threads never share KV: a thread resumes only from its own
-checkpoint.
+Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its snapshot and to
+install the result, not while it quantizes and copies), the engine's ``forward_lock`` for the model forward (one
+forward at a time per model, shared with every other registry and direct caller of that engine), one short registry
+lock for the tables. A thread lock may be held while taking the forward lock, never the reverse. Threads never share
+KV: a thread resumes only from its own checkpoint.
 
 Knows the engine's public methods (``resume``, ``checkpoint_from``), the store interface, and nothing about
-LangGraph. The preparation's methods live in :mod:`.preparation`, the store entries and budgets in
-:mod:`.residency` (mixins of :class:`ThreadRegistry`), the per-thread record and its phases in :mod:`.state`.
+LangGraph. The preparation's methods live in :mod:`.preparation`, the store entries and budgets in :mod:`.residency`
+(mixins of :class:`ThreadRegistry`), the per-thread record and its phases in :mod:`.state`.
 """
 
 from __future__ import annotations
@@ -80,6 +76,7 @@ from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
+from .background import check_not_stopped, prediction_stop, resume_in_background
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 from .lifecycle import Job, Location, is_offloaded, view_of
@@ -132,14 +129,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             raise ValueError(f"on_evict must be 'offload' or 'drop', got {on_evict!r}")
         if isinstance(contexts, bool) or not isinstance(contexts, int) or not 1 <= contexts <= 64:
             raise ValueError(f"contexts must be an int in 1..64 (contexts kept per thread key), got {contexts!r}")
-        if isinstance(prepare_chunk_tokens, bool) or not isinstance(prepare_chunk_tokens, int) \
-                or prepare_chunk_tokens < 1:
-            raise ValueError(f"prepare_chunk_tokens must be an int >= 1, got {prepare_chunk_tokens!r}")
-        if predict_timeout_s is not None and (isinstance(predict_timeout_s, bool)
-                                              or not isinstance(predict_timeout_s, (int, float))
-                                              or not 0 < predict_timeout_s < float("inf")):
-            raise ValueError(f"predict_timeout_s must be a finite number of seconds > 0 or None, "
-                             f"got {predict_timeout_s!r}")
+        c, t = prepare_chunk_tokens, predict_timeout_s
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"prepare_chunk_tokens must be an int >= 1, got {c!r}")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"predict_timeout_s must be a finite number of seconds > 0 or None, got {t!r}")
         if resident_budget_bytes < 0 or (offload_budget_bytes is not None and offload_budget_bytes < 0):
             raise ValueError("budgets must be >= 0 bytes")
         if store is not None and offload_budget_bytes is not None:
@@ -438,11 +432,16 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         ids, max_new_tokens, strat = req.ids, req.max_new_tokens, req.strategy
         strategy = strat.name
         exact_req = req.with_strategy(self.engine.strategy("exact")).prefill_only()
+        stop = prediction_stop()  # a prediction's own call (a summary): behind every real call (.background)
+        check_not_stopped(stop)
         if key is None:
-            with self.forward_lock:
-                res = self.engine.resume_request(None, exact_req)
+            if stop is not None:
+                res = resume_in_background(self.engine, None, exact_req, stop, self.prepare_chunk_tokens)
+            else:
+                with self.forward_lock:
+                    res = self.engine.resume_request(None, exact_req)
             res.stats = res.stats.with_runtime(base=BaseKind.NONE, requested_strategy=strategy, offload_wait_s=0.0)
-            return TokenStream(self.engine, res, max_new_tokens, sampler)
+            return TokenStream(self.engine, res, max_new_tokens, sampler, stop=stop)
         primary, (key, edit) = key, self._choose_context(key, ids)
         req = dataclasses.replace(req, edit=edit).prefill_only()
         with self._lock:
@@ -468,7 +467,9 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             else:
                 base, base_version, source, skey = self._base(th)
                 fallback = th.lost if base is None and skey is None else None
-            if skey is not None:  # the store read runs outside the forward lock
+            if stop is not None:  # exact, in chunks from the resident rows it shares
+                res = resume_in_background(self.engine, th.resident, req, stop, self.prepare_chunk_tokens)
+            elif skey is not None:  # the store read runs outside the forward lock
                 res = resume_from_store(self.engine, self.store, skey, req, forward_lock=self.forward_lock)
                 if res.stats.fallback is not None:  # nothing of the stored checkpoint was used
                     base_version, source = None, BaseKind.NONE  # evicted, corrupt, missing: exact, reason recorded
@@ -502,7 +503,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             res.stats = res.stats.with_engine(fallback=fallback)
         self._enforce_resident_budget(keep=key)
         return TokenStream(self.engine, res, max_new_tokens, sampler,
-                           commit=functools.partial(self._commit, th, version))
+                           commit=functools.partial(self._commit, th, version), stop=stop)
 
     def generate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
                  max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
