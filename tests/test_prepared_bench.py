@@ -237,8 +237,13 @@ def test_summary_arithmetic_markdown_and_plot(tmp_path):
     assert g["miss_vs_patchkv"] == pytest.approx(1.5) and g["misses"] == 1
     assert g["next_action_prepared"] == pytest.approx(2 / 3) and g["hidden_share_mean"] == pytest.approx(1 / 3)
     assert set(s["by_kind"]["w"]) == {"clear", "append"} and s["by_kind"]["w"]["append"]["calls"] == 1
+    # every outcome against prefix: hits 1/5 and 2/8; the partial call 3/6
+    assert g["by_outcome"]["hit"] == {"calls": 2, "vs_prefix_median": pytest.approx((0.2 + 0.25) / 2),
+                                      "vs_prefix_max": pytest.approx(0.25)}
+    assert g["by_outcome"]["partial"]["vs_prefix_max"] == pytest.approx(0.5)
     md = markdown_prepared(dict(s, settings={"tool_latency": "2", "model": "m", "reference": "prefix"}), "cmd --x")
     assert "cmd --x" in md and "| w | all | 3 | 0.67 |" in md and "1.50 (not met)" in md
+    assert "| w | partial | 1 | 0.50 | 0.50 |" in md
     plot_prepared(s, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 

@@ -58,6 +58,7 @@ TARGETS = {  # targets of the tool-wait preparation (reported beside the figures
     "hit_rate": 0.95,         # hits among the calls of ClearToolUsesEdit / SummarizationMiddleware workloads
     "miss_vs_patchkv": 1.05,  # a call that is not a hit over today's resume of the same call, at most
     "prefix_over_hit": 3.0,   # prefix's e2e TTFT over a hit's, at least (at 8k tokens)
+    "outcome_vs_prefix": 1.0,  # any outcome's worst call over prefix's, at most (plus one preparation chunk)
 }
 _FILES = ("loop_prepared.json", "loop_prepared.md", "loop_prepared.png")
 
@@ -436,6 +437,9 @@ def _group(rows: list[dict]) -> dict[str, Any]:
         "prepare_s_median": _median(r.get("prepare_s") for r in rows),
         "tool_s_median": _median(r.get("tool_s") for r in rows),
         "prompt_tokens_median": _median(r.get("prompt_tokens") for r in rows),
+        "by_outcome": {o: {"calls": len(rs), "vs_prefix_median": _median(r.get("vs_prefix") for r in rs),
+                           "vs_prefix_max": max((r["vs_prefix"] for r in rs if r.get("vs_prefix")), default=None)}
+                       for o in outcomes for rs in [[r for r in rows if str(r.get("prepared")) == o]]},
     }
 
 
@@ -508,6 +512,13 @@ def markdown_prepared(summary: dict[str, Any], command: str | None = None) -> st
             out.append(line(w, k, gk))
     out += ["", "Outcomes: " + "; ".join(f"{w}: " + ", ".join(f"{k} {n}" for k, n in g["outcomes"].items())
                                         for w, g in summary["by_workload"].items()), ""]
+    out += ["Every prepared outcome against prefix (a call that is not a hit costs at most prefix's time plus one "
+            "chunk): per outcome, calls, median and worst e2e TTFT over prefix's:", "",
+            "| workload | outcome | calls | / prefix (median) | / prefix (worst) |", "|---|---|---:|---:|---:|"]
+    for w, g in summary["by_workload"].items():
+        for o, go in g.get("by_outcome", {}).items():
+            out.append(f"| {w} | {o} | {go['calls']} | {_f(go['vs_prefix_median'])} | {_f(go['vs_prefix_max'])} |")
+    out.append("")
     t = summary.get("targets") or TARGETS
     out += ["Targets of the tool-wait preparation, medians per workload:", "",
             "| workload | hit / floor <= %.2f | hit rate >= %.2f | not hit / patchkv <= %.2f | prefix / hit >= %.1fx |"
