@@ -76,7 +76,8 @@ def _broken(text: str, brk: str, texts=("<|im_start|>", "<|im_end|>")) -> str:
 def _conversation(tool_texts) -> list:
     calls = [{"id": f"c{i}", "name": "weather", "args": {"city": "Sofia"}} for i in range(len(tool_texts))]
     return ([SystemMessage("You are a careful agent."), HumanMessage("Weather in Sofia?"),
-             AIMessage("", tool_calls=calls)] + [ToolMessage(t, tool_call_id=f"c{i}") for i, t in enumerate(tool_texts)])
+             AIMessage("", tool_calls=calls)]
+            + [ToolMessage(t, tool_call_id=f"c{i}") for i, t in enumerate(tool_texts)])
 
 
 def _specials(tok, ids) -> list[int]:
