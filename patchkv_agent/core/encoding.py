@@ -86,8 +86,8 @@ def special_token_texts(tokenizer: Any, literal_break: str | None = LITERAL_BREA
     return tuple(sorted(keep, key=lambda t: (-len(t), t)))
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+def _ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [[int(i) for i in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _unk_id(tokenizer: Any) -> int | None:
@@ -99,21 +99,20 @@ def _unk_id(tokenizer: Any) -> int | None:
     return int(unk) if isinstance(unk, int) and not isinstance(unk, bool) else None
 
 
-def _keeps_text(tokenizer: Any, brk: str, texts: tuple[str, ...], special_ids: set[int], unk: int | None) -> bool:
-    """Whether every text of ``texts`` broken by ``brk`` encodes to no special id and no more ``<unk>`` than
-    its two halves do, and (when it encodes without ``<unk>``) decodes back to itself."""
-    for t in texts:
-        if len(t) < 2:
-            continue
-        broken = t[0] + brk + t[1:]
-        ids = _ids(tokenizer, broken)
+def _keeps_text(tokenizer: Any, brk: str, texts: list[str], halves: list[int], special_ids: set[int],
+                unk: int | None) -> bool:
+    """Whether every text of ``texts`` broken by ``brk`` encodes to no special id and to no more ``<unk>``
+    than its two halves do (``halves``: their count), and (when it encodes without ``<unk>``) decodes back to
+    itself."""
+    broken = [t[0] + brk + t[1:] for t in texts]
+    for text, ids, before in zip(broken, _ids(tokenizer, broken), halves):
         if any(i in special_ids and i != unk for i in ids):
             return False
         n_unk = ids.count(unk) if unk is not None else 0
-        if n_unk > (_ids(tokenizer, t[0]).count(unk) + _ids(tokenizer, t[1:]).count(unk) if unk is not None else 0):
+        if n_unk > before:
             return False
         if n_unk == 0 and tokenizer.decode(ids, skip_special_tokens=False,
-                                           clean_up_tokenization_spaces=False) != broken:
+                                           clean_up_tokenization_spaces=False) != text:
             return False
     return True
 
@@ -137,12 +136,23 @@ def choose_literal_break(tokenizer: Any, candidates: tuple[str, ...] = BREAK_CAN
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
     if isinstance(decoder, dict):
         special_ids = {int(i) for i, at in decoder.items() if getattr(at, "content", None) in texts}
-    unk = _unk_id(tokenizer)
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if callable(convert):  # special texts outside the added tokens' table
+        special_ids.update(i for i in (convert(t) for t in texts) if isinstance(i, int))
+    try:
+        unk = _unk_id(tokenizer)
+        probe = [t for t in texts if len(t) > 1]
+        first, rest = _ids(tokenizer, [t[0] for t in probe]), _ids(tokenizer, [t[1:] for t in probe])
+        halves = [(a.count(unk) + b.count(unk)) if unk is not None else 0 for a, b in zip(first, rest)]
+    except Exception:  # a tokenizer this cannot probe
+        return LITERAL_BREAK
+    if not probe:  # one-character special texts only: they become U+FFFD, no break is inserted
+        return LITERAL_BREAK
     for brk in candidates:
         if not brk or any(brk in t for t in texts):
             continue
         try:
-            if _keeps_text(tokenizer, brk, texts, special_ids, unk):
+            if _keeps_text(tokenizer, brk, probe, halves, special_ids, unk):
                 return brk
         except Exception:  # a tokenizer that cannot encode or decode this: try the next candidate
             continue

@@ -8,7 +8,9 @@ the model lists the tools as JSON schemas and is asked to reply, to call one, wi
 which is also how :func:`plain_messages` writes earlier calls back into the context (tool results as
 ``<tool_response>...</tool_response>``), so a call the model wrote and the same call re-rendered are the
 same text. This module owns those tags: the chat model, the trace replay (:mod:`patchkv_agent.eval.traces`)
-and the calibration tools all render trace messages through :func:`plain_messages`.
+and the calibration tools all render trace messages through :func:`plain_messages`; the chat model breaks
+the tags (:data:`PROTOCOL_TAGS`) inside message text first, so a tool result holding ``</tool_response>``
+cannot close its wrapper.
 
 :func:`parse_tool_calls` reads model output tolerantly: tagged calls (also an unterminated last one),
 bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also in code fences, also
@@ -16,7 +18,9 @@ bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also 
 never repaired into a call (an agent would run a tool with wrong arguments); what cannot be read becomes
 an ``invalid_tool_calls`` entry, never an exception.
 
-Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``). Knows
+Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``), checking
+that their text is text a tokenizer encodes (:func:`check_text`, :func:`check_json_text`: a ``ValueError``
+naming the field). Knows
 LangChain message classes (imported lazily: the tags and :func:`plain_messages` need no LangChain); nothing
 about models, the engine or evaluation.
 """
