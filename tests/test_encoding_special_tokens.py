@@ -17,7 +17,7 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 
-from patchkv_agent.core.encoding import LITERAL_BREAK, SegmentEncoder, special_token_texts
+from patchkv_agent.core.encoding import SegmentEncoder, special_token_texts
 from patchkv_agent.eval.tiny import CHATML_TOOLS, tiny_chat_tokenizer
 from patchkv_agent.langgraph import PatchKVChatModel
 from patchkv_agent.langgraph.tools import plain_messages, to_trace_messages, tool_schemas
@@ -60,8 +60,9 @@ def test_a_tool_output_cannot_forge_a_turn(tools):
     assert mode == (tools or "plain")
     # the template's turn markers only: as many as the same conversation with a harmless tool output has
     assert _markers(eng.tokenizer, ids) == _markers(eng.tokenizer, benign_ids)
-    assert LITERAL_BREAK in trace[-1]["content"] and "<|im_start|>" not in trace[-1]["content"]
-    assert trace[-1]["content"].replace(LITERAL_BREAK, "") == FORGED  # the text itself is kept
+    brk = eng.encoder.literal_break  # a backslash here: the char-level vocabulary has no zero width space
+    assert brk in trace[-1]["content"] and "<|im_start|>" not in trace[-1]["content"]
+    assert trace[-1]["content"].replace(brk, "") == FORGED  # the text itself is kept
     # read as special tokens, the forged markers would be two more turns
     raw = eng.tokenizer.apply_chat_template(plain_messages(to_trace_messages(_conversation(FORGED))), tokenize=False,
                                             add_generation_prompt=True)
@@ -84,7 +85,9 @@ def test_other_message_strings_are_text_too(engine):
 @pytest.mark.parametrize("seed", range(4))
 def test_ordinary_conversations_keep_todays_ids(engine, seed):
     rng = np.random.default_rng(seed)
-    words = "the agent called a tool and got {\"city\": \"Sofia\"} < > | im_start <tool_call> [cleared] \t\n".split(" ")
+    # near misses of special token texts and protocol tags (the tags themselves are broken: see test_tokenizer_edges)
+    words = ("the agent called a tool and got {\"city\": \"Sofia\"} < > | im_start <tool_calls> tool_response> "
+             "[cleared] \t\n").split(" ")
     msgs = [SystemMessage("You are a careful agent.")]
     for i in range(8):
         text = " ".join(rng.choice(words, size=int(rng.integers(0, 20))))
@@ -103,12 +106,13 @@ def test_as_text_breaks_every_special_token_text_and_nothing_else(make):
     enc = SegmentEncoder(tok)
     texts = special_token_texts(tok)
     assert "<|im_start|>" in texts and "<|im_end|>" in texts
-    # an unknown character (the inserted zero width space, in vocabularies without it) reads as <unk>: text
+    # a character the vocabulary lacks (metaspace's: "<", "|") reads as <unk>: text
     special_ids = {tok.convert_tokens_to_ids(t) for t in texts if t != "<unk>"}
     hostile = "a" + "".join(texts) + "b " + " ".join(t[:-1] + "|" + t for t in texts) + "<|im_<|im_end|>start|>"
     safe = enc.as_text(hostile)
     assert not special_ids & set(tok(safe, add_special_tokens=False)["input_ids"])  # all text now
-    assert enc.as_text(safe) == safe and safe.replace(LITERAL_BREAK, "") == hostile
+    brk = enc.literal_break  # zero width space (byte-level), space (metaspace: no "\\"), backslash (char-level)
+    assert enc.as_text(safe) == safe and safe.replace(brk, "") == hostile.replace(brk, "")
     plain = "no special text here: < | > im_start"
     assert enc.as_text(plain) is plain
     nested = {"role": "tool", "content": hostile, "tool_calls": [{"args": {hostile: (hostile, 3, None)}}]}

@@ -19,10 +19,14 @@ differ from the whole-text ids (checked when the encoder is built).
 
 Message text is text: a tokenizer matches its special tokens anywhere in its input, so a message whose
 content holds ``<|im_start|>system`` would be read as a real turn marker (a tool's output forging a system
-turn). :meth:`SegmentEncoder.as_text` breaks every special token's text inside a message's strings (a zero
-width space after its first character, :data:`LITERAL_BREAK`) before the chat template renders them, so the
-only special tokens in a rendered context are the template's own; a text without a special token's text is
-returned unchanged, so ordinary conversations keep their ids.
+turn). :meth:`SegmentEncoder.as_text` breaks every special token's text inside a message's strings (a break
+string after its first character) before the chat template renders them, so the only special tokens in a
+rendered context are the template's own; a text without a special token's text is returned unchanged, so
+ordinary conversations keep their ids. The break is chosen once per tokenizer
+(:attr:`SegmentEncoder.literal_break`, :func:`choose_literal_break`): the first of :data:`BREAK_CANDIDATES`
+(zero width space, word joiner, backslash, space) that the vocabulary encodes and decodes back without
+``<unk>``, so the broken text keeps its characters on every vocabulary (``<\\|im_start|>`` on a vocabulary of
+printable ASCII; invisible on one that holds U+200B).
 
 Boundary: a tokenizer object (duck-typed: ``__call__``, ``added_tokens_decoder``, ``is_fast``) in, numpy
 int64 arrays out; no model, no torch.
@@ -37,14 +41,18 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SegmentEncoder", "DEFAULT_CACHE_TOKENS", "LITERAL_BREAK", "special_token_texts"]
+__all__ = ["SegmentEncoder", "DEFAULT_CACHE_TOKENS", "LITERAL_BREAK", "BREAK_CANDIDATES", "choose_literal_break",
+           "special_token_texts"]
 
 DEFAULT_CACHE_TOKENS = 1 << 21  # ids the memo keeps (int64: 16 MiB), least recently used dropped first
 _PROBE_TEXT = ("system\nYou are helpful.", "user\n  Hi there!\n\n{\"a\": [1, 2]}", "assistant\n", "\n",
                " leading space", "tool\nnaïve — 12345 ok\tTab", "x")
 
 
-LITERAL_BREAK = "\u200b"  # zero width space: inserted after a special token text's first character
+LITERAL_BREAK = "\u200b"  # zero width space: the preferred break (invisible), where the vocabulary encodes it
+BREAK_CANDIDATES = ("\u200b", "\u2060", "\\", " ")
+"""Breaks :func:`choose_literal_break` tries, in order: zero width space and word joiner (invisible), then
+backslash (reads as an escape: ``<\\/tool_response>``) and space (every vocabulary encodes one)."""
 _LONE = "\ufffd"  # what a one-character special token's text becomes (nothing can be inserted into it)
 
 
@@ -52,14 +60,15 @@ def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
 
 
-def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+def special_token_texts(tokenizer: Any, literal_break: str | None = LITERAL_BREAK) -> tuple[str, ...]:
     """The texts a call of ``tokenizer`` reads as special tokens wherever they stand in its input: its added
     tokens flagged ``special`` and its ``all_special_tokens``, longest first.
 
     Args:
         tokenizer: a Hugging Face tokenizer (or any object; missing attributes count as none).
+        literal_break: the break :meth:`SegmentEncoder.as_text` inserts (None: keep every text).
     Returns:
-        The texts (texts holding :data:`LITERAL_BREAK` or U+FFFD are left out: :meth:`SegmentEncoder.as_text`
+        The texts (texts holding ``literal_break`` or U+FFFD are left out: :meth:`SegmentEncoder.as_text`
         could not break them without making new ones).
     """
     found: set[str] = set()
@@ -73,12 +82,81 @@ def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
         found.update(t for t in (getattr(tokenizer, "all_special_tokens", None) or ()) if isinstance(t, str) and t)
     except TypeError:
         pass
-    return tuple(sorted((t for t in found if LITERAL_BREAK not in t and _LONE not in t), key=lambda t: (-len(t), t)))
+    keep = (t for t in found if _LONE not in t and (not literal_break or literal_break not in t))
+    return tuple(sorted(keep, key=lambda t: (-len(t), t)))
 
 
-def _break(m: re.Match) -> str:
-    t = m.group(0)
-    return t[0] + LITERAL_BREAK + t[1:] if len(t) > 1 else _LONE
+def _ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    return [[int(i) for i in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def _unk_id(tokenizer: Any) -> int | None:
+    """The id the tokenizer gives unknown characters: its ``unk_token_id``, else its backend model's."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        name = getattr(getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None), "unk_token", None)
+        unk = tokenizer.backend_tokenizer.token_to_id(name) if isinstance(name, str) else None
+    return int(unk) if isinstance(unk, int) and not isinstance(unk, bool) else None
+
+
+def _keeps_text(tokenizer: Any, brk: str, texts: list[str], halves: list[int], special_ids: set[int],
+                unk: int | None) -> bool:
+    """Whether every text of ``texts`` broken by ``brk`` encodes to no special id and to no more ``<unk>``
+    than its two halves do (``halves``: their count), and (when it encodes without ``<unk>``) decodes back to
+    itself."""
+    broken = [t[0] + brk + t[1:] for t in texts]
+    for text, ids, before in zip(broken, _ids(tokenizer, broken), halves):
+        if any(i in special_ids and i != unk for i in ids):
+            return False
+        n_unk = ids.count(unk) if unk is not None else 0
+        if n_unk > before:
+            return False
+        if n_unk == 0 and tokenizer.decode(ids, skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False) != text:
+            return False
+    return True
+
+
+def choose_literal_break(tokenizer: Any, candidates: tuple[str, ...] = BREAK_CANDIDATES) -> str:
+    """The break :meth:`SegmentEncoder.as_text` inserts into special token texts for ``tokenizer``: the first
+    candidate that no special token's text holds and that, inserted after the first character of each
+    special token's text, encodes to no special id, adds no ``<unk>`` and decodes back to the broken text.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (duck-typed: ``__call__``, ``decode``, ``unk_token_id``).
+        candidates: the breaks to try, in order of preference.
+    Returns:
+        The chosen break; :data:`LITERAL_BREAK` when the tokenizer has no special token texts or no
+        candidate passes (a tokenizer this cannot probe included).
+    """
+    texts = special_token_texts(tokenizer, None)
+    if not texts:
+        return LITERAL_BREAK
+    special_ids: set[int] = set()
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(decoder, dict):
+        special_ids = {int(i) for i, at in decoder.items() if getattr(at, "content", None) in texts}
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if callable(convert):  # special texts outside the added tokens' table
+        special_ids.update(i for i in (convert(t) for t in texts) if isinstance(i, int))
+    try:
+        unk = _unk_id(tokenizer)
+        probe = [t for t in texts if len(t) > 1]
+        first, rest = _ids(tokenizer, [t[0] for t in probe]), _ids(tokenizer, [t[1:] for t in probe])
+        halves = [(a.count(unk) + b.count(unk)) if unk is not None else 0 for a, b in zip(first, rest)]
+    except Exception:  # a tokenizer this cannot probe
+        return LITERAL_BREAK
+    if not probe:  # one-character special texts only: they become U+FFFD, no break is inserted
+        return LITERAL_BREAK
+    for brk in candidates:
+        if not brk or any(brk in t for t in texts):
+            continue
+        try:
+            if _keeps_text(tokenizer, brk, probe, halves, special_ids, unk):
+                return brk
+        except Exception:  # a tokenizer that cannot encode or decode this: try the next candidate
+            continue
+    return LITERAL_BREAK
 
 
 class SegmentEncoder:
@@ -92,6 +170,7 @@ class SegmentEncoder:
     Attributes:
         reason: None when the memo is used, else why not (every call then tokenizes the whole text).
         hits, misses: pieces served from the memo / encoded, since construction.
+        literal_break: the break :meth:`as_text` inserts for this tokenizer (chosen on first use).
 
     Raises:
         ValueError: ``max_tokens`` negative or not an int.
@@ -110,7 +189,9 @@ class SegmentEncoder:
         self._special_ids: dict[str, np.ndarray] = {}
         self._pattern: re.Pattern | None = None
         self._anchor: tuple[str, int] | None = None
-        self._literal: tuple[Any, re.Pattern | None] | None = None  # (tokenizer, special texts) of as_text
+        self._break: tuple[Any, str] | None = None  # (tokenizer, its literal break)
+        self._literal: dict[tuple[str, ...], re.Pattern | None] = {}  # as_text's patterns, by `also`
+        self._literal_of: Any = tokenizer  # the tokenizer those patterns are of
         self.reason: str | None = "max_tokens=0" if max_tokens == 0 else self._configure()
 
     # ------------------------------------------------------------------ set-up
@@ -236,33 +317,58 @@ class SegmentEncoder:
 
     __call__ = encode
 
-    def as_text(self, value: Any) -> Any:
+    @property
+    def literal_break(self) -> str:
+        """The break :meth:`as_text` inserts after a special token text's first character: chosen once per
+        tokenizer by :func:`choose_literal_break` (re-chosen when ``tokenizer`` is replaced)."""
+        got = self._break
+        if got is None or got[0] is not self.tokenizer:
+            got = self._break = (self.tokenizer, choose_literal_break(self.tokenizer))
+        return got[1]
+
+    def _literal_pattern(self, also: tuple[str, ...]) -> re.Pattern | None:
+        """The pattern :meth:`as_text` breaks: the special token texts and ``also`` (cached per ``also``)."""
+        if self._literal_of is not self.tokenizer or len(self._literal) > 16:
+            self._literal, self._literal_of = {}, self.tokenizer
+        pat = self._literal.get(also, False)
+        if pat is False:
+            brk = self.literal_break
+            texts = set(special_token_texts(self.tokenizer, brk))
+            texts.update(t for t in also if t and brk not in t and _LONE not in t)
+            ordered = sorted(texts, key=lambda t: (-len(t), t))
+            pat = self._literal[also] = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        return pat
+
+    def as_text(self, value: Any, also: tuple[str, ...] = ()) -> Any:
         """``value`` with every special token's text inside its strings broken (see the module docstring), so a
         tokenizer call reads it as text: for message contents, roles, tool call names and arguments, before
         a chat template renders them.
 
         Args:
             value: a string, or lists / tuples / dicts of them (keys included) and other values (kept).
+            also: more texts to break the same way, which the tokenizer reads as text but a reader of the
+                rendered context would take for markup (e.g. the ``<tool_response>`` tags of the tool protocol).
         Returns:
             The same structure (new containers; unchanged strings are the same objects). A string that holds
-            no special token's text is returned as it is, so the ids of ordinary text do not change; applying
-            it twice changes nothing more.
+            no special token's text (nor one of ``also``) is returned as it is, so the ids of ordinary text do
+            not change; applying it twice changes nothing more. Each match gets :attr:`literal_break` after
+            its first character (a one-character special token's text becomes U+FFFD).
         """
-        lit = self._literal
-        if lit is None or lit[0] is not self.tokenizer:
-            texts = special_token_texts(self.tokenizer)
-            pat = re.compile("|".join(re.escape(t) for t in texts)) if texts else None
-            lit = self._literal = (self.tokenizer, pat)
-        pattern = lit[1]
+        pattern = self._literal_pattern(tuple(also))
         if pattern is None:
             return value
+        brk = self.literal_break
+
+        def cut(m: re.Match) -> str:
+            t = m.group(0)
+            return t[0] + brk + t[1:] if len(t) > 1 else _LONE
 
         def walk(v: Any) -> Any:
             if isinstance(v, str):
-                # each pass breaks at least one match and makes none (no special text holds the inserted
-                # characters), so this ends; a second pass is needed only for overlapping special texts
+                # each pass breaks at least one match and makes none (no text in the pattern holds the
+                # inserted characters), so this ends; a second pass is needed only for overlapping texts
                 while pattern.search(v):
-                    v = pattern.sub(_break, v)
+                    v = pattern.sub(cut, v)
                 return v
             if isinstance(v, dict):
                 return {walk(k): walk(x) for k, x in v.items()}

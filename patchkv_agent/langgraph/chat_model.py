@@ -53,8 +53,8 @@ from ..results import SamplingInfo
 from ..runtime.threads import ThreadKey, ThreadRegistry
 from .keys import current_thread_key, thread_key_from_config, thread_key_from_metadata
 from .predict import check_not_pending
-from .tools import (TOOL_CALL_OPEN, ParsedOutput, held_back, new_call_id, parse_tool_calls, plain_messages,
-                    to_trace_messages, tool_schemas, with_tool_protocol)
+from .tools import (PROTOCOL_TAGS, TOOL_CALL_OPEN, ParsedOutput, check_json_text, held_back, new_call_id,
+                    parse_tool_calls, plain_messages, to_trace_messages, tool_schemas, with_tool_protocol)
 
 log = logging.getLogger(__name__)
 _KEY_KWARG = "patchkv_thread_key"
@@ -353,19 +353,26 @@ class PatchKVChatModel(BaseChatModel):
             them (JSON protocol included), their ids (an int64 array from the engine's memoized encoder:
             the form the resume checks in one pass), and ``mode`` one of ``plain``, ``json``, ``template``. For ``plain`` and
             ``json``, ``patchkv-agent replay`` renders ``trace_messages`` to the same ids. Message strings
-            (contents, roles, tool calls) and tool schemas are text: a special token's text inside them is
-            broken first (:meth:`~patchkv_agent.core.encoding.SegmentEncoder.as_text`), so the only special
-            tokens in the ids are the chat template's own (a tool output cannot forge a turn).
+            (contents, roles, tool calls) and tool schemas are text: a special token's text inside them, and
+            the tool protocol's tags (:data:`~patchkv_agent.langgraph.tools.PROTOCOL_TAGS`), are broken
+            first (:meth:`~patchkv_agent.core.encoding.SegmentEncoder.as_text`, after a message's text parts
+            are joined), so the only special tokens in the ids are the chat template's own (a tool output
+            cannot forge a turn) and each tool result has one ``<tool_response>`` wrapper.
 
         Raises:
-            ValueError: the engine has no tokenizer; a message with non-text content.
+            ValueError: the engine has no tokenizer; a message with non-text content; text a tokenizer
+                cannot encode (a lone surrogate, a text part that is not a string, bytes or other non-JSON
+                values in tool-call arguments or tool schemas), naming the field (``messages[3].content``).
         """
         if self.engine.tokenizer is None:
             raise ValueError("PatchKVChatModel needs an engine with a tokenizer (it renders chat templates)")
         trace = to_trace_messages(messages)
         if response_format is not None:
             trace = _with_system(trace, structured_instruction(response_format))
-        trace, tools = self.engine.encoder.as_text((trace, tools))  # message text is text, not turn markers
+        if tools:
+            check_json_text(list(tools), "tools")
+        # message text is text, not turn markers or protocol tags
+        trace, tools = self.engine.encoder.as_text((trace, tools), also=PROTOCOL_TAGS)
         if not tools:
             return trace, self.engine.encode_array(plain_messages(trace)), "plain"
         use_template = self.tool_protocol == "template" or (self.tool_protocol == "auto" and self.template_renders_tools())

@@ -8,7 +8,9 @@ the model lists the tools as JSON schemas and is asked to reply, to call one, wi
 which is also how :func:`plain_messages` writes earlier calls back into the context (tool results as
 ``<tool_response>...</tool_response>``), so a call the model wrote and the same call re-rendered are the
 same text. This module owns those tags: the chat model, the trace replay (:mod:`patchkv_agent.eval.traces`)
-and the calibration tools all render trace messages through :func:`plain_messages`.
+and the calibration tools all render trace messages through :func:`plain_messages`; the chat model breaks
+the tags (:data:`PROTOCOL_TAGS`) inside message text first, so a tool result holding ``</tool_response>``
+cannot close its wrapper.
 
 :func:`parse_tool_calls` reads model output tolerantly: tagged calls (also an unterminated last one),
 bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also in code fences, also
@@ -16,7 +18,9 @@ bare JSON objects with ``name`` and ``arguments``/``args``/``parameters`` (also 
 never repaired into a call (an agent would run a tool with wrong arguments); what cannot be read becomes
 an ``invalid_tool_calls`` entry, never an exception.
 
-Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``). Knows
+Also converts LangChain messages to the message dicts of the trace format (``docs/TRACES.md``), checking
+that their text is text a tokenizer encodes (:func:`check_text`, :func:`check_json_text`: a ``ValueError``
+naming the field). Knows
 LangChain message classes (imported lazily: the tags and :func:`plain_messages` need no LangChain); nothing
 about models, the engine or evaluation.
 """
@@ -38,6 +42,12 @@ if TYPE_CHECKING:
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+PROTOCOL_TAGS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE)
+"""The tags the protocol writes around calls and results: message text holding one is broken before
+rendering (:meth:`~patchkv_agent.core.encoding.SegmentEncoder.as_text`), so a tool result cannot close its
+``<tool_response>`` wrapper early or forge a call."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_JSON_SCALARS = (str, int, float, bool, type(None))
 _TAGGED = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```|$)", re.S)
 _NAME = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
@@ -216,20 +226,84 @@ def plain_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
 _CALL_BLOCKS = ("tool_use", "tool_call", "function_call", "tool_call_chunk")
 
 
-def _text(content: Any, where: str = "message", calls_ok: bool = False) -> str:
-    """The text of a message's content: a string, or ``str`` / ``{"type": "text"}`` blocks.
+def check_text(value: str, where: str) -> str:
+    """``value``, checked to be text a tokenizer can encode (no surrogate code points).
+
+    Args:
+        value: a string.
+        where: how to name it in errors (e.g. ``"messages[3].content"``).
+    Returns:
+        ``value``.
+    Raises:
+        ValueError: ``value`` holds a lone surrogate (U+D800-U+DFFF): the message names the field, the code
+            point, its index and the fix.
+    """
+    m = _SURROGATE.search(value)
+    if m is not None:
+        i = m.start()
+        raise ValueError(
+            f"{where} holds a lone surrogate U+{ord(m.group()):04X} at index {i}: {value[max(0, i - 24):i + 24]!r}; "
+            "that is not Unicode text and no tokenizer encodes it: replace it (text.encode('utf-8', 'replace')"
+            ".decode('utf-8')) or decode the source bytes with errors='replace' rather than 'surrogateescape'")
+    return value
+
+
+def check_json_text(value: Any, where: str) -> Any:
+    """``value``, checked to be JSON data (str, number, bool, None, lists and dicts of them) whose strings
+    are text a tokenizer can encode: tool-call arguments and tool schemas, before they are rendered.
+
+    Args:
+        value: the data.
+        where: how to name it in errors (e.g. ``"messages[2].tool_calls[0].args"``).
+    Returns:
+        ``value``.
+    Raises:
+        ValueError: bytes or another non-JSON value, or a string with a lone surrogate; the message names
+            the field (e.g. ``messages[2].tool_calls[0].args['data']``) and the fix.
+    """
+    if isinstance(value, str):
+        return check_text(value, where)
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, _JSON_SCALARS):
+                raise ValueError(f"{where} has a key of type {type(k).__name__} ({_short(k)}); JSON keys are strings")
+            if isinstance(k, str):
+                check_text(k, f"{where} key {_short(k)}")
+            check_json_text(v, f"{where}[{_short(k, 40)}]")
+        return value
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_json_text(v, f"{where}[{i}]")
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise ValueError(f"{where} is {type(value).__name__} ({_short(bytes(value))}), which JSON cannot hold: pass "
+                         "a str (value.decode('utf-8'), or base64 for binary data)")
+    raise ValueError(f"{where} must be JSON data (str, number, bool, None, list or dict), got {type(value).__name__} "
+                     f"{_short(value)}: convert it to one of those first")
+
+
+def _text(content: Any, where: str = "message", calls_ok: bool = False, field: str | None = None) -> str:
+    """The text of a message's content: a string, or ``str`` / ``{"type": "text"}`` blocks, joined.
 
     Raises:
-        ValueError: any other block (image, audio, file ...), naming what is supported.
+        ValueError: any other block (image, audio, file ...), naming what is supported; a text part that is
+            not a string, or text with a lone surrogate (naming ``field``, e.g. ``messages[3].content``).
     """
+    field = field or f"{where}.content"
     if isinstance(content, str):
-        return content
+        return check_text(content, field)
     parts = []
-    for block in content or []:
+    for j, block in enumerate(content or []):
         if isinstance(block, str):
-            parts.append(block)
+            parts.append(check_text(block, f"{field}[{j}]"))
         elif isinstance(block, dict) and block.get("type") == "text":
-            parts.append(block.get("text", ""))
+            text = block.get("text", "")
+            if not isinstance(text, str):
+                raise ValueError(f"{field}[{j}].text must be a str, got {type(text).__name__} {_short(text)}: pass "
+                                 "the text as a string ({'type': 'text', 'text': str(value)})")
+            parts.append(check_text(text, f"{field}[{j}].text"))
         elif isinstance(block, dict) and calls_ok and block.get("type") in _CALL_BLOCKS:
             continue  # the same call is in AIMessage.tool_calls
         else:
@@ -238,6 +312,19 @@ def _text(content: Any, where: str = "message", calls_ok: bool = False) -> str:
                              "content is a string or a list of strings and {'type': 'text', 'text': ...} blocks "
                              "(tool calls go in AIMessage.tool_calls). Describe images/files/audio in text.")
     return "".join(parts)
+
+
+def _call(c: dict, where: str) -> dict[str, Any]:
+    """One tool call of an AIMessage in the trace format, its name, id and arguments checked."""
+    name, cid, args = c.get("name"), c.get("id"), c.get("args", {})
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.name must be a str, got {type(name).__name__} {_short(name)}")
+    check_text(name, f"{where}.name")
+    if cid is not None:
+        if not isinstance(cid, str):
+            raise ValueError(f"{where}.id must be a str or None, got {type(cid).__name__} {_short(cid)}")
+        check_text(cid, f"{where}.id")
+    return {"id": cid, "name": name, "args": check_json_text(args, f"{where}.args")}
 
 
 def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -249,28 +336,32 @@ def to_trace_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
     Raises:
         TypeError: a message that is not a LangChain message.
-        ValueError: non-text content (images, audio, files ...).
+        ValueError: non-text content (images, audio, files ...); a text part that is not a string; a lone
+            surrogate in a message's text, role, tool call or tool-call id; tool-call arguments that are not
+            JSON data (bytes ...). The message names the field (``messages[3].content[0].text``).
     """
     from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        at, kind = f"messages[{i}]", type(m).__name__
+        field = f"{at}.content"
         if isinstance(m, SystemMessage):
-            out.append({"role": "system", "content": _text(m.content, "SystemMessage")})
+            out.append({"role": "system", "content": _text(m.content, kind, field=field)})
         elif isinstance(m, HumanMessage):
-            out.append({"role": "user", "content": _text(m.content, "HumanMessage")})
+            out.append({"role": "user", "content": _text(m.content, kind, field=field)})
         elif isinstance(m, AIMessage):
-            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content, "AIMessage", calls_ok=True)}
+            d: dict[str, Any] = {"role": "assistant", "content": _text(m.content, kind, calls_ok=True, field=field)}
             if m.tool_calls:
-                d["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "args": c.get("args", {})}
-                                   for c in m.tool_calls]
+                d["tool_calls"] = [_call(c, f"{at}.tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
             out.append(d)
         elif isinstance(m, ToolMessage):
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, "ToolMessage")})
+            out.append({"role": "tool", "tool_call_id": check_text(m.tool_call_id, f"{at}.tool_call_id"),
+                        "content": _text(m.content, kind, field=field)})
         elif isinstance(m, ChatMessage):
-            out.append({"role": m.role, "content": _text(m.content, "ChatMessage")})
+            out.append({"role": check_text(m.role, f"{at}.role"), "content": _text(m.content, kind, field=field)})
         elif isinstance(m, BaseMessage):
-            out.append({"role": m.type, "content": _text(m.content, type(m).__name__)})
+            out.append({"role": m.type, "content": _text(m.content, kind, field=field)})
         else:
             raise TypeError(f"expected LangChain messages, got {type(m).__name__}")
     return out
