@@ -356,7 +356,7 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     from patchkv_agent.core.readers import READERS
     from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
     from patchkv_agent.eval.workloads import EDITS
-    from patchkv_agent.usage import UsageError, check_ranges
+    from patchkv_agent.usage import UsageError, check_ranges, check_writable_dir
 
     check_ranges(args)
     _parse_workloads(args.workload, args.target_tokens)
@@ -379,6 +379,8 @@ def check_calibrate_args(args: argparse.Namespace) -> None:
     for flag, path in (("--out", args.out), ("--drift-out", args.drift_out)):
         if path and Path(path).is_dir():
             raise UsageError(f"{flag} {path} is a directory; pass a file path")
+        if path:  # hours of calibration must not end in an unwritable path
+            check_writable_dir(flag, Path(path).parent)
 
 
 def calibration_plan(args: argparse.Namespace) -> str:
@@ -498,7 +500,12 @@ def calibrate_main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out
     drift_out = Path(args.drift_out) if args.drift_out else out.with_suffix(".drift.npz")
     rows_out = out.with_suffix(".rows.jsonl")
-    eng, count = stage_engine(args.model, profile=None)  # measure from the built-in defaults
+    try:
+        eng, count = stage_engine(args.model, profile=None)  # measure from the built-in defaults
+    except OSError as e:  # not found, offline hub, unreadable files: the model cannot be had from here
+        from patchkv_agent.usage import UsageError
+
+        raise UsageError(f"--model {args.model}: {e.strerror or e}") from None
 
     targets = _parse_workloads(args.workload, args.target_tokens)
     workloads = list(targets)

@@ -236,7 +236,9 @@ def cmd_bench(args) -> int:
                              "results.jsonl files written by `patchkv-agent bench` or `replay`") from None
     else:
         from .eval.bench import build_workload_traces
+        from .usage import check_writable_dir
 
+        check_writable_dir("--out-dir", args.out_dir)  # before the model loads
         eng = _engine(args)
         count = _count_tokens(eng)
         traces = []

@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Any
 
-__all__ = ["UsageError", "OneLineParser", "RANGES", "check_ranges", "report"]
+__all__ = ["UsageError", "OneLineParser", "RANGES", "check_ranges", "report", "check_writable_dir"]
 
 
 class UsageError(SystemExit):
@@ -30,6 +30,29 @@ class UsageError(SystemExit):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def check_writable_dir(flag: str, directory: Any) -> None:
+    """Check that files can be written in ``directory`` (created if missing), before any work starts: a
+    temporary file is made there and removed (nothing of the user's is touched).
+
+    Args:
+        flag: the option named in the error (``--out-dir``).
+        directory: the directory.
+
+    Raises:
+        UsageError: it cannot be created or written, with the reason.
+    """
+    import tempfile
+    from pathlib import Path
+
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".patchkv-write-check-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write to {d}: {e.strerror or e}; pass a directory you can write") from None
 
 
 def report(prog: str, err: UsageError) -> None:

@@ -64,6 +64,7 @@ BAD = [
     # bench
     (["bench", "--workloads", "hotpotqa-e,nope"], r"--workloads: unknown workloads \['nope'\]"),
     (["bench", "--n", "0"], r"--n must be >= 1"),
+    (["bench", "--out-dir", "{d}/notgguf.txt/out"], r"--out-dir: cannot write to .*notgguf\.txt"),
     (["bench", "--shard", "2/2"], r"--shard 2/2: need 0 <= I < K"),
     (["bench", "--shard", "x"], r"--shard must look like I/K"),
     (["bench", "--heal", "patchkv,bogus"], r"--heal: unknown \[.bogus.\]"),
@@ -144,6 +145,8 @@ BAD = [
     (["calibrate", "--n", "0"], r"--n must be >= 1"),
     (["calibrate", "--threads", "0"], r"--threads must be >= 1"),
     (["calibrate", "--out", "{d}/adir"], r"--out .* is a directory"),
+    (["calibrate", "--out", "{d}/notgguf.txt/p.json"], r"--out: cannot write to .*notgguf\.txt"),
+    (["calibrate", "--drift-out", "{d}/notgguf.txt/d.npz"], r"--drift-out: cannot write to"),
     # traces
     (["traces", "build", "--dataset", "hotpotqa-e", "--out", "x", "--versions", "1"], r"--versions must be >= 2"),
     (["traces", "build", "--dataset", "hotpotqa-e", "--out", "x", "--n", "0"], r"--n must be >= 1"),
@@ -242,11 +245,13 @@ def test_bench_summarize_of_a_file_that_is_not_results_gives_one_line(tmp_path, 
     assert "--summarize" in line and str(f) in line and re.search(pattern, line), line
 
 
-def test_an_offline_hub_model_gives_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command", [["demo"], ["calibrate", "--n", "1"]])
+def test_an_offline_hub_model_gives_one_line(tmp_path, capsys, monkeypatch, command):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        cli.main(["demo", "--model", "no-such-org/no-such-model"])
+        cli.main([*command, "--model", "no-such-org/no-such-model", *(
+            ["--out", str(tmp_path / "p.json")] if command[0] == "calibrate" else [])])
     line = _one_line(capsys, e)
     assert "--model no-such-org/no-such-model" in line and "HF_HUB_OFFLINE is set" in line and "Fix:" in line
 
