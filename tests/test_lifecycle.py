@@ -134,3 +134,68 @@ def test_the_checks_can_fail(engine):
         assert (Job.OFFLOADING, Job.HEALING) not in MOVES[Job]  # a job heals before it writes, never after
     finally:
         reg.close()
+
+
+def test_an_illegal_move_raises_and_leaves_the_record_as_it_was(engine):
+    from patchkv_agent.core.fallback import Fallback, FallbackKind
+    from patchkv_agent.runtime.lifecycle import IllegalTransition, transition
+    from patchkv_agent.runtime.state import Preparation
+
+    reg = ThreadRegistry(engine)
+    try:
+        k = KEYS[0]
+        reg.generate(k, np.random.default_rng(6).integers(0, engine.spec.vocab_size, 90), max_new_tokens=2)
+        th = reg._peek(reg.active(k))
+        res = th.resident
+        with transition(th, "evict without an offload"):  # resident -> lost: a move of the lifecycle
+            th.resident, th.lost = None, Fallback(FallbackKind.EVICTED, "test")
+        with pytest.raises(IllegalTransition, match=r"forged find .*location: lost -> offloaded"):
+            with transition(th, "forged find"):
+                th.checkpoint, th.checkpoint_version, th.lost = object(), th.version, None
+        assert th.checkpoint is None and th.lost is not None and view_of(th).location is Location.LOST
+        with pytest.raises(IllegalTransition, match=r"preparation: none -> prepared"):
+            with transition(th, "prepared from nowhere"):  # a preparation is computed before it is ready
+                th.preparation = Preparation(version=th.version, predict=None, chunk_tokens=8, stage="done",
+                                             ids=np.asarray(res.context_ids), result=res)
+        assert th.preparation is None and not th.lock.locked()
+    finally:
+        reg.close()
+
+
+def test_every_registry_step_goes_through_the_check(engine, monkeypatch):
+    from patchkv_agent.runtime import lifecycle
+    from patchkv_agent.runtime.lifecycle import IllegalTransition
+
+    reg = ThreadRegistry(engine)
+    try:
+        k = KEYS[1]
+        ids = np.random.default_rng(7).integers(0, engine.spec.vocab_size, 90)
+        monkeypatch.setitem(lifecycle.MOVES, Location, MOVES[Location] - {(Location.NONE, Location.RESIDENT)})
+        with pytest.raises(IllegalTransition, match=r"resume on thread .*location: none -> resident"):
+            reg.generate(k, ids, max_new_tokens=2)
+        th = reg._peek(reg.active(k))
+        assert th.version == 0 and th.token_ids is None and th.resident is None and th.streams == 0
+        monkeypatch.undo()
+        assert reg.generate(k, ids, max_new_tokens=2).stats.base == "none"  # the same call, once the move is legal
+        monkeypatch.setitem(lifecycle.MOVES, Location, MOVES[Location] - {(Location.RESIDENT, Location.OFFLOADED)})
+        with pytest.raises(IllegalTransition, match=r"offload: install"):
+            reg.offload(k, release=True)
+        assert view_of(th).location is Location.RESIDENT and th.checkpoint is None
+    finally:
+        reg.close()
+
+
+def test_a_preparation_moves_through_its_stages_in_order_only():
+    from patchkv_agent.runtime.state import Preparation, PrepStage
+
+    prep = Preparation(version=1, predict=None, chunk_tokens=8)
+    assert prep.stage is PrepStage.STARTING
+    for stage in (PrepStage.PREDICTING, PrepStage.QUEUED, PrepStage.COMPUTING, PrepStage.DONE):
+        prep.advance(stage)
+    assert prep.stage is PrepStage.DONE
+    with pytest.raises(ValueError, match="not done -> computing"):
+        prep.advance(PrepStage.COMPUTING)
+    early = Preparation(version=1, predict=None, chunk_tokens=8, stage="predicting")  # a stage by its name
+    with pytest.raises(ValueError, match="not predicting -> computing"):  # never computed without being queued
+        early.advance(PrepStage.COMPUTING)
+    early.advance(PrepStage.DONE)  # any stage may end (superseded, no prediction, failed)

@@ -12,26 +12,33 @@ each under the thread's lock, plus its open streams:
   chunks), *prepared* (its exact KV is ready for the next call).
 
 The parts move only along :data:`MOVES` (one registry step: a resume, a commit, a job stage, an eviction, a
-``forget``); :func:`view_of` reads all of them at once as a :class:`ThreadView`, whose :attr:`ThreadView.phase` is
+``forget``), and every step that writes a record goes through :func:`transition` (or :func:`checked`, where the
+caller holds the lock), which enforces that: a step that would make any other move raises
+:class:`IllegalTransition` and leaves the record as it was. :func:`view_of` reads all of the parts at once as a
+:class:`ThreadView`, whose :attr:`ThreadView.phase` is
 the single :class:`Phase` :meth:`ThreadRegistry.phase <patchkv_agent.runtime.threads.ThreadRegistry.phase>` reports
 (an open stream first, then the preparation, the job, the location). :func:`invariant_violations` lists what must
 hold between the parts in every state (the tests drive registries through random operations and check it after
 each one).
 
-Boundary: reads a record (the caller holds its lock); changes nothing. The registry owns every transition.
+Boundary: reads a record and checks the moves of the registry's steps on it (the registry writes the fields,
+inside those checks); nothing else.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
+from typing import Iterator
 
 import numpy as np
 
-from .state import ThreadState
+from .state import PrepStage, ThreadState
 
 __all__ = ["Phase", "Location", "Job", "Prep", "ThreadView", "MOVES", "is_offloaded", "view_of",
-           "invariant_violations"]
+           "invariant_violations", "IllegalTransition", "illegal_moves", "transition", "checked"]
 
 
 class Phase(str, Enum):
@@ -153,7 +160,7 @@ def view_of(th: ThreadState) -> ThreadView:
         job = Job.HEALING if th.healing is not None and not th.healing.is_set() else Job.OFFLOADING
     prep, prep_state = th.preparation, Prep.NONE
     if prep is not None and prep.version == th.version:
-        if prep.stage != "done":
+        if prep.stage is not PrepStage.DONE:
             prep_state = Prep.PREPARING
         elif prep.result is not None:
             prep_state = Prep.PREPARED
@@ -193,3 +200,74 @@ def invariant_violations(th: ThreadState) -> list[str]:
                 np.asarray(prep.result.context_ids), prep.ids[: len(prep.result.context_ids)]):
             bad.append("the prepared KV is not of the predicted ids")
     return bad
+
+
+class IllegalTransition(RuntimeError):
+    """A registry step that would move a part of a thread's state along a move :data:`MOVES` does not allow."""
+
+
+_WRITABLE = tuple(f.name for f in dataclasses.fields(ThreadState) if f.name not in ("key", "lock"))
+
+
+def illegal_moves(before: ThreadView, after: ThreadView) -> list[str]:
+    """The moves from ``before`` to ``after`` that :data:`MOVES` does not allow (a part that stays is no move).
+
+    Args:
+        before, after: two views of one record.
+
+    Returns:
+        ``"<part>: <from> -> <to>"`` per illegal move (empty when every move is allowed).
+    """
+    bad = []
+    for name, part in (("location", Location), ("job", Job), ("preparation", Prep)):
+        a, b = getattr(before, name), getattr(after, name)
+        if a is not b and (a, b) not in MOVES[part]:
+            bad.append(f"{name}: {a.value} -> {b.value}")
+    if after.streams < 0:
+        bad.append(f"streams: {before.streams} -> {after.streams}")
+    return bad
+
+
+@contextlib.contextmanager
+def checked(th: ThreadState, step: str, *, restart: bool = False) -> Iterator[ThreadState]:
+    """One registry step on ``th`` (the caller holds ``th.lock``): the block writes the record's fields; when
+    it ends normally every part must have moved along :data:`MOVES` (or stayed), else the fields are restored
+    and :class:`IllegalTransition` names the step and the move. A block that raises is not checked (its error
+    is the caller's).
+
+    Args:
+        th: the record.
+        step: what the step is, for the error (``"resume"``, ``"offload"``, ...).
+        restart: a step that moves the record to another version starts it from nothing (``expect`` after a
+            restart): its moves are then checked from an empty record (``Location.NONE``, idle, nothing
+            prepared).
+
+    Yields:
+        ``th``.
+
+    Raises:
+        IllegalTransition: a move :data:`MOVES` does not allow.
+    """
+    before = view_of(th)
+    saved = {f: getattr(th, f) for f in _WRITABLE}
+    yield th
+    after = view_of(th)
+    if restart and after.version != before.version:
+        before = dataclasses.replace(before, location=Location.NONE, job=Job.IDLE, preparation=Prep.NONE)
+    bad = illegal_moves(before, after)
+    if bad:
+        for f, v in saved.items():
+            setattr(th, f, v)
+        raise IllegalTransition(f"{step} on thread {th.key}: {'; '.join(bad)} is not a move of the lifecycle "
+                                "(runtime/lifecycle.py MOVES); the record is left as it was")
+
+
+@contextlib.contextmanager
+def transition(th: ThreadState, step: str, *, restart: bool = False) -> Iterator[ThreadState]:
+    """:func:`checked` under ``th.lock`` (acquired here, released at the end).
+
+    Raises:
+        IllegalTransition: see :func:`checked`.
+    """
+    with th.lock, checked(th, step, restart=restart):
+        yield th

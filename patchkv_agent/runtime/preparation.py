@@ -29,8 +29,8 @@ import numpy as np
 from ..results import PreparedOutcome, ResumeResult
 from .background import predicting
 from .keys import ThreadKey
-from .lifecycle import Phase, view_of
-from .state import Prediction, Preparation, ThreadState, shared_prefix
+from .lifecycle import Phase, transition, view_of
+from .state import Prediction, Preparation, PrepStage, ThreadState, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class PreparationMixin:
         th = self._known(key)
         if th is None:
             return None
-        with th.lock:
+        with transition(th, "prepare"):
             if th.token_ids is None:
                 return None
             old = th.preparation
@@ -135,7 +135,7 @@ class PreparationMixin:
         """
         if not self._prep_current(th, prep):
             return self._finish(th, prep, "superseded before it started")
-        prep.stage = "predicting"
+        prep.advance(PrepStage.PREDICTING)
         t0 = time.perf_counter()
         pred = self._predict(th, prep)
         prep.predict_s = time.perf_counter() - t0
@@ -148,10 +148,11 @@ class PreparationMixin:
             ids = self.engine.validate_ids(pred.token_ids, "predicted token_ids")
         except ValueError as e:
             return self._finish(th, prep, f"the prediction is not a valid context: {e}")
-        with th.lock:
+        with transition(th, "prepare: queued"):
             if not self._prep_current(th, prep):
                 return self._finish(th, prep, "superseded while predicting", locked=True)
-            prep.ids, prep.reason, prep.stage = ids, pred.reason, "queued"
+            prep.ids, prep.reason = ids, pred.reason
+            prep.advance(PrepStage.QUEUED)
         try:
             return self._executor.submit(self._compute_job, th, prep).result()
         except RuntimeError as e:  # the registry closed while it predicted
@@ -194,18 +195,20 @@ class PreparationMixin:
             The seconds predicting and computing took, or None when nothing was computed (the reason is
             on ``prep``).
         """
-        with th.lock:
+        with transition(th, "prepare: computing"):
             if not self._prep_current(th, prep):
                 return self._finish(th, prep, "superseded before it was computed", locked=True)
-            ids, base, prep.stage = prep.ids, th.resident, "computing"
+            ids, base = prep.ids, th.resident
+            prep.advance(PrepStage.COMPUTING)
         try:
             res = self.engine.prepare(base, ids, chunk_tokens=prep.chunk_tokens,
                                       should_stop=lambda: not self._prep_current(th, prep))
         except Exception as e:
             log.exception("preparing thread %s failed", th.key)
             return self._finish(th, prep, f"the preparation failed: {type(e).__name__}: {e}")
-        with th.lock:
-            prep.result, prep.stage = res, "done"
+        with transition(th, "prepare: done"):
+            prep.result = res
+            prep.advance(PrepStage.DONE)
         self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
                             "computed": res.stats.prepare.computed_rows, "stopped": res.stats.prepare.stopped,
                             "prepare_s": res.stats.ttft_s})
@@ -221,9 +224,9 @@ class PreparationMixin:
     def _finish(th: ThreadState, prep: Preparation, reason: str, locked: bool = False) -> None:
         """Mark ``prep`` done without a result, its first reason kept (``locked``: the caller holds
         ``th.lock``); returns None, the job's result."""
-        with contextlib.nullcontext() if locked else th.lock:
+        with contextlib.nullcontext() if locked else transition(th, "prepare: ended"):
             prep.reason = prep.reason or reason
-            prep.stage = "done"
+            prep.advance(PrepStage.DONE)
 
     def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool,
                           strategy: Any = "patchkv") -> tuple[ResumeResult | None, dict]:
@@ -233,7 +236,7 @@ class PreparationMixin:
 
         A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
         predicting is abandoned."""
-        with th.lock:
+        with transition(th, "resume: take the preparation"):
             prep, th.preparation = th.preparation, None
             if prep is None:
                 return None, {}
@@ -241,7 +244,7 @@ class PreparationMixin:
             version, stage, prev, resident = th.version, prep.stage, th.token_ids, th.resident
         if prep.version != version:
             return None, {}
-        if stage == "computing" and prep.future is not None:
+        if stage is PrepStage.COMPUTING and prep.future is not None:
             try:
                 prep.future.result()
             except Exception:  # the job records its own failure
@@ -251,8 +254,8 @@ class PreparationMixin:
         if res is not None:
             out["prepared_compute_s"] = res.stats.ttft_s
         if res is None:
-            kind = PreparedOutcome.FAILED if stage == "done" and prep.reason else PreparedOutcome.UNFINISHED
-            out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage} when the call came")
+            kind = PreparedOutcome.FAILED if stage is PrepStage.DONE and prep.reason else PreparedOutcome.UNFINISHED
+            out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage.value} when the call came")
             return None, out
         done, reused, computed = len(res.context_ids), res.stats.prepare.reused_rows, res.stats.prepare.computed_rows
         sp = shared_prefix(res.context_ids, ids)

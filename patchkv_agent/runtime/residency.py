@@ -19,6 +19,7 @@ from ..core.fallback import Fallback, FallbackKind
 from ..results import BaseKind
 from .keys import ThreadKey
 from .kvstore import CheckpointKey, StoreUnavailable
+from .lifecycle import checked
 from .state import ThreadState, kv_bytes
 
 log = logging.getLogger(__name__)
@@ -90,22 +91,24 @@ class ResidencyMixin:
             if th.resident is None or not th.lock.acquire(blocking=False):
                 continue
             try:
-                if th.resident is None or th.streams or (th.pending is not None and not th.pending.done()):
-                    continue
-                total -= kv_bytes(th.resident)
-                prep, th.preparation = th.preparation, None
-                if prep is not None:
-                    prep.stop.set()
-                    if prep.result is not None:
-                        total -= kv_bytes(prep.result)
-                if self.on_evict == "offload":
-                    th.pending = self._submit_offload(th, BaseKind.EVICTED)
-                    self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
-                else:
-                    th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "
-                                       f"evicted (resident budget {self.resident_budget_bytes} B) without an offload")
-                    th.resident, th.checkpoint = None, None
-                    self.events.append({"event": "evict_drop", "key": th.key, "version": th.version})
+                with checked(th, "evict"):
+                    if th.resident is None or th.streams or (th.pending is not None and not th.pending.done()):
+                        continue
+                    total -= kv_bytes(th.resident)
+                    prep, th.preparation = th.preparation, None
+                    if prep is not None:
+                        prep.stop.set()
+                        if prep.result is not None:
+                            total -= kv_bytes(prep.result)
+                    if self.on_evict == "offload":
+                        th.pending = self._submit_offload(th, BaseKind.EVICTED)
+                        self.events.append({"event": "evict_offload", "key": th.key, "version": th.version})
+                    else:
+                        th.lost = Fallback(FallbackKind.EVICTED, f"resident KV of context version {th.version} was "
+                                           f"evicted (resident budget {self.resident_budget_bytes} B) without an "
+                                           "offload")
+                        th.resident, th.checkpoint = None, None
+                        self.events.append({"event": "evict_drop", "key": th.key, "version": th.version})
             finally:
                 th.lock.release()
 
@@ -118,12 +121,13 @@ class ResidencyMixin:
             if th.checkpoint is None or not th.lock.acquire(blocking=False):
                 continue
             try:
-                if th.checkpoint is None:
-                    continue
-                if th.resident is None and th.checkpoint_version == th.version:
-                    th.lost = Fallback(FallbackKind.BUDGET_DROPPED, f"checkpoint of context version {th.version} "
-                                       f"was dropped (offload budget {self.offload_budget_bytes} B)")
-                self.events.append({"event": "drop_checkpoint", "key": th.key, "version": th.checkpoint_version})
-                th.checkpoint = None
+                with checked(th, "drop checkpoint"):
+                    if th.checkpoint is None:
+                        continue
+                    if th.resident is None and th.checkpoint_version == th.version:
+                        th.lost = Fallback(FallbackKind.BUDGET_DROPPED, f"checkpoint of context version "
+                                           f"{th.version} was dropped (offload budget {self.offload_budget_bytes} B)")
+                    self.events.append({"event": "drop_checkpoint", "key": th.key, "version": th.checkpoint_version})
+                    th.checkpoint = None
             finally:
                 th.lock.release()

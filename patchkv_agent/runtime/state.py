@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from ..results import BaseKind, ResumeResult
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
-__all__ = ["ThreadState", "Prediction", "Preparation", "kv_bytes", "ckpt_bytes", "shared_prefix"]
+__all__ = ["ThreadState", "Prediction", "Preparation", "PrepStage", "kv_bytes", "ckpt_bytes", "shared_prefix"]
 
 
 @dataclass
@@ -39,21 +40,53 @@ class Prediction:
     info: dict = field(default_factory=dict)
 
 
+class PrepStage(str, Enum):
+    """Where one preparation is: ``starting`` -> ``predicting`` -> ``queued`` (for the worker) -> ``computing``
+    -> ``done``; any stage before ``done`` may end there (superseded, no prediction, failed)."""
+
+    STARTING = "starting"
+    PREDICTING = "predicting"
+    QUEUED = "queued"
+    COMPUTING = "computing"
+    DONE = "done"
+
+
+_STAGE_MOVES = frozenset({(PrepStage.STARTING, PrepStage.PREDICTING), (PrepStage.PREDICTING, PrepStage.QUEUED),
+                          (PrepStage.QUEUED, PrepStage.COMPUTING)}
+                         | {(s, PrepStage.DONE) for s in PrepStage if s is not PrepStage.DONE})
+
+
 @dataclass(eq=False)
 class Preparation:
-    """One preparation of a thread's next context (the registry's record; fields change under its lock)."""
+    """One preparation of a thread's next context (the registry's record; fields change under its lock, its
+    stage only through :meth:`advance`)."""
 
     version: int                          # the thread version it continues
     predict: Any                          # () -> Prediction | ids | None, run on a thread of its own
     chunk_tokens: int
     stop: threading.Event = field(default_factory=threading.Event)
-    stage: str = "queued"                 # queued -> predicting -> queued (for the worker) -> computing -> done
+    stage: PrepStage = PrepStage.STARTING
     future: Future | None = None
     ids: np.ndarray | None = None         # the predicted ids
     result: ResumeResult | None = None    # their exact KV (fewer rows when stopped)
     reason: str | None = None             # no prediction / failure
     info: dict = field(default_factory=dict)
     predict_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.stage = PrepStage(self.stage)
+
+    def advance(self, stage: PrepStage) -> None:
+        """Move to ``stage`` (staying where it is is no move).
+
+        Raises:
+            ValueError: a move the stages do not allow (e.g. ``done`` -> ``computing``).
+        """
+        stage = PrepStage(stage)
+        if stage is not self.stage and (self.stage, stage) not in _STAGE_MOVES:
+            raise ValueError(f"a preparation moves starting -> predicting -> queued -> computing -> done, not "
+                             f"{self.stage.value} -> {stage.value}")
+        self.stage = stage
 
 def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
     m = min(len(a), len(b))

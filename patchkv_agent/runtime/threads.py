@@ -79,7 +79,7 @@ from ..strategies import Strategy
 from .background import check_not_stopped, prediction_stop, resume_in_background
 from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
-from .lifecycle import Job, Location, is_offloaded, view_of
+from .lifecycle import Job, Location, is_offloaded, transition, view_of
 from .preparation import PreparationMixin
 from .residency import ResidencyMixin
 from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
@@ -305,7 +305,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         th = self._thread(key)
         bound = {h for h in (handle.get("kv_ids_hash"), handle.get("ids_hash")) if isinstance(h, str)}
         found, why = self._find_stored(key, v, bound) if self.store is not None else (None, "")
-        with th.lock:
+        with transition(th, "expect", restart=True):
             if th.version >= v:
                 return
             th.version, th.token_ids = v, None
@@ -385,7 +385,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                     with th.lock, self._lock:
                         self._threads.pop(k, None)
                         self._active.pop(k, None)
-                    with th.lock:
+                    with transition(th, "forget"):
                         self._set_store_entry(th, None)
 
     def close(self) -> None:
@@ -454,7 +454,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             resident = th.resident is not None or prepared is not None
         # a resident thread resumes from its resident KV: a pending offload is not waited for
         wait_s = 0.0 if resident and strat.uses_checkpoint else self._wait_pending(th)
-        with th.lock:
+        with transition(th, "resume"):
             base_heal = th.heal_stats
             base_approx = th.resident.approx_rows if th.resident is not None else None
             if not strat.uses_checkpoint:  # no base needed (exact): do not write one
@@ -554,7 +554,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             if ks and all(k.shape[-2] == n for k in ks) and all(v.shape[-2] == n for v in vs):
                 keys, values = ks, vs
                 ids = np.concatenate([ids, np.asarray(out[:-1], dtype=np.int64)])
-        with th.lock:
+        with transition(th, "commit"):
             th.streams = max(0, th.streams - 1)
             if th.version != version or th.resident is None:
                 return
@@ -589,7 +589,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         th = self._known(key)
         if th is None:
             return None
-        with th.lock:
+        with transition(th, "offload"):
             if th.pending is not None and not th.pending.done():
                 return th.pending
             if th.resident is None:
@@ -668,7 +668,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             try:
                 if snap.approx_rows:  # recompute the approximate rows while the model is idle (a tool runs)
                     healed = self.engine.heal(snap)
-                    with th.lock:
+                    with transition(th, "heal"):
                         if th.version == version and th.resident is snap:
                             th.resident = snap = healed
                             th.heal_stats = (healed.stats.heal_s, healed.stats.healed_rows)
@@ -681,7 +681,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
                     self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
                     return None
         ckpt = self.engine.checkpoint_from(snap)
-        with th.lock:
+        with transition(th, "offload: install"):
             if th.version != version or th.resident is not snap:  # the thread moved on: nothing to install
                 self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
                 return None
