@@ -1,8 +1,9 @@
 """The record a :class:`~patchkv_agent.runtime.threads.ThreadRegistry` keeps per thread (context version,
 resident and offloaded KV, store entry, pending job, heal state) and byte counts of KV.
 
-Boundary: data only; the registry owns every transition (under ``ThreadState.lock``); the states and the moves
-between them are :mod:`.lifecycle`'s.
+Boundary: data only; the registry makes every transition, each through :func:`.lifecycle.transition` (under
+``ThreadState.lock``, checked against the moves :mod:`.lifecycle` allows); a preparation's stage moves only
+through :meth:`Preparation.advance`.
 """
 
 from __future__ import annotations
