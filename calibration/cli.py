@@ -280,7 +280,6 @@ def _check_agent_args(args: argparse.Namespace) -> None:
     Raises:
         UsageError: the first bad one, naming the fix.
     """
-    import math
 
     from patchkv_agent.usage import UsageError
 
@@ -576,7 +575,7 @@ def calibrate_main(args: argparse.Namespace) -> int:
     print(f"  tau_V={profile['tau_v']} kappa={profile['kappa']} block_size={profile['block_size']} "
           f"readers={profile['readers']} (worst-workload {cfg.quality} gap {chosen['worst_gap']:.4g}"
           + ("" if fr is None else f", follow rate {fr:.3f}") + ")")
-    print(f"  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
+    print("  d_hat examples: " + ", ".join(f"P={x['P']} E={x['E']} S={x['S']} -> {x['d_hat']}"
                                             for x in profile["d_hat_examples"]))
     rsel = profile.get("reader_rule_selection")
     if rsel is not None and rsel.get("chosen") is not None:

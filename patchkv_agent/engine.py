@@ -560,24 +560,29 @@ class PatchKVEngine:
 
     def planned_recompute(self, base: Checkpoint | ResumeResult, new_token_ids,
                           strategy: str | Strategy = "patchkv") -> int:
-        """How many rows a resume of ``new_token_ids`` from ``base`` would recompute (its diff and plan only).
-
-        Args:
-            base: a checkpoint, or a resident :class:`ResumeResult` of this engine.
-            new_token_ids: the ids to resume.
-            strategy: as for :meth:`resume`.
-
-        Returns:
-            The plan's recomputed rows.
+        """How many rows a resume of ``new_token_ids`` from ``base`` would recompute (:meth:`planned`'s count).
 
         Raises:
             InvalidInput, ValueError: as :meth:`resume`.
         """
-        new = self.validate_ids(new_token_ids, "new_token_ids")
-        strat = get_strategy(strategy)
+        return self.planned(base, self.request(new_token_ids, strategy, 0))[0]
+
+    def planned(self, base: Checkpoint | ResumeResult, request: ResumeRequest) -> tuple[int, Edit]:
+        """The rows a resume of ``request`` from ``base`` would recompute, and the diff it plans with (its diff
+        and plan only, no forward): a request that carries that diff (``dataclasses.replace(request, edit=e)``)
+        resumes from ``base`` without diffing again.
+
+        Args:
+            base: a checkpoint, or a resident :class:`ResumeResult` of this engine.
+            request: a request from :meth:`request` (its diff is reused when it is of ``base``'s ids).
+
+        Returns:
+            ``(recomputed rows, the diff of base's ids into the request's)``.
+        """
         ckpt = self.as_checkpoint(base) if isinstance(base, ResumeResult) else base
-        edit = diff_versions(ckpt.token_ids, new, words=self.words, old_words=ckpt.words)
-        return int(len(strat.plan(self.settings, ckpt, edit).recompute_positions))
+        edit = request.edit_from(ckpt.token_ids) or diff_versions(ckpt.token_ids, request.ids, words=self.words,
+                                                                  old_words=ckpt.words)
+        return int(len(request.strategy.plan(self.settings, ckpt, edit).recompute_positions)), edit
 
     def as_checkpoint(self, result: ResumeResult) -> Checkpoint:
         """A zero-copy checkpoint view of a resident result (full precision, no mixed-precision runs).
@@ -600,10 +605,7 @@ class PatchKVEngine:
     @staticmethod
     def strategy(strategy: str | Strategy = "patchkv", options: dict | None = None) -> Strategy:
         """The :class:`Strategy` for a name and its options (:func:`~patchkv_agent.strategies.get_strategy`),
-        or an instance as it is: what :meth:`resume` runs.
-
-        Lets callers above the engine (the checkpoint tiers, a chat model's ``strategy_options``) build and
-        check one before any I/O without importing the strategies themselves.
+        or an instance as it is: what :meth:`resume` runs (callers above the engine check one before any I/O).
 
         Raises:
             ValueError: an unknown strategy name or option.

@@ -12,7 +12,6 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
 
 from patchkv_agent.core.weights import ForwardLock
 from patchkv_agent.eval.tiny import tiny_engine
@@ -144,6 +143,23 @@ def test_a_partial_prediction_is_a_base_where_it_reaches_further(reg, one_torch_
     res = reg.generate(k, new, max_new_tokens=0)
     assert res.stats.base == "prepared" and res.stats.prepared == "partial" and res.stats.fallback is None
     assert "at token 200" in res.stats.prepared_reason
+
+
+def test_a_partial_call_diffs_each_candidate_base_once_and_the_resume_reuses_the_chosen_diff(reg, one_torch_thread,
+                                                                                            monkeypatch):
+    import patchkv_agent.resume as resume_mod
+
+    k, ctx, rng = _first_call(reg, "partial-once")
+    predicted = np.concatenate([ctx[:100], ctx[150:]])
+    reg.prepare_async(k, lambda: predicted).result()
+    new = np.concatenate([predicted[:200], rng.integers(0, reg.engine.spec.vocab_size, 5), predicted[200:]])
+    calls = []
+    real = resume_mod.diff_versions
+    monkeypatch.setattr(resume_mod, "diff_versions", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    res = reg.generate(k, new, max_new_tokens=0)
+    assert res.stats.prepared == "partial" and calls == []  # the plan that chose the base gave the resume its diff
+    ref = reg.engine.resume(None, new, strategy="exact", max_new_tokens=0)
+    assert res.stats.fallback is None and float((res.logits - ref.logits).abs().max()) < 0.05
 
 
 def test_a_barely_started_preparation_gives_way_to_a_resident_base_that_recomputes_less(reg, one_torch_thread):

@@ -22,15 +22,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from types import MappingProxyType
 from typing import Any, Callable
-
-import numpy as np
 
 from ..results import PreparedOutcome, ResumeResult
 from .background import predicting
 from .keys import ThreadKey
 from .lifecycle import Phase, transition, view_of
-from .state import Prediction, Preparation, PrepStage, ThreadState, shared_prefix
+from .state import Prediction, Preparation, PrepStage, TakenPreparation, ThreadState, shared_prefix
 
 log = logging.getLogger(__name__)
 
@@ -228,22 +227,21 @@ class PreparationMixin:
             prep.reason = prep.reason or reason
             prep.advance(PrepStage.DONE)
 
-    def _take_preparation(self, th: ThreadState, ids: np.ndarray, use: bool,
-                          strategy: Any = "patchkv") -> tuple[ResumeResult | None, dict]:
-        """Detach ``th``'s preparation for a resume of ``ids``: ``(the base to resume from or None, fields)``;
-        ``fields`` are the :class:`~patchkv_agent.results.RuntimePart`'s ``prepared*`` values, and
-        ``_shared_resident`` (the ids the call shares with the resident context) for the registry.
+    def _take_preparation(self, th: ThreadState, req: Any) -> TakenPreparation:
+        """Detach ``th``'s preparation for the resume ``req`` (a validated request) and choose its base: a
+        :class:`~patchkv_agent.runtime.state.TakenPreparation`, built once.
 
         A preparation still computing is stopped and waited for (the chunk that runs); one still queued or
         predicting is abandoned."""
+        ids, strategy = req.ids, req.strategy
         with transition(th, "resume: take the preparation"):
             prep, th.preparation = th.preparation, None
             if prep is None:
-                return None, {}
+                return TakenPreparation()
             prep.stop.set()
             version, stage, prev, resident = th.version, prep.stage, th.token_ids, th.resident
         if prep.version != version:
-            return None, {}
+            return TakenPreparation()
         if stage is PrepStage.COMPUTING and prep.future is not None:
             try:
                 prep.future.result()
@@ -256,37 +254,41 @@ class PreparationMixin:
         if res is None:
             kind = PreparedOutcome.FAILED if stage is PrepStage.DONE and prep.reason else PreparedOutcome.UNFINISHED
             out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage.value} when the call came")
-            return None, out
+            return TakenPreparation(fields=MappingProxyType(out))
         done, reused, computed = len(res.context_ids), res.stats.prepare.reused_rows, res.stats.prepare.computed_rows
         sp = shared_prefix(res.context_ids, ids)
         sr = shared_prefix(prev, ids) if prev is not None else 0
         full = prep.ids is not None and done == len(prep.ids)
-        out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)),
-                   _shared_resident=sr)
-        if not use:
-            out.update(prepared=PreparedOutcome.MISS,
-                        prepared_reason=f"the call's strategy ({getattr(strategy, 'name', strategy)}) reads no base")
+        out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)))
+
+        def taken(base: ResumeResult | None, edit=None) -> TakenPreparation:
+            return TakenPreparation(base=base, fields=MappingProxyType(out), shared_resident=sr, edit=edit)
+
+        if not strategy.uses_checkpoint:
+            out.update(prepared=PreparedOutcome.MISS, prepared_reason=f"the call's strategy ({strategy.name}) "
+                       "reads no base")
         elif sp == done and full:
             out.update(prepared=PreparedOutcome.HIT, prepared_reason=prep.reason)
-            return res, out
+            return taken(res)
         elif sp >= sr and sp > 0:
             why = (f"the call's context differs from the prediction at token {sp} of {len(prep.ids)}" if full
                    else f"stopped after {done} of {len(prep.ids)} tokens when the call came")
             # the prepared rows reach further, but the resident base may restore more of what follows: take the
-            # base whose plan recomputes less (plans only, no forward; this runs on partial calls alone)
-            mine = self.engine.planned_recompute(res, ids, strategy)
-            theirs = self.engine.planned_recompute(resident, ids, strategy) if resident is not None else mine + 1
+            # base whose plan recomputes less (plans only, no forward; this runs on partial calls alone); the
+            # chosen base's diff goes on with the request, so the resume does not diff again
+            mine, mine_edit = self.engine.planned(res, req)
+            theirs, their_edit = self.engine.planned(resident, req) if resident is not None else (mine + 1, None)
             if theirs < mine:
                 out.update(prepared=PreparedOutcome.MISS,
                            prepared_reason=f"{why}; the resident base recomputes fewer rows ({theirs} vs {mine})")
-                return None, out
+                return taken(None, their_edit)
             out.update(prepared=PreparedOutcome.PARTIAL, prepared_reason=why)
-            return res, out
+            return taken(res, mine_edit)
         else:
             out.update(prepared=PreparedOutcome.MISS,
                        prepared_reason=f"the call's context differs from the prediction at token {sp} of "
                        f"{len(prep.ids)}; the resident context shares {sr}")
-        return None, out
+        return taken(None)
 
     def phase(self, key: ThreadKey | None) -> Phase:
         """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.lifecycle.Phase`:

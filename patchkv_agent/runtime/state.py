@@ -12,16 +12,19 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import numpy as np
 
+from ..core.diff import Edit
 from ..core.fallback import Fallback
 from ..results import BaseKind, ResumeResult
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
-__all__ = ["ThreadState", "Prediction", "Preparation", "PrepStage", "kv_bytes", "ckpt_bytes", "shared_prefix"]
+__all__ = ["ThreadState", "Prediction", "Preparation", "PrepStage", "TakenPreparation", "kv_bytes", "ckpt_bytes",
+           "shared_prefix"]
 
 
 @dataclass
@@ -101,6 +104,40 @@ def kv_bytes(res: ResumeResult) -> int:
 
 def ckpt_bytes(ckpt) -> int:
     return int(getattr(ckpt, "nbytes", 0) or 0)
+
+
+@dataclass(frozen=True)
+class TakenPreparation:
+    """What a resume takes from its thread's preparation, built once when it is detached.
+
+    Attributes:
+        base: the prepared rows to resume from (a hit or a partial preparation), or None.
+        fields: the :class:`~patchkv_agent.results.RuntimePart`'s ``prepared*`` values (outcome, reason,
+            tokens, wasted rows, predict / compute seconds, info).
+        shared_resident: the ids the call shares with the resident context (None: nothing was prepared).
+        edit: the diff of the chosen base's ids into the call's, where choosing it planned one (the resume
+            reuses it instead of diffing again), else None.
+    """
+
+    base: ResumeResult | None = None
+    fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    shared_resident: int | None = None
+    edit: Edit | None = None
+
+    def runtime_fields(self, n_ids: int, recompute_tokens: int, from_prepared: bool) -> dict[str, Any]:
+        """:attr:`fields` and ``prepared_hidden_share``: the share of the call's recompute the tool wait did.
+
+        Args:
+            n_ids: the call's context length.
+            recompute_tokens: the rows the call recomputed itself.
+            from_prepared: the call resumed from the prepared rows.
+        """
+        out = dict(self.fields)
+        sr = self.shared_resident
+        if sr is not None and n_ids > sr:
+            fg = recompute_tokens if from_prepared else n_ids - sr
+            out["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (n_ids - sr)))
+        return out
 
 
 @dataclass(eq=False)

@@ -447,7 +447,8 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         with self._lock:
             self._active[primary] = key
         th = self._thread(key)
-        prepared, prep_stats = self._take_preparation(th, ids, use=strat.uses_checkpoint, strategy=strat)
+        taken = self._take_preparation(th, req)  # detached once; its diff (a partial call planned one) goes on
+        prepared, req = taken.base, dataclasses.replace(req, edit=taken.edit) if taken.edit is not None else req
         # a heal in progress gives the exact base this resume wants (a prepared base is exact already)
         heal_wait_s = 0.0 if prepared is not None else self._wait_heal(th)
         with th.lock:
@@ -489,11 +490,8 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             th.streams += 1  # until the stream's commit: see TokenStream.close
         if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
             self._submit_delete(stale)
-        sr = prep_stats.pop("_shared_resident", None)
-        if sr is not None and len(ids) > sr:  # the share of this call's recompute the tool wait did
-            fg = res.stats.recompute_tokens if source is BaseKind.PREPARED else len(ids) - sr
-            prep_stats["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (len(ids) - sr)))
         heal_s, healed_rows = base_heal or (None, None)
+        prep_stats = taken.runtime_fields(len(ids), res.stats.recompute_tokens, source is BaseKind.PREPARED)
         res.stats = res.stats.with_runtime(
             thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
             base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
