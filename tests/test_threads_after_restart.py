@@ -99,12 +99,34 @@ def test_a_handle_without_a_usable_ids_hash_is_not_served_from_the_store(engine)
     store = MemoryStore(deployment="t")
     real = ctx(302)
     handle = _written(engine, store, real)
-    for bad in (None, 5, ids_hash(ctx(303))):
+    for bad in (None, 5):  # not a hash at all: the handle is refused, naming the field
         fresh = ThreadRegistry(engine, store=store)
-        fresh.expect(A, {**handle, "ids_hash": bad, "kv_ids_hash": bad})
-        r = fresh.generate(A, edited(real), max_new_tokens=1)
-        assert r.stats["strategy"] == "exact" and "other tokens" in r.stats["fallback"], bad
+        with pytest.raises(ValueError, match=r"the KV handle has ids_hash=.* \(need a str\)"):
+            fresh.expect(A, {**handle, "ids_hash": bad, "kv_ids_hash": bad})
+        assert fresh._peek(A) is None or fresh._peek(A).version == 0  # nothing noted
         fresh.close()
+    fresh = ThreadRegistry(engine, store=store)  # the hash of other tokens: the entry is never served
+    fresh.expect(A, {**handle, "ids_hash": ids_hash(ctx(303)), "kv_ids_hash": ids_hash(ctx(303))})
+    r = fresh.generate(A, edited(real), max_new_tokens=1)
+    assert r.stats["strategy"] == "exact" and "other tokens" in r.stats["fallback"]
+    fresh.close()
+
+
+@pytest.mark.parametrize("handle,field", [
+    ({"version": "7"}, "version='7'"), ({"version": 1.5}, "version=1.5"), ({"version": True}, "version=True"),
+    ({"version": float("nan")}, "version=nan"), ({"version": 2 ** 80}, "outside"), ({"version": -1}, "outside"),
+    ({"kv_ids_hash": ["a"]}, "kv_ids_hash=['a']"), ("a string", "is a str"), (None, "is a NoneType")])
+def test_a_forged_handle_is_refused_before_it_changes_anything(engine, handle, field):
+    store = MemoryStore(deployment="t")
+    good = _written(engine, store, ctx(304))
+    reg = ThreadRegistry(engine, store=store)
+    forged = {**good, **handle} if isinstance(handle, dict) else handle
+    with pytest.raises(ValueError, match="the KV handle") as e:
+        reg.expect(A, forged)
+    assert field in str(e.value) and "ThreadRegistry.handle()" in str(e.value)
+    th = reg._peek(A)
+    assert th is None or (th.version == 0 and th.store_key is None)
+    reg.close()
 
 
 # ------------------------------------------------------------------ handles act for their own thread

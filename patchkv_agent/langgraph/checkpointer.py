@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import BaseCheckpointSaver, ChannelVersions, Checkpoint, CheckpointMetadata, CheckpointTuple
 
+from ..runtime.keys import handle_shape_problem
 from ..runtime.threads import ThreadRegistry, thread_key
 from .keys import base_ns, canonical_ns
 
@@ -140,8 +141,6 @@ class PatchKVCheckpointSaver(BaseCheckpointSaver):
         return self if inner is self.inner else PatchKVCheckpointSaver(inner, self.registry)
 
 
-_HANDLE_KEYS = {"thread_id": str, "checkpoint_ns": str, "version": int, "ids_hash": str}
-MAX_HANDLE_VERSION = 1 << 62
 
 
 def handle_problem(handle: Any, thread_id: str, ns: str) -> str | None:
@@ -158,16 +157,9 @@ def handle_problem(handle: Any, thread_id: str, ns: str) -> str | None:
     Returns:
         None, or the reason in words (for the warning).
     """
-    if not isinstance(handle, Mapping):
-        return f"is a {type(handle).__name__}, not a mapping"
-    for k, typ in _HANDLE_KEYS.items():
-        v = handle.get(k)
-        if not isinstance(v, typ) or isinstance(v, bool):
-            return f"has {k}={repr(v)[:40]} (need a {typ.__name__})"
-    if handle.get("kv_ids_hash") is not None and not isinstance(handle["kv_ids_hash"], str):
-        return f"has kv_ids_hash={repr(handle['kv_ids_hash'])[:40]} (need a str or None)"
-    if not 0 <= handle["version"] <= MAX_HANDLE_VERSION:
-        return f"has version {handle['version']} outside [0, 2^62]"
+    shape = handle_shape_problem(handle)
+    if shape is not None:
+        return shape
     if handle["thread_id"] != thread_id:
         return f"names thread {handle['thread_id'][:80]!r}, not its own"
     if base_ns(handle["checkpoint_ns"]) != ns:

@@ -77,7 +77,7 @@ from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
 from .background import check_not_stopped, prediction_stop, resume_in_background
-from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, thread_key
+from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, handle_version, thread_key
 from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
 from .lifecycle import Job, Location, is_offloaded, transition, view_of
 from .preparation import PreparationMixin
@@ -301,7 +301,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         entries of other tokens under that thread and version) it is exact with ``stats["fallback"]``
         saying why. A registry that already holds the version (or a later one) ignores the call.
         """
-        v = int(handle.get("version", 0))
+        v = handle_version(handle)  # a handle comes from outside the process: its shape is checked
         th = self._thread(key)
         bound = {h for h in (handle.get("kv_ids_hash"), handle.get("ids_hash")) if isinstance(h, str)}
         found, why = self._find_stored(key, v, bound) if self.store is not None else (None, "")
