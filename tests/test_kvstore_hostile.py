@@ -312,6 +312,45 @@ def test_a_linked_deployment_directory_is_refused(tmp_path):
     assert list(outside.iterdir()) == [] and real.is_dir()
 
 
+def test_a_deployment_directory_swapped_for_a_link_while_open_is_never_read_or_written_through(tmp_path):
+    """Swapped after the store opened: the next put and get refuse (naming the fix), and nothing reaches
+    the link's target; the entries stay where the store wrote them."""
+    v = _victim(tmp_path)
+    s = DiskStore(tmp_path / "kv", deployment="d", fsync=False)
+    ckpt = make_ckpt(44)
+    key, _ = put_entry(s, ckpt, "kept")
+    real = s.dir.rename(tmp_path / "kv" / "real")
+    s.dir.symlink_to(v)
+    for op in (lambda: s.put(key, ckpt), lambda: s.get(key), lambda: s.delete(key)):
+        with pytest.raises(StoreUnavailable, match="the directory was replaced .*open a new DiskStore"):
+            op()
+    assert _intact(v) and (real / s.path_of(key).name).is_file()
+
+
+def test_a_swap_between_the_check_and_the_write_lands_in_the_directory_the_store_opened(tmp_path, monkeypatch):
+    """The race the check cannot close (the swap right after it): every step of a put is relative to the
+    directory descriptor the store opened, so the entry lands there and the link's target is untouched."""
+    v = _victim(tmp_path)
+    s = DiskStore(tmp_path / "kv", deployment="d", fsync=True)
+    real = tmp_path / "kv" / "real"
+    publish = D.DiskStore._publish
+
+    def swap_then_publish(self, *a, **kw):  # the attacker wins the race: after the put's check, before its writes
+        self.dir.rename(real)
+        self.dir.symlink_to(v)
+        return publish(self, *a, **kw)
+
+    monkeypatch.setattr(D.DiskStore, "_publish", swap_then_publish)
+    ckpt = make_ckpt(45)
+    key, put = put_entry(s, ckpt, "raced")
+    assert put.stored and _intact(v)
+    assert (real / s.path_of(key).name).is_file() and not list(real.glob(".tmp-*"))
+    monkeypatch.undo()
+    os.unlink(s.dir)
+    real.rename(s.dir)  # the name leads to the store's directory again: it works on
+    assert_same_checkpoint(s.get(key), ckpt)
+
+
 def test_recovery_removes_only_the_temporaries_the_store_names(tmp_path):
     s = DiskStore(tmp_path / "kv", deployment="d", fsync=False)
     key, _ = put_entry(s, make_ckpt(44))

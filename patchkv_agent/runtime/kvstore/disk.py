@@ -25,8 +25,11 @@ never more than twice the bytes the file really holds; metadata is bounded by th
 
 No path inside the store is followed through a symbolic link: the deployment directory, ``.gone`` and
 ``.quarantine`` are checked with ``lstat`` when the store opens (a link is refused with an error naming the
-fix) and opened with ``O_NOFOLLOW`` when used, and tombstones and quarantined entries are written, listed
-and pruned relative to those directory descriptors, pruning only names the store itself writes.
+fix), and the deployment directory is opened once then (``O_NOFOLLOW | O_DIRECTORY``): every later file
+operation (entries written, swapped, read, stamped, removed, quarantined; tombstones; the lock) is relative
+to that descriptor, so a directory swapped for a link (or another directory) after the store checked it is
+never written or read through; the swap itself is refused at the next ``put`` or ``get`` (the name no longer
+leads to the directory the store opened: reopen the store). Pruning removes only names the store writes.
 
 ``put`` writes the new entry to a temporary file, fsyncs it, and swaps it into place with one
 ``rename(2)`` (which drops the old copy in the same atomic step), then fsyncs the directory: at every
@@ -61,6 +64,7 @@ import stat
 import struct
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -111,11 +115,13 @@ def _refuse_link(path: Path) -> LinkedDirectory:
                            "elsewhere, pass that location as root)")
 
 
-def _ensure_dir(path: Path) -> None:
-    """Create ``path`` if missing; refuse it when it is a symbolic link or not a directory."""
+def _ensure_dir(path: Path, dir_fd: int | None = None) -> None:
+    """Create ``path`` (relative to ``dir_fd`` when given: its name) if missing; refuse it when it is a
+    symbolic link or not a directory."""
+    name = path.name if dir_fd is not None else path
     with contextlib.suppress(FileExistsError):
-        os.mkdir(path)
-    st = os.lstat(path)
+        os.mkdir(name, dir_fd=dir_fd)
+    st = os.lstat(name, dir_fd=dir_fd)
     if stat.S_ISLNK(st.st_mode):
         raise _refuse_link(path)
     if not stat.S_ISDIR(st.st_mode):
@@ -151,9 +157,18 @@ def _open_regular(path: Path | str, dir_fd: int | None = None) -> Iterator[tuple
         os.close(fd)
 
 
-def _ident(path: Path) -> tuple[int, int]:
-    """(device, inode) of ``path`` itself (not following a link)."""
-    st = os.lstat(path)
+def _lexists(name: str, dir_fd: int) -> bool:
+    """Whether ``name`` exists in the directory ``dir_fd`` (a link counts; it is never followed)."""
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _ident(path: Path | str, dir_fd: int | None = None) -> tuple[int, int]:
+    """(device, inode) of ``path`` itself (relative to ``dir_fd`` when given; not following a link)."""
+    st = os.lstat(path, dir_fd=dir_fd)
     return st.st_dev, st.st_ino
 
 
@@ -269,17 +284,54 @@ class DiskStore(KVStore):
         self.fsync = fsync
         self._clock = 0  # last recency stamp (ns)
         self.recovered: dict[str, int] = {"tmp_removed": 0, "legacy_migrated": 0, "legacy_restored": 0}
+        self._dfd: int | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)  # root itself may be a link: the caller chose it
             _ensure_dir(self.dir)
+            self._dfd = _open_dir(self.dir)  # every later operation is relative to this descriptor
+            self._finalizer = weakref.finalize(self, os.close, self._dfd)
+            st = os.fstat(self._dfd)
+            self._dir_id = (st.st_dev, st.st_ino)
             for sub in SPECIAL_DIRS:
-                _ensure_dir(self.dir / sub)
+                _ensure_dir(self.dir / sub, dir_fd=self._dfd)
             self._recover()
             self._scan()
         except LinkedDirectory as e:
+            self.close()
             raise StoreUnavailable(f"disk store at {self.dir} cannot be opened: {e}") from None
         except OSError as e:
+            self.close()
             raise StoreUnavailable(f"disk store at {self.dir} cannot be opened: {e}") from e
+
+    def close(self) -> None:
+        """Close the store's directory descriptor (the entries stay; a closed store refuses every call)."""
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()  # closes the descriptor once
+        self._dfd = None
+
+    def _d(self) -> int:
+        """The store directory's descriptor, after checking that its name still leads to it.
+
+        Raises:
+            StoreUnavailable: the store is closed, or its directory was replaced (by a link or another
+                directory) since it opened.
+        """
+        if self._dfd is None:
+            raise StoreUnavailable(f"disk store at {self.dir} is closed; open a new DiskStore")
+        try:
+            now = _ident(self.dir)
+        except OSError:
+            now = None
+        if now != self._dir_id:
+            raise StoreUnavailable(f"disk store at {self.dir}: the directory was replaced (removed, or swapped for "
+                                   "a link or another directory) since the store opened it; nothing is read or "
+                                   "written through the new one: check the path and open a new DiskStore")
+        return self._dfd
+
+    @staticmethod
+    def _name(key: CheckpointKey) -> str:
+        return f"{key.digest}{SUFFIX}"
 
     def path_of(self, key: CheckpointKey) -> Path:
         """The entry file of ``key`` (for inspection and fault-injection tests)."""
@@ -291,8 +343,7 @@ class DiskStore(KVStore):
         Raises:
             CorruptCheckpoint: the header is damaged.
         """
-        p = self.path_of(key)
-        with _open_regular(p) as (fd, st):
+        with _open_regular(self._name(key), self._d()) as (fd, st):
             return HEADER.size + _parse_header(_read_fd(fd, HEADER.size), st.st_size)[0]
 
     # ------------------------------------------------------------------ locking
@@ -300,8 +351,7 @@ class DiskStore(KVStore):
     @contextlib.contextmanager
     def _dir_lock(self, exclusive: bool = False, blocking: bool = True) -> Iterator[bool]:
         """Hold ``.lock``: shared by every put of every process, exclusive for recovery; yields whether held."""
-        fd = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK,
-                     0o600)
+        fd = os.open(".lock", os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK, 0o600, dir_fd=self._dfd)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise NotRegular(f"{self.dir / '.lock'} is not a regular file; remove it")
@@ -318,11 +368,9 @@ class DiskStore(KVStore):
     def _subdir(self, name: str) -> Iterator[int]:
         """A descriptor of the special directory ``name`` (``.gone``, ``.quarantine``), opened relative to
         the store's directory without following a link at either step (LinkedDirectory otherwise)."""
-        dfd = _open_dir(self.dir)
-        try:
-            sfd = _open_dir(name, dir_fd=dfd)
-        finally:
-            os.close(dfd)
+        if self._dfd is None:
+            raise StoreUnavailable(f"disk store at {self.dir} is closed; open a new DiskStore")
+        sfd = _open_dir(name, dir_fd=self._dfd)  # relative to the directory the store opened, whatever its name
         try:
             yield sfd
         finally:
@@ -334,7 +382,7 @@ class DiskStore(KVStore):
         """Roll back interrupted puts and migrate (or restore) entries of the previous layout."""
         with self._dir_lock(exclusive=True, blocking=False) as alone:
             now = time.time()
-            for e in list(os.scandir(self.dir)):
+            for e in list(os.scandir(self._dfd)):
                 if not _TMP.fullmatch(e.name):
                     continue  # only the temporaries the store itself names
                 try:
@@ -343,26 +391,27 @@ class DiskStore(KVStore):
                     continue
                 if e.name.endswith("-old") and e.is_dir(follow_symlinks=False):
                     if alone:  # a replace of the previous layout interrupted between its two renames
-                        self._migrate_legacy(Path(e.path), e.name[5:37], restored=True)
+                        self._migrate_legacy(e.name, e.name[5:37], restored=True)
                     continue
                 if alone or old:  # never published; with the exclusive lock no put of any process is running
-                    self._rm(Path(e.path))
+                    self._rm(e.name)
                     self.recovered["tmp_removed"] += 1
             if alone:
-                for e in list(os.scandir(self.dir)):
+                for e in list(os.scandir(self._dfd)):
                     if _DIGEST.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
-                        self._migrate_legacy(Path(e.path), e.name)
+                        self._migrate_legacy(e.name, e.name)
 
-    def _rm(self, p: Path) -> None:
+    def _rm(self, name: str) -> None:
+        """Remove ``name`` in the store's directory (a directory tree fd-relative, never through a link)."""
         try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
+            if stat.S_ISDIR(os.lstat(name, dir_fd=self._dfd).st_mode):
+                shutil.rmtree(name, dir_fd=self._dfd, ignore_errors=True)
             else:
-                p.unlink()
+                os.unlink(name, dir_fd=self._dfd)
         except OSError:
             pass
 
-    def _migrate_legacy(self, src: Path, digest: str, restored: bool = False) -> None:
+    def _migrate_legacy(self, src: str, digest: str, restored: bool = False) -> None:
         """An entry of the previous layout (a directory of meta.json + data.bin) -> an entry file.
 
         The data is checked against its verified size (within the budget and this host's memory) before a
@@ -370,10 +419,12 @@ class DiskStore(KVStore):
         entry is published; a directory that fails any of this is removed with a warning and never breaks
         opening the store.
         """
-        final = self.dir / f"{digest}{SUFFIX}"
+        final = f"{digest}{SUFFIX}"
+        sfd = None
         try:
-            if not os.path.lexists(final) and _DIGEST.fullmatch(digest):
-                with _open_regular(src / "meta.json") as (fd, st):
+            if not _lexists(final, self._dfd) and _DIGEST.fullmatch(digest):
+                sfd = _open_dir(src, dir_fd=self._dfd)
+                with _open_regular("meta.json", sfd) as (fd, st):
                     raw_meta = _read_fd(fd, min(st.st_size, MAX_META_BYTES + 1))
                 meta = parse_meta(raw_meta, "legacy metadata")
                 stored = check_meta(meta, None)
@@ -381,7 +432,7 @@ class DiskStore(KVStore):
                 over = self._oversize(n)
                 if stored.digest != digest or over:
                     raise CorruptCheckpoint(f"legacy entry {over or 'does not match its name'}")
-                with _open_regular(src / "data.bin") as (fd, st):
+                with _open_regular("data.bin", sfd) as (fd, st):
                     if st.st_size != n:
                         raise CorruptCheckpoint(f"legacy data.bin has {st.st_size} bytes, its metadata makes {n}")
                     if st.st_blocks * 512 < st.st_size // 2:  # the previous layout wrote its data densely
@@ -390,29 +441,33 @@ class DiskStore(KVStore):
                     self._publish(final, raw_meta, _verified_chunks(fd, meta["blobs"]), recovering=True)
                 self.recovered["legacy_restored" if restored else "legacy_migrated"] += 1
         except (OSError, MemoryError, CorruptCheckpoint, *DECODE_ERRORS) as e:
-            log.warning("disk store %s: legacy entry %s not migrated (removed): %s", self.dir, src.name,
+            log.warning("disk store %s: legacy entry %s not migrated (removed): %s", self.dir, src,
                         str(e)[:200] or type(e).__name__)
+        finally:
+            if sfd is not None:
+                os.close(sfd)
         self._rm(src)
 
     def _scan(self) -> None:
         found = []
-        for e in os.scandir(self.dir):
+        for e in os.scandir(self._dfd):
             name = e.name
             if name.startswith(".") or not name.endswith(SUFFIX) or not _DIGEST.fullmatch(name[:-len(SUFFIX)]):
                 continue
             if not e.is_file(follow_symlinks=False):
                 continue  # a FIFO, directory or link in place of an entry: never opened
-            entry = self._load_index_entry(Path(e.path), name[:-len(SUFFIX)])
+            entry = self._load_index_entry(name, name[:-len(SUFFIX)])
             if entry is not None:
                 found.append(entry)
         for mtime, key, n in sorted(found, key=lambda e: e[0]):
             self._lru[key] = n
 
-    def _load_index_entry(self, p: Path, digest: str, quarantine: bool = True):
-        """(mtime, key, verified size) of an entry file, or None (absent, unreadable, or damaged: quarantined
-        when ``quarantine``, else returned as ``(0, None, 0)``)."""
+    def _load_index_entry(self, name: str, digest: str, quarantine: bool = True):
+        """(mtime, key, verified size) of the entry file ``name``, or None (absent, unreadable, or damaged:
+        quarantined when ``quarantine``, else returned as ``(0, None, 0)``)."""
+        p = Path(name)
         try:
-            with _open_regular(p) as (fd, st):
+            with _open_regular(name, self._dfd) as (fd, st):
                 meta, data_off = _read_meta(fd, st.st_size)
                 key = check_meta(meta, None)
                 n = entry_nbytes(meta)
@@ -437,8 +492,8 @@ class DiskStore(KVStore):
 
     def _index_get(self, key: CheckpointKey) -> int | None:
         n = super()._index_get(key)
-        if n is None and os.path.lexists(self.path_of(key)):  # written by another process
-            entry = self._load_index_entry(self.path_of(key), key.digest, quarantine=False)
+        if n is None and _lexists(self._name(key), self._d()):  # written by another process
+            entry = self._load_index_entry(self._name(key), key.digest, quarantine=False)
             if entry is not None:
                 # a damaged or foreign file is indexed at size 0: get() reads it, says what is wrong and
                 # quarantines it
@@ -450,21 +505,24 @@ class DiskStore(KVStore):
 
     def _write(self, key, meta, blobs, ckpt) -> None:
         raw_meta = json.dumps(meta).encode()
+        self._d()  # the directory the store opened, still under its name
         try:
-            self._publish(self.path_of(key), raw_meta, [memoryview(blobs[s["name"]]) for s in meta["blobs"]])
-            self._stamp(self.path_of(key))
+            self._publish(self._name(key), raw_meta, [memoryview(blobs[s["name"]]) for s in meta["blobs"]])
+            self._stamp(self._name(key))
         except OSError as e:
             raise StoreUnavailable(f"disk store at {self.dir} cannot write {key.describe()}: {e}") from e
 
-    def _publish(self, final: Path, raw_meta: bytes, chunks, *, recovering: bool = False) -> None:
-        """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory.
+    def _publish(self, final: str, raw_meta: bytes, chunks, *, recovering: bool = False) -> None:
+        """Write new, fsync, swap atomically (the old copy is dropped in the same rename), fsync the directory;
+        every step relative to the store's directory descriptor (``final``: the entry's file name).
 
         ``recovering``: called by recovery, which already holds the exclusive lock.
         """
-        tmp = self.dir / f".tmp-{final.name[:32]}-{uuid.uuid4().hex}{SUFFIX}"
+        dfd = self._dfd
+        tmp = f".tmp-{final[:32]}-{uuid.uuid4().hex}{SUFFIX}"
         with contextlib.nullcontext(True) if recovering else self._dir_lock():
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=dfd)
                 try:
                     with os.fdopen(fd, "wb", closefd=False) as f:
                         f.write(HEADER.pack(MAGIC, len(raw_meta), xxhash.xxh3_64_intdigest(raw_meta)))
@@ -475,37 +533,34 @@ class DiskStore(KVStore):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                self._swap(tmp, final)
+                self._swap((dfd, tmp), (dfd, final))
             except BaseException:
                 with contextlib.suppress(OSError):
-                    tmp.unlink()
+                    os.unlink(tmp, dir_fd=dfd)
                 raise
         if self.fsync:
-            dfd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(dfd)
 
     @staticmethod
-    def _swap(tmp: Path, final: Path) -> None:
-        os.replace(tmp, final)  # the atomic step (a seam for crash tests)
+    def _swap(tmp: tuple[int, str], final: tuple[int, str]) -> None:
+        """``rename(2)`` of ``(dir_fd, name)`` onto ``(dir_fd, name)``: the atomic step (a seam for crash tests)."""
+        os.replace(tmp[1], final[1], src_dir_fd=tmp[0], dst_dir_fd=final[0])
 
-    def _stamp(self, path: Path) -> None:
+    def _stamp(self, name: str) -> None:
         # explicit nanosecond stamps: the kernel's own mtimes are jiffy-coarse and would tie
         self._clock = max(time.time_ns(), self._clock + 1)
         with contextlib.suppress(OSError):
-            os.utime(path, ns=(self._clock, self._clock), follow_symlinks=False)
+            os.utime(name, ns=(self._clock, self._clock), dir_fd=self._dfd, follow_symlinks=False)
 
     def _read(self, key) -> Checkpoint:
-        p = self.path_of(key)
+        p, dfd = self._name(key), self._d()
         self._suspect = None
         try:
-            self._suspect = (key.digest, *_ident(p))
+            self._suspect = (key.digest, *_ident(p, dfd))
         except OSError:
             pass
         try:
-            with _open_regular(p) as (fd, st):
+            with _open_regular(p, dfd) as (fd, st):
                 self._suspect = (key.digest, st.st_dev, st.st_ino)  # the file whose bytes are judged
                 meta, data_off = _read_meta(fd, st.st_size)
                 check_meta(meta, key)  # before the blob table is trusted
@@ -534,13 +589,13 @@ class DiskStore(KVStore):
 
     def _remove(self, key) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_of(key))  # atomic unpublish; a reader holding the file keeps its copy
+            os.unlink(self._name(key), dir_fd=self._d())  # atomic unpublish; a reader keeps its copy
 
     def _quarantine(self, key, reason: str) -> bool:
-        p = self.path_of(key)
+        p = Path(self._name(key))
         suspect, self._suspect = getattr(self, "_suspect", None), None
         try:
-            now = _ident(p)
+            now = _ident(p.name, self._d())
         except OSError:
             return True  # already gone
         if suspect is not None and suspect[0] == key.digest and suspect[1:] != now:
@@ -557,40 +612,35 @@ class DiskStore(KVStore):
 
         ``found_by_scan``: found on open or by an index lookup, not by ``get`` (which counts and records its own).
         """
-        try:
-            dfd = _open_dir(self.dir)
-        except OSError as e:
-            log.warning("disk store %s: cannot quarantine %s: %s", self.dir, p.name, e)
+        dfd = self._dfd
+        if dfd is None:
             return
         try:
+            qfd = _open_dir(".quarantine", dir_fd=dfd)
+        except OSError as e:  # a link (refused), or missing: the entry is removed instead of moved
+            qfd = None
+            log.warning("disk store %s: .quarantine unusable (%s); removing %s instead of moving it aside",
+                        self.dir, e, p.name)
+        try:
+            if qfd is None:
+                raise OSError(errno.ENOENT, "no usable .quarantine")
+            os.rename(p.name, f"{digest}-{time.time_ns()}{SUFFIX}", src_dir_fd=dfd, dst_dir_fd=qfd)
+            self._prune_quarantine(qfd)
+        except OSError:
             try:
-                qfd = _open_dir(".quarantine", dir_fd=dfd)
-            except OSError as e:  # a link (refused), or missing: the entry is removed instead of moved
-                qfd = None
-                log.warning("disk store %s: .quarantine unusable (%s); removing %s instead of moving it aside",
-                            self.dir, e, p.name)
-            try:
-                if qfd is None:
-                    raise OSError(errno.ENOENT, "no usable .quarantine")
-                os.rename(p.name, f"{digest}-{time.time_ns()}{SUFFIX}", src_dir_fd=dfd, dst_dir_fd=qfd)
-                self._prune_quarantine(qfd)
-            except OSError:
-                try:
-                    st = os.lstat(p.name, dir_fd=dfd)
-                except FileNotFoundError:
-                    if qfd is not None:
-                        return  # already gone (another process took it out)
-                    st = None
-                with contextlib.suppress(OSError):
-                    if st is not None and stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(p.name, dir_fd=dfd)
-                    elif st is not None:
-                        os.unlink(p.name, dir_fd=dfd)
-            finally:
+                st = os.lstat(p.name, dir_fd=dfd)
+            except FileNotFoundError:
                 if qfd is not None:
-                    os.close(qfd)
+                    return  # already gone (another process took it out)
+                st = None
+            with contextlib.suppress(OSError):
+                if st is not None and stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(p.name, dir_fd=dfd)
+                elif st is not None:
+                    os.unlink(p.name, dir_fd=dfd)
         finally:
-            os.close(dfd)
+            if qfd is not None:
+                os.close(qfd)
         log.warning("disk store %s: quarantined %s: %s", self.dir, p.name, (reason.splitlines() or [""])[0][:300])
         if found_by_scan:
             self.stats.quarantined += 1
