@@ -74,6 +74,14 @@ from ...core.checkpoint import Checkpoint, CorruptCheckpoint
 from .base import DECODE_ERRORS, CheckpointMissing, KVStore, StoreUnavailable
 from .codec import (MAX_META_BYTES, CheckpointKey, ForeignCheckpoint, check_meta, decode_checkpoint, entry_nbytes,
                     parse_meta)
+from .files import NOFOLLOW as _NOFOLLOW
+from .files import LinkedDirectory, NotRegular, read_small_text
+from .files import ensure_dir as _ensure_dir
+from .files import ident as _ident
+from .files import lexists as _lexists
+from .files import open_dir as _open_dir
+from .files import open_regular as _open_regular
+from .files import read_fd as _read_fd
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +93,6 @@ KEEP_QUARANTINED = 16
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 _QUARANTINED = re.compile(r"[0-9a-f]{32}-[0-9]{1,24}\.kv")  # what _quarantine_file names (the only names pruned)
 _TMP = re.compile(r"\.tmp-[0-9a-f]{32}-[0-9A-Za-z]{1,64}(?:\.kv|-old)?")  # put / previous-layout temporaries
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_OPEN_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW
 SPECIAL_DIRS = (".gone", ".quarantine")
 
 
@@ -95,92 +100,6 @@ def _dir_name(deployment: str) -> str:
     """A file-safe directory name, unique per deployment (the hash tells apart names that sanitize alike)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", deployment)[:64]
     return f"{safe}-{hashlib.blake2b(deployment.encode(), digest_size=4).hexdigest()}"
-
-
-class NotRegular(OSError):
-    """A path that should be a regular file is something else (FIFO, directory, device, symlink)."""
-
-
-class LinkedDirectory(OSError):
-    """A directory of the store is a symbolic link (or not a directory): refused, never followed."""
-
-
-def _refuse_link(path: Path) -> LinkedDirectory:
-    try:
-        target = f" (to {os.readlink(path)!r})"
-    except OSError:
-        target = ""
-    return LinkedDirectory(f"{path} is a symbolic link{target}; a disk store never follows links inside its "
-                           f"directory: remove the link (rm {path}) and reopen the store (to keep the store "
-                           "elsewhere, pass that location as root)")
-
-
-def _ensure_dir(path: Path, dir_fd: int | None = None) -> None:
-    """Create ``path`` (relative to ``dir_fd`` when given: its name) if missing; refuse it when it is a
-    symbolic link or not a directory."""
-    name = path.name if dir_fd is not None else path
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, dir_fd=dir_fd)
-    st = os.lstat(name, dir_fd=dir_fd)
-    if stat.S_ISLNK(st.st_mode):
-        raise _refuse_link(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise LinkedDirectory(f"{path} is not a directory; remove it (rm {path}) and reopen the store")
-
-
-def _open_dir(name: str | os.PathLike, dir_fd: int | None = None) -> int:
-    """A descriptor of a directory opened without following a symbolic link (LinkedDirectory if it is one)."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise LinkedDirectory(f"{name} is a symbolic link or not a directory (refused)") from None
-        raise
-
-
-@contextlib.contextmanager
-def _open_regular(path: Path | str, dir_fd: int | None = None) -> Iterator[tuple[int, os.stat_result]]:
-    """Open ``path`` (relative to ``dir_fd`` when given) for reading without following a symlink or blocking
-    on a FIFO; refuse non-regular files."""
-    try:
-        fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink in place of the file
-            raise NotRegular(f"{path} is a symbolic link") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegular(f"{path} is not a regular file")
-        yield fd, st
-    finally:
-        os.close(fd)
-
-
-def _lexists(name: str, dir_fd: int) -> bool:
-    """Whether ``name`` exists in the directory ``dir_fd`` (a link counts; it is never followed)."""
-    try:
-        os.lstat(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _ident(path: Path | str, dir_fd: int | None = None) -> tuple[int, int]:
-    """(device, inode) of ``path`` itself (relative to ``dir_fd`` when given; not following a link)."""
-    st = os.lstat(path, dir_fd=dir_fd)
-    return st.st_dev, st.st_ino
-
-
-def _read_fd(fd: int, n: int, offset: int = 0) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        b = os.pread(fd, min(n - got, 1 << 26), offset + got)
-        if not b:
-            break
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
 
 
 def _read_exact(fd: int, n: int, offset: int) -> bytearray:
@@ -222,21 +141,6 @@ def _verified_chunks(fd: int, specs: list, offset: int = 0) -> Iterator[bytes]:
             yield b
         if h.hexdigest() != spec["xxh3"]:
             raise CorruptCheckpoint(f"blob {spec['name']} failed its checksum")
-
-
-def read_small_text(path: Path | str, limit: int = 4096, *, dir_fd: int | None = None) -> str | None:
-    """A short regular file's text (undecodable bytes replaced), or None when absent, not regular or unreadable.
-
-    Args:
-        path: the file (relative to ``dir_fd`` when given); a link is never followed.
-        limit: bytes read at most.
-        dir_fd: a directory descriptor ``path`` is relative to (None: the working directory).
-    """
-    try:
-        with _open_regular(path, dir_fd) as (fd, _):
-            return _read_fd(fd, limit).decode("utf-8", "replace")
-    except OSError:
-        return None
 
 
 def _parse_header(head: bytes, size: int) -> tuple[int, int]:
