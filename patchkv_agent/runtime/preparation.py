@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any, Callable
 
 from ..results import PreparedOutcome, ResumeResult
-from .background import predicting
+from .background import PreparationStopped, predicting
 from .keys import ThreadKey
 from .lifecycle import Phase, transition, view_of
 from .state import Prediction, Preparation, PrepStage, TakenPreparation, ThreadState, shared_prefix
@@ -183,6 +183,9 @@ class PreparationMixin:
         e = out.get("error")
         if e is None:
             return out.get("value")
+        if isinstance(e, PreparationStopped):  # abandoned while its own model call ran: the expected end
+            log.debug("prediction for thread %s stopped: %s", th.key, e)
+            return Prediction(reason="the prediction was abandoned while its model call ran (a real call came)")
         log.warning("prediction for thread %s failed: %s: %s", th.key, type(e).__name__, e)
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return Prediction(reason=f"the prediction raised {type(e).__name__}" + (f": {first}" if first else ""))
