@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(preparation, offload) is over, however slow the machine")
     p.add_argument("--prepare-chunk", type=int, default=None, metavar="ROWS",
                    help="with --tool-latency: rows per background forward of a preparation (default: the "
-                        "registry's, 256)")
+                        "registry's, 256 on an accelerator, 64 on a CPU)")
     p.add_argument("--exact-reference", action="store_true",
                    help="with --tool-latency: the next action's reference is a full prefill of each version "
                         "(default: the prefix resume, which is exact, at no extra cost)")

@@ -242,6 +242,9 @@ def test_prepare_async_checks_its_arguments(reg):
     assert reg.prepare_async(thread_key("never-seen"), lambda: None) is None
     with pytest.raises(ValueError, match="prepare_chunk_tokens"):
         ThreadRegistry(reg.engine, prepare_chunk_tokens=0)
+    default = ThreadRegistry(reg.engine)  # a CPU engine: chunks a call waits for are kept short
+    assert reg.engine.device.type == "cpu" and default.prepare_chunk_tokens == 64
+    default.close()
 
 
 @pytest.fixture
