@@ -226,11 +226,16 @@ def cmd_demo(args) -> int:
 
 def cmd_bench(args) -> int:
     from .eval.bench import markdown_table, run_bench, write_summary
+    from .eval.noninferiority import markdown as ni_markdown
 
+    if args.floor_repeat and not args.summarize:
+        raise UsageError("--floor-repeat scores a summary: pass it with --summarize RESULTS (run the floor again "
+                         "with `bench --noise-floor ... --threads N --out-dir OTHER` first)")
     if args.summarize:
         rows = _summary_rows(args.summarize)
+        repeat = _summary_rows(args.floor_repeat) if args.floor_repeat else []
         try:
-            summary = write_summary(rows, args.out_dir)
+            summary = write_summary(rows, args.out_dir, floor_repeat=repeat)
         except (ValueError, TypeError, KeyError) as e:  # a row of the right shape whose values still do not add up
             raise UsageError(f"--summarize: the rows cannot be summarized ({type(e).__name__}: {_reason(e)}); pass "
                              "results.jsonl files written by `patchkv-agent bench` or `replay`") from None
@@ -255,6 +260,9 @@ def cmd_bench(args) -> int:
         for e in summary["errors"]:
             print(f"skipped {e['id']}: {e['error']}", file=sys.stderr)
     print(markdown_table(summary))
+    for by in summary.get("non_inferiority", {}).values():
+        for scored in by.values():
+            print(ni_markdown(scored))
     print("wrote " + ", ".join(summary["files"]), file=sys.stderr)
     return 0
 
@@ -494,6 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--out-dir, then merge with --summarize DIR0/results.jsonl DIR1/results.jsonl ...")
     p.add_argument("--summarize", metavar="RESULTS", nargs="+", default=None,
                    help="only summarize these results.jsonl files (merged) into --out-dir (no model is loaded)")
+    p.add_argument("--floor-repeat", metavar="RESULTS", nargs="+", default=None,
+                   help="with --summarize: results.jsonl files of a second run of the noise floor on the same calls "
+                        "(e.g. at another --threads); a call whose floor verdict differs between the runs is a "
+                        "near-tie in the non-inferiority score")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-loop", help="the agent loop: call -> tool sleep L -> edited call; end-to-end TTFT vs L, "

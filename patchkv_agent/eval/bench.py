@@ -462,12 +462,18 @@ def plot_frontier(rows: Sequence[dict], path: str | Path | None = None, *, title
     return fig
 
 
-def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
+def write_summary(rows: Sequence[dict], out_dir: str | Path, *, floor_repeat: Sequence[dict] = ()) -> dict[str, Any]:
     """Write ``summary.json``, ``summary.md`` and ``frontier_<workload>.png`` (one per workload).
+
+    Where the rows hold a noise floor, every approximate strategy is also scored against it by the pooled
+    non-inferiority criterion (:mod:`~patchkv_agent.eval.noninferiority`): ``summary["non_inferiority"]``
+    ``{floor: {strategy: result}}`` and a section of ``summary.md``.
 
     Args:
         rows: result rows.
         out_dir: output directory (created).
+        floor_repeat: rows of a second run of the floors on the same calls (another thread count): calls whose
+            floor verdict differs between the runs are near-ties.
 
     Returns:
         The summary with ``files``: the paths written.
@@ -476,6 +482,9 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     rows = list(rows)
     summary = summarize(rows)
+    scored = non_inferiority_all(rows, floor_repeat=floor_repeat)
+    if scored:
+        summary["non_inferiority"] = scored
     files = []
     for w in summary["workloads"]:
         png = out / f"frontier_{_safe(w)}.png"
@@ -486,12 +495,42 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path) -> dict[str, Any]:
             plot_agreement(summary["by_workload"][w], png, title=w)
             files.append(str(png))
     md = out / "summary.md"
+    from .noninferiority import markdown as ni_markdown
+
+    ni = "".join("\n" + ni_markdown(r) for by in scored.values() for r in by.values())
     md.write_text(f"# Benchmark summary ({', '.join(summary['models'])}; {summary['n_rows']} rows)\n\n"
-                  + markdown_table(summary))
+                  + markdown_table(summary) + ni)
     js = out / "summary.json"
     summary["files"] = [str(js), str(md)] + files
     js.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def non_inferiority_all(rows: Sequence[dict], *, floor_repeat: Sequence[dict] = ()) -> dict[str, dict[str, dict]]:
+    """Every approximate strategy of ``rows`` (not exact, not a floor, with fidelity verdicts) scored against every
+    noise floor of ``rows`` (:func:`~patchkv_agent.eval.noninferiority.non_inferiority`, edited calls only).
+
+    Args:
+        rows: result rows.
+        floor_repeat: a second run of the floors on the same calls (near-ties).
+
+    Returns:
+        ``{floor: {strategy: result}}``; empty without floor rows, and a pair with no edited call in common is
+        left out.
+    """
+    from .noninferiority import non_inferiority
+
+    floors = _order((r["strategy"] for r in rows if r.get("floor")), ())
+    cands = _order((r["strategy"] for r in rows if not r.get("floor") and r["strategy"] not in ("exact", "prefix")),
+                   DEFAULT_STRATEGIES)  # exact and prefix compute exact's context: nothing to judge
+    out: dict[str, dict[str, dict]] = {}
+    for f in floors:
+        for c in cands:
+            try:
+                out.setdefault(f, {})[c] = non_inferiority(rows, c, f, floor_repeat=floor_repeat)
+            except ValueError:  # no edited call in common (e.g. prefix run on other calls)
+                continue
+    return {f: by for f, by in out.items() if by}
 
 
 def plot_agreement(groups: dict[str, dict], path: str | Path | None = None, *, title: str | None = None):
