@@ -179,7 +179,7 @@ def run_calibration(engine, episodes: Sequence[Episode], cfg: CalibConfig = Cali
     spec = engine.spec
     profile = {
         "schema": PROFILE_SCHEMA,
-        "model": model_name or str(getattr(engine.model, "patchkv_source", "") or spec.model_type),
+        "model": model_name or str(getattr(engine, "source", None) or spec.model_type),
         "fingerprint": spec.fingerprint,
         "model_spec": {"model_type": spec.model_type, "num_layers": spec.num_layers,
                        "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},

@@ -1,15 +1,13 @@
 """PatchKVEngine: the object users hold.
 
-``checkpoint(ids)`` runs the checkpoint-creation pass (prefill + attention statistics) and offloads
-the KV to CPU; ``resume(ckpt, new_ids, strategy=...)`` diffs the versions, plans, restores,
-recomputes, and decodes greedily. Validates input before any compute (one validator,
-:mod:`patchkv_agent.core.inputs`); an unsupported case (RoPE kind, a corrupt run, weights changed in
-place since the checkpoint) takes the exact path and says so in ``stats["fallback"]`` (a
-:class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
+``checkpoint(ids)`` runs the checkpoint-creation pass (prefill + attention statistics) and offloads the KV to
+CPU; ``resume(ckpt, new_ids, strategy=...)`` diffs the versions, plans, restores, recomputes, and decodes greedily.
+Validates input before any compute (one validator, :mod:`patchkv_agent.core.inputs`); an unsupported case (RoPE
+kind, a corrupt run, weights changed in place since the checkpoint) takes the exact path and says so in
+``stats["fallback"]`` (a :class:`~patchkv_agent.core.fallback.Fallback`). Settings live in one frozen
 :class:`~patchkv_agent.core.settings.RecoverySettings` that strategies read; the engine writes the
 :class:`~patchkv_agent.results.EnginePart` of a result's :class:`ResumeStats` and a checkpoint's
-:class:`~patchkv_agent.core.provenance.CheckpointProvenance`. Any number of registries and direct callers may share
-one engine.
+:class:`~patchkv_agent.core.provenance.CheckpointProvenance`. Any number of registries and callers share one engine.
 
 What the engine keeps about the model (its forward lock, attention capture, weight watch, cache layout,
 device) is the model's :class:`~patchkv_agent.core.runner.ModelRunner`, shared by every engine over the same
@@ -82,6 +80,8 @@ class PatchKVEngine:
             shipped profiles); a :class:`~patchkv_agent.profiles.Profile` applies that one; None uses
             the built-in defaults. Explicit arguments above override it.
         profile_dirs: folders searched first by ``profile="auto"`` (e.g. a calibration run's output).
+        source: the name the model was loaded by (a profile is also looked up by it; set by
+            :meth:`from_pretrained`; nothing is written on the model).
 
     Attributes:
         settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen). Built once
@@ -121,8 +121,10 @@ class PatchKVEngine:
         settings: RecoverySettings | None = None,
         profile: Profile | str | None = "auto",
         profile_dirs: Sequence[str | Path] = (),
+        source: str | None = None,
     ):
         check_attn_implementation(model)
+        self.source = source
         # engines over one model instance share its runner: one forward lock, capture and weight watch per model
         self.runner: ModelRunner = ModelRunner.of(model.eval())
         self._weights_seen = self.runner.weights_version()  # the weights spec.fingerprint is of
@@ -180,7 +182,7 @@ class PatchKVEngine:
         if profile is None or isinstance(profile, Profile):
             return profile
         if profile == "auto":
-            return load_profile(self.spec.fingerprint, model_name=getattr(self.model, "patchkv_source", None),
+            return load_profile(self.spec.fingerprint, model_name=self.source,
                                 dirs=profile_dir_list(profile_dirs))
         if isinstance(profile, dict):
             raise ValueError("profile takes a Profile, not a dict: pass Profile.from_dict(d) "
@@ -234,8 +236,7 @@ class PatchKVEngine:
         return None if self.profile is None else self.profile.path
 
     def __repr__(self) -> str:
-        name = getattr(self.model, "patchkv_source", None) or type(self.model).__name__
-        return f"PatchKVEngine({name}, {self._settings.describe(self._sources)})"
+        return f"PatchKVEngine({self.source or type(self.model).__name__}, {self._settings.describe(self._sources)})"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
@@ -248,9 +249,8 @@ class PatchKVEngine:
         """Load a model (HF id, local dir, ``.gguf`` path or ``"smollm2-135m"``) and wrap it.
 
         Args:
-            name_or_path: what to load; see :func:`patchkv_agent.loading.load_model`.
-            dtype: parameter dtype.
-            device: where the model runs.
+            name_or_path: what to load (see :func:`patchkv_agent.loading.load_model`); the engine's ``source``.
+            dtype, device: parameter dtype, and where the model runs.
             block_size, dirty_window, kappa, length_model, capture_window, mixed_precision,
             precision_policy, readers, settings, profile, profile_dirs: as for :class:`PatchKVEngine`.
 
@@ -264,7 +264,7 @@ class PatchKVEngine:
         return cls(model, tok, block_size=block_size, dirty_window=dirty_window, kappa=kappa,
                    length_model=length_model, capture_window=capture_window, mixed_precision=mixed_precision,
                    precision_policy=precision_policy, readers=readers, settings=settings, profile=profile,
-                   profile_dirs=profile_dirs)
+                   profile_dirs=profile_dirs, source=str(name_or_path))
 
     # ----------------------------------------------------------------- input
 

@@ -80,6 +80,11 @@ RANDOM_TOKENIZER_DIRS = (Path(__file__).resolve().parents[1] / ".gpu_assets" / "
 one the engine runs on token ids alone."""
 
 
+def is_random(name: str | None) -> bool:
+    """Whether a model name (an engine's ``source``) names random weights (``random:SHAPE``: timing only)."""
+    return str(name or "").startswith(RANDOM_PREFIX)
+
+
 def parse_random_spec(name: str) -> tuple[str, torch.dtype | None]:
     """``random:<shape>[@<dtype>]`` -> ``(shape, dtype or None)``.
 
@@ -157,8 +162,6 @@ def random_model(name: str, *, dtype: torch.dtype = torch.float32, device: str |
                     name, RANDOM_TOKENIZER_ENV)
     elif len(tok) > cfg.vocab_size:
         raise ValueError(f"the tokenizer in {tdir} has {len(tok)} ids, more than {shape}'s vocabulary {cfg.vocab_size}")
-    model.patchkv_source = str(name)
-    model.patchkv_random = True  # random weights: timing only
     return model, tok
 
 
@@ -532,7 +535,6 @@ def load_model(
         tok = AutoTokenizer.from_pretrained(src, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation, **kwargs)
     model.to(device).eval()
-    model.patchkv_source = str(name_or_path)
     return model, tok
 
 

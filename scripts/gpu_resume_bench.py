@@ -62,7 +62,7 @@ def _engine(args):
 
         eng = tiny_engine("llama", max_positions=max(args.lengths) + args.edit_tokens + args.append + 64, device=device,
                           config={"vocab_size": 4096, "pad_token_id": None}, scale=1.0)
-        eng.model.patchkv_source = "tiny"
+        eng.source = "tiny"
         return eng, "none (tiny: 8-token blocks and window)"
     profile = args.profile
     if profile == "shape":  # the SmolLM2 shape takes SmolLM2's shipped profile (its block size, kappa, length model)
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from patchkv_agent.kernels import dispatch
+    from patchkv_agent.loading import is_random
 
     eng, profile = _engine(args)
     load_s = time.perf_counter() - t_start
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from patchkv_agent.strategies import register_spec
 
     strategies = [register_spec(s.strip()) for s in args.strategies.split(",") if s.strip()]
-    random_weights = bool(getattr(eng.model, "patchkv_random", False)) or args.model == "tiny"
+    random_weights = is_random(eng.source) or args.model == "tiny"
     try:
         import triton
 

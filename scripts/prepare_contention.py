@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from patchkv_agent.engine import PatchKVEngine
+    from patchkv_agent.loading import is_random
     from patchkv_agent.eval.tiny import tiny_engine
     from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         during.append(resume_b())
         t.join()
         prep_loaded.append(box.get("p"))
-    random_weights = args.tiny or bool(getattr(eng.model, "patchkv_random", False))
+    random_weights = args.tiny or is_random(eng.source)
     out = {"device": device, "model": "tiny" if args.tiny else args.model,
            "label": "random weights, timing only" if random_weights else "trained weights",
            "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."), "tokens": n, "depth": args.depth,

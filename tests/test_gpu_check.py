@@ -45,11 +45,11 @@ def test_random_spec_on_the_command_line_is_checked_before_loading(capsys):
 
 
 def test_random_model_loads_with_float32_rope_and_the_carried_tokenizer(tmp_path, monkeypatch):
-    from patchkv_agent.loading import RANDOM_TOKENIZER_ENV, load_model
+    from patchkv_agent.loading import RANDOM_TOKENIZER_ENV, is_random, load_model
 
     monkeypatch.setenv(RANDOM_TOKENIZER_ENV, "none")
     model, tok = load_model("random:smollm2-135m@bf16")
-    assert tok is None and model.patchkv_random and model.dtype == torch.bfloat16
+    assert tok is None and is_random("random:smollm2-135m@bf16") and not is_random("smollm2-135m") and model.dtype == torch.bfloat16
     assert all(b.dtype == torch.float32 for _, b in model.named_buffers())  # inv_freq not rounded to bf16
     assert model.config.num_key_value_heads == 3 and model.config.max_position_embeddings == 131072
 

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..loading import is_random
+
 __all__ = ["run_host_bench", "run_tokenize_bench", "host_engine", "plot_host", "bench_plan", "add_cli", "main"]
 
 STAGES = ("validate", "diff", "words", "plan", "bookkeeping", "cache")  # host_ms sums these
@@ -242,10 +244,10 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
             bar.update(1)
     bar.close()
     spec = eng.spec
-    return {"device": str(device), "model": getattr(eng.model, "patchkv_source", None) or "tiny-llama-1layer",
+    return {"device": str(device), "model": eng.source or "tiny-llama-1layer",
             "layers": spec.num_layers, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."),
-            "random_weights": bool(getattr(eng.model, "patchkv_random", False)),
+            "random_weights": is_random(eng.source),
             "torch_threads": torch.get_num_threads(), "repeats": repeats, "rows": rows,
             "targets_ms": {str(k): v for k, v in TARGETS_MS.items()},
             "notes": "host_ms = validate (int64 array input) + diff + words + plan + bookkeeping + cache; the forward "

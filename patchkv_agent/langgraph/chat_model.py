@@ -152,7 +152,7 @@ class PatchKVChatModel(BaseChatModel):
     def _default_name(self) -> "PatchKVChatModel":
         if self.model_name is None:
             m = self.engine.model
-            self.model_name = (getattr(m, "patchkv_source", None) or getattr(m.config, "_name_or_path", None)
+            self.model_name = (self.engine.source or getattr(m.config, "_name_or_path", None)
                                or m.config.model_type)
         return self
 

@@ -23,7 +23,7 @@ whose fields are out of range, with a warning naming it, so junk in a profile fo
 nor hang building an engine; an explicit path (:func:`read_profile`) raises ``ValueError`` instead.
 
 Boundary: reads JSON files and builds settings values; knows nothing about models beyond
-``ModelSpec.fingerprint`` and ``model.patchkv_source``, and nothing about how profiles are made (the
+``ModelSpec.fingerprint`` and the engine's ``source``, and nothing about how profiles are made (the
 calibration package, above the engine, writes them).
 """
 
@@ -366,12 +366,7 @@ def _key(spec_or_fingerprint: Any) -> tuple[str | None, str | None]:
     obj = spec_or_fingerprint
     if isinstance(obj, str):
         return (obj, None) if ":" in obj else (None, obj)
-    name = None
-    model = getattr(obj, "model", None)
-    if model is not None:
-        name = getattr(model, "patchkv_source", None)
-    if name is None:
-        name = getattr(obj, "patchkv_source", None)
+    name = getattr(obj, "source", None)  # an engine: the name its model was loaded by
     spec = getattr(obj, "spec", obj)
     return getattr(spec, "fingerprint", None), name
 
