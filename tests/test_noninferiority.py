@@ -106,3 +106,15 @@ def test_bench_summarize_scores_the_floor_and_takes_a_repeat(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--floor-repeat", str(tmp_path / "f.jsonl"), "--out-dir", str(tmp_path / "o2")])
     assert "--floor-repeat scores a summary" in capsys.readouterr().err
+
+
+def test_follow_rates_come_from_the_follow_rows():
+    rows = _rows([("f", True, True, 4)])
+    for r in rows:
+        if r["strategy"] == "exact":
+            r.update(follows=True, stale=False)
+        elif r["strategy"] == "cand":
+            r.update(follows=r["id"] != "f/0", stale=r["id"] == "f/0")
+    f = non_inferiority(rows, "cand")["follow"]
+    assert (f["follow"], f["follow_n"], f["stale"], f["stale_n"]) == (0.75, 4, 0.25, 4) and not f["meets"]
+    assert non_inferiority(_rows([("a", True, True, 2)]), "cand")["follow"] is None

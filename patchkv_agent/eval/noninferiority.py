@@ -165,23 +165,15 @@ def non_inferiority(rows: Sequence[dict], candidate: str, floor: str = "kv-bf16"
 
 
 def _follow(rows: list[dict], candidate: str) -> dict[str, Any] | None:
-    """Follow / stale rates of the candidate on edit-following rows (``follows`` / ``stale`` fields), among the
-    calls where exact follows (resp. does not answer stale); None without such rows."""
-    exact = {_key(r): r for r in rows if r.get("strategy") == "exact" and r.get("follows") is not None}
-    fol, sta = [], []
-    for r in rows:
-        ref = exact.get(_key(r))
-        if r.get("strategy") != candidate or ref is None or r.get("follows") is None:
-            continue
-        if ref["follows"]:
-            fol.append(bool(r["follows"]))
-        if not ref["stale"]:
-            sta.append(bool(r["stale"]))
-    if not fol and not sta:
+    """Follow / stale rates of the candidate on edit-following rows (the summary's own rates,
+    :func:`~patchkv_agent.eval.bench._follow_rates`); None without such rows."""
+    from .bench import _follow_rates
+
+    exact = {(r.get("id"), r.get("version")): r for r in rows if r.get("strategy") == "exact"}
+    f, s, n_f, n_s = _follow_rates([r for r in rows if r.get("strategy") == candidate], exact)
+    if not n_f and not n_s:
         return None
-    f = sum(fol) / len(fol) if fol else None
-    s = sum(sta) / len(sta) if sta else None
-    return {"follow": f, "follow_n": len(fol), "stale": s, "stale_n": len(sta),
+    return {"follow": f, "follow_n": n_f, "stale": s, "stale_n": n_s,
             "meets": (f is None or f >= FOLLOW_MIN) and (s is None or s <= STALE_MAX)}
 
 
