@@ -528,7 +528,7 @@ def non_inferiority_all(rows: Sequence[dict], *, floor_repeat: Sequence[dict] = 
         for c in cands:
             try:
                 out.setdefault(f, {})[c] = non_inferiority(rows, c, f, floor_repeat=floor_repeat)
-            except ValueError:  # no edited call in common (e.g. prefix run on other calls)
+            except ValueError:  # no edited call in common (a strategy run on other calls than the floor)
                 continue
     return {f: by for f, by in out.items() if by}
 
