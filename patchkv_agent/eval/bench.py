@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from .noninferiority import follow_rates as _follow_rates
 from .traces import APPEND, ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
 
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
@@ -241,25 +242,6 @@ def _mean(values: Iterable[Any]) -> float | None:
 def _order(names: Iterable[str], canonical: Sequence[str]) -> list[str]:
     seen = list(dict.fromkeys(names))
     return [s for s in canonical if s in seen] + [s for s in seen if s not in canonical]
-
-
-def _follow_rates(rows: list[dict], exact: dict[tuple, dict]) -> tuple[float | None, float | None, int, int]:
-    """Edit-following rates of ``rows`` against the exact rows of the same (id, version).
-
-    follow rate: among rows whose exact row follows (answers the version's gold), the share that follows;
-    stale rate: among rows whose exact row is not stale (does not answer the previous version's gold),
-    the share that answers the previous gold. Rows without the fields (no per-version gold) are ignored.
-    """
-    fol, sta = [], []
-    for r in rows:
-        ref = exact.get((r.get("id"), r.get("version")))
-        if ref is None or r.get("follows") is None or ref.get("follows") is None:
-            continue
-        if ref["follows"]:
-            fol.append(bool(r["follows"]))
-        if not ref["stale"]:
-            sta.append(bool(r["stale"]))
-    return (_mean(fol) if fol else None, _mean(sta) if sta else None, len(fol), len(sta))
 
 
 def _group(rows: list[dict], prefix_ttft: float | None, exact: dict[tuple, dict] | None = None) -> dict[str, Any]:

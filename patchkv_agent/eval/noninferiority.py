@@ -164,13 +164,30 @@ def non_inferiority(rows: Sequence[dict], candidate: str, floor: str = "kv-bf16"
     return out
 
 
+def follow_rates(rows: list[dict], exact: dict[tuple, dict]) -> tuple[float | None, float | None, int, int]:
+    """Edit-following rates of ``rows`` against the exact rows of the same (id, version).
+
+    follow rate: among rows whose exact row follows (answers the version's gold), the share that follows;
+    stale rate: among rows whose exact row is not stale (does not answer the previous version's gold),
+    the share that answers the previous gold. Rows without the fields (no per-version gold) are ignored.
+    """
+    fol, sta = [], []
+    for r in rows:
+        ref = exact.get((r.get("id"), r.get("version")))
+        if ref is None or r.get("follows") is None or ref.get("follows") is None:
+            continue
+        if ref["follows"]:
+            fol.append(bool(r["follows"]))
+        if not ref["stale"]:
+            sta.append(bool(r["stale"]))
+    return (sum(fol) / len(fol) if fol else None, sum(sta) / len(sta) if sta else None, len(fol), len(sta))
+
+
 def _follow(rows: list[dict], candidate: str) -> dict[str, Any] | None:
     """Follow / stale rates of the candidate on edit-following rows (the summary's own rates,
-    :func:`~patchkv_agent.eval.bench._follow_rates`); None without such rows."""
-    from .bench import _follow_rates
-
+    :func:`follow_rates`); None without such rows."""
     exact = {(r.get("id"), r.get("version")): r for r in rows if r.get("strategy") == "exact"}
-    f, s, n_f, n_s = _follow_rates([r for r in rows if r.get("strategy") == candidate], exact)
+    f, s, n_f, n_s = follow_rates([r for r in rows if r.get("strategy") == candidate], exact)
     if not n_f and not n_s:
         return None
     return {"follow": f, "follow_n": n_f, "stale": s, "stale_n": n_s,
