@@ -551,10 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .calibration.cli import add_calibrate_cli
 
     transport_bench.add_cli(sub)
-    from .eval import host_bench, server_bench
+    from .eval import host_bench, server_bench_cli
 
     host_bench.add_cli(sub)
-    server_bench.add_cli(sub)
+    server_bench_cli.add_cli(sub)
     add_stress_cli(sub)
     add_calibrate_cli(sub)
     add_traces_cli(sub, token_counter_factory=_token_counter_for)

@@ -179,6 +179,26 @@ def test_prewarms_follow_each_replicas_url_and_key(vllm_srv):
         b.close()
 
 
+def test_a_long_prewarm_goes_out_in_low_priority_chunks_on_growing_prefixes(vllm_srv):
+    proxy = FaultProxy(vllm_srv.root)
+    try:
+        run = _run(vllm_srv, url=proxy.base_url, prepare=True, cover=True, options={"chunk_tokens": 128})
+        warm = [r[2] for r in proxy.requests("/v1/completions") if isinstance(r[2].get("prompt"), list)]
+        sizes = [r["prewarm_requests"] or 0 for r in run.rows]  # one preparation at a time (the tools cover it)
+        assert sum(sizes) == len(warm)
+        prompts = [b["prompt"] for b in warm]
+        groups = [prompts[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes)) if sizes[i]]
+        for g in groups:  # one preparation's requests: each prompt extends the one before by a chunk at most,
+            assert all(b[:len(a)] == a and 0 < len(b) - len(a) <= 128 for a, b in zip(g, g[1:]))
+            assert all(len(p) % 128 == 0 for p in g[:-1]), [len(p) for p in g]  # ending on whole blocks
+        assert any(len(g) > 1 for g in groups), [len(g) for g in groups]
+        assert all(b.get("priority") == 1 for b in warm)  # below a call's 0
+        rows = run.rows[1:]
+        assert all(r["prepared"] == "hit" for r in rows), [(r["prepared"], r["prepared_reason"]) for r in rows]
+    finally:
+        proxy.close()
+
+
 def test_a_salted_prewarm_is_reused_under_its_salt_only(vllm_srv):
     from patchkv_agent.serving.http import Endpoint, Exchange
     from patchkv_agent.serving.vllm import VLLMAdapter

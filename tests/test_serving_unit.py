@@ -33,7 +33,7 @@ class _Server:
 
             def do_POST(self):
                 n = int(self.headers.get("Content-Length") or 0)
-                self.rfile.read(n)
+                self.body = self.rfile.read(n)
                 handler(self)
 
             do_GET = do_POST
@@ -165,6 +165,51 @@ def test_the_vllm_adapter_refuses_a_rendering_whose_count_disagrees_and_reads_ca
     finally:
         lie.close()
         ok.close()
+
+
+def test_a_vllm_that_refuses_priority_is_sent_none_from_then_on():
+    from patchkv_agent.serving.vllm import VLLMAdapter
+
+    seen = []
+    usage = json.dumps({"usage": {"prompt_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}}).encode()
+    refusal = json.dumps({"error": {"message": "Got priority 1 but Priority scheduling is not enabled."}}).encode()
+
+    def h(r):
+        body = json.loads(r.body)
+        seen.append(body.get("priority"))
+        _answer(refusal, status=400)(r) if "priority" in body else _answer(usage)(r)
+
+    srv = _Server(h)
+    try:
+        ad = VLLMAdapter()
+        assert ad.prewarm(Exchange(srv.endpoint), "m", [1, 2], None, priority=1) == PrewarmReply(2, 0)
+        assert ad.refuses_priority and seen == [1, None]
+        ad.prewarm(Exchange(srv.endpoint), "m", [1, 2, 3], None, priority=1)
+        assert seen == [1, None, None]  # not asked again
+        other = _Server(_answer(json.dumps({"error": "no such model"}).encode(), status=400))
+        try:  # a 400 for another reason is the server's error, not a refusal of the priority
+            with pytest.raises(ServerError, match="no such model"):
+                VLLMAdapter().prewarm(Exchange(other.endpoint), "m", [1], None, priority=1)
+        finally:
+            other.close()
+    finally:
+        srv.close()
+
+
+def test_prewarm_chunks_end_on_whole_chunks_past_what_the_server_holds():
+    from patchkv_agent.serving.middleware import PatchKVServerMiddleware, prewarm_ends
+
+    assert prewarm_ends(0, 1300, 512) == [512, 1024, 1300]
+    assert prewarm_ends(700, 1300, 512) == [1024, 1300]
+    assert prewarm_ends(1024, 1100, 512) == [1100]
+    assert prewarm_ends(0, 1024, 512) == [512, 1024]
+    assert prewarm_ends(5, 9, None) == [9]
+    for bad in ((10, 9, 512), (-1, 9, 512), (0, 9, 0)):
+        with pytest.raises(ValueError):
+            prewarm_ends(*bad)
+    for kw in ({"chunk_tokens": -1}, {"chunk_tokens": 1.5}, {"priority": True}, {"priority": "low"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            PatchKVServerMiddleware(**kw)
 
 
 def test_the_llamacpp_adapter_never_prewarms_a_salted_call():

@@ -328,7 +328,7 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
                      "prompt_tokens": st.get("prompt_tokens"), "cached_tokens": st.get("cached_tokens"),
                      "tool_s": st.get("tool_s"),
                      **{k: st.get(k) for k in ("prepared", "prepared_reason", "prepared_tokens", "prepared_match_tokens",
-                                               "prepared_reused_before", "predict_s", "render_s", "prewarm_s",
+                                               "prepared_reused_before", "predict_s", "render_s", "prewarm_s", "prewarm_requests",
                                                "prepared_elapsed_s", "server")},
                      "summarized": "SummarizationMiddleware" in (st.get("prepared_info") or {}),
                      "cleared": (st.get("prepared_info") or {}).get("cleared_results"),
@@ -360,7 +360,8 @@ def _mark_edits(rows: list[dict]) -> None:
 
 def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode], *, tool_latency: float = 6.0,
                      cover: bool = False, max_tokens: int = 16, adapter: str = "auto", salt: bool = True,
-                     threads: int = 1, before_run: Any = None, progress: bool = True) -> list[dict]:
+                     threads: int = 1, before_run: Any = None, progress: bool = True,
+                     options: dict | None = None) -> list[dict]:
     """Every episode twice, unprepared and prepared, on one server, with one context for both runs (the
     episode's nonce) and nothing reused across runs (a salt per run, or ``before_run`` emptying the cache).
 
@@ -371,6 +372,7 @@ def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode
     Args:
         threads: episodes run at once.
         before_run: called before each run (1 thread) or phase (more): e.g. a server's ``erase_cache``.
+        options: more options of the prewarm middleware (``chunk_tokens``, ``priority``, ...).
         Others: see :func:`run_episode_agent`.
 
     Returns:
@@ -389,7 +391,8 @@ def run_server_bench(base_url: str, model: str, episodes: Sequence[ServerEpisode
     def one(ep: ServerEpisode, prep: bool) -> None:
         t0 = time.perf_counter()
         got = run_server_episode(base_url, model, ep, prepare=prep, tool_latency=tool_latency, cover=cover,
-                                 max_tokens=max_tokens, adapter=adapter, salt=salt, nonce=nonces[ep.id])
+                                 max_tokens=max_tokens, adapter=adapter, salt=salt, nonce=nonces[ep.id],
+                                 options=options)
         for r in got:
             r.update(threads=threads, episode_s=time.perf_counter() - t0)
         with lock:
@@ -590,103 +593,3 @@ def write_server(rows: Sequence[dict], out_dir: str | Path, *, engine: str, comm
 
 
 # --------------------------------------------------------------------------------------------- command line
-
-def _positive_float(s: str) -> float:
-    import argparse
-
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number of seconds") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number >= 0")
-    return v
-
-
-def _threads(s: str) -> list[int]:
-    import argparse
-
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads takes comma-separated counts such as 1,4, got {s!r}") from None
-    if not out or any(n < 1 or n > 64 for n in out):
-        raise argparse.ArgumentTypeError(f"--threads takes counts from 1 to 64, got {s!r}")
-    return out
-
-
-def add_cli(sub) -> None:
-    """The ``bench-server`` subcommand."""
-    p = sub.add_parser("bench-server", help="agents on a live vLLM / llama.cpp server with and without the tool-wait "
-                                            "prewarm, side by side (JSON, markdown, plot)")
-    p.add_argument("--engine", default="vllm", choices=("vllm", "llama.cpp"),
-                   help="the engine to start on the embedded model (scripts/serving_setup.sh sets it up)")
-    p.add_argument("--base-url", default=None, help="use a running server at this OpenAI base URL instead of starting one")
-    p.add_argument("--served-model", default="smollm2", help="the model name the server serves")
-    p.add_argument("--episodes", type=int, default=10, help="episodes per workload (each run twice)")
-    p.add_argument("--workloads", default="clear,summarize", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
-    p.add_argument("--context", type=int, default=4000, help="the context the editors keep the agent near (tokens)")
-    p.add_argument("--tool-latency", type=_positive_float, default=6.0, help="seconds each tool takes")
-    p.add_argument("--cover", action="store_true", help="each tool lasts at least until its thread's prewarm is over")
-    p.add_argument("--threads", type=_threads, default=[1], help="comma-separated: episodes at once per phase (1,4)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens each call decodes at most")
-    p.add_argument("--seed", type=int, default=0, help="rotates the research histories")
-    p.add_argument("--out-dir", default="runs/server_bench")
-    p.set_defaults(func=cmd_bench_server)
-
-
-def cmd_bench_server(args) -> int:
-    """``patchkv-agent bench-server``: check the options, start the engine (unless ``--base-url``), run."""
-    import sys
-
-    from ..usage import UsageError
-
-    wls = [w for w in args.workloads.split(",") if w]
-    bad = [w for w in wls if w not in WORKLOADS]
-    if bad or not wls:
-        raise UsageError(f"--workloads: {bad or args.workloads!r} not among {', '.join(WORKLOADS)}")
-    if not 1 <= args.episodes <= 1000 or not 500 <= args.context <= 32768 or not 1 <= args.max_tokens <= 4096:
-        raise UsageError("--episodes takes 1-1000, --context 500-32768 tokens, --max-tokens 1-4096")
-    if args.base_url is not None:
-        from ..serving.http import Endpoint
-
-        try:
-            Endpoint.from_base_url(args.base_url)
-        except ValueError as e:
-            raise UsageError(f"--base-url: {e}") from None
-    out = Path(args.out_dir)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out-dir {out} is not a directory; pick a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / ".write-test").write_text("")
-        (out / ".write-test").unlink()
-    except OSError as e:
-        raise UsageError(f"--out-dir {out}: not writable ({e.strerror}); pick another directory") from None
-    episodes = server_episodes(args.episodes, wls, context=args.context, seed=args.seed)
-    srv = None
-    if args.base_url is None:
-        from . import servers
-
-        try:
-            srv = (servers.vllm_server() if args.engine == "vllm" else
-                   servers.llama_server(parallel=max(args.threads), ctx_per_slot=max(8192, args.context * 2)))
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from None
-        base_url, erase = srv.base_url, srv.erase_cache
-    else:
-        base_url, erase = args.base_url, None
-    try:
-        rows: list[dict] = []
-        for n in args.threads:
-            rows += run_server_bench(base_url, args.served_model, episodes, tool_latency=args.tool_latency,
-                                     cover=args.cover, max_tokens=args.max_tokens, salt=args.engine == "vllm",
-                                     threads=n, before_run=erase)
-    finally:
-        if srv is not None:
-            srv.stop()
-    command = "patchkv-agent " + " ".join(getattr(args, "argv", []) or [])
-    summary = write_server(rows, out, engine=args.engine, command=command)
-    print(markdown_server(summary, engine=args.engine, command=command))
-    print(f"wrote {out}/server_results.jsonl, server_summary.json, server_summary.md, server_ttft.png", file=sys.stderr)
-    return 0

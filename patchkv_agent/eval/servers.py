@@ -161,7 +161,8 @@ class ServerProcess:
 
 
 def vllm_server(model_dir: str | Path | None = None, *, python: str | Path | None = None, model: str = "smollm2",
-                kv_cache_gib: float = 2.0, max_model_len: int = 8192, extra_args: Sequence[str] = (),
+                kv_cache_gib: float = 2.0, max_model_len: int = 8192, scheduling_policy: str = "priority",
+                extra_args: Sequence[str] = (),
                 startup_s: float = 600.0, log_path: str | None = None) -> ServerProcess:
     """vLLM's OpenAI-compatible server on the embedded model (or ``model_dir``).
 
@@ -171,6 +172,8 @@ def vllm_server(model_dir: str | Path | None = None, *, python: str | Path | Non
         model: the served model name.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
         max_model_len: the longest context it serves.
+        scheduling_policy: ``priority`` (a call, priority 0, goes ahead of a waiting prewarm, priority 1) or
+            ``fcfs``.
         extra_args: more arguments (``--block-size 16`` ...).
         startup_s, log_path: see :class:`ServerProcess`.
 
@@ -188,7 +191,7 @@ def vllm_server(model_dir: str | Path | None = None, *, python: str | Path | Non
     argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
             model, "--host", "127.0.0.1", "--port", "{port}", "--enable-prefix-caching",
             "--enable-prompt-tokens-details", "--enforce-eager", "--max-model-len", str(max_model_len),
-            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-stats", *extra_args]
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-stats", "--scheduling-policy", scheduling_policy, *extra_args]
     env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     return ServerProcess(argv, name="vllm", model=model, health="/health", env=env, startup_s=startup_s,

@@ -44,10 +44,14 @@ class ServerAdapter(abc.ABC):
         name: the engine's name (``vllm``, ``llama.cpp``), reported in each call's stats.
         supports_salt: the engine scopes its prefix cache by a per-request salt (``cache_salt``); an
             adapter without it never prewarms a salted call.
+        chunk_tokens: the most ids one prewarm request adds to what the server holds (None: one request).
+            An engine that runs a request's whole prefill in one step makes every call that comes meanwhile
+            wait for all of it; prewarmed as requests on growing prefixes, a call waits for one chunk at most.
     """
 
     name: str = ""
     supports_salt: bool = False
+    chunk_tokens: int | None = None
 
     @abc.abstractmethod
     def render(self, exchange: Exchange, payload: Mapping[str, Any]) -> list[int]:
@@ -59,8 +63,17 @@ class ServerAdapter(abc.ABC):
         """
 
     @abc.abstractmethod
-    def prewarm(self, exchange: Exchange, model: str | None, ids: Sequence[int], salt: str | None) -> PrewarmReply:
+    def prewarm(self, exchange: Exchange, model: str | None, ids: Sequence[int], salt: str | None, *,
+                priority: int | None = None) -> PrewarmReply:
         """Compute ``ids`` into the server's prefix cache (one token decoded, greedy).
+
+        Args:
+            exchange: a fresh exchange with the server.
+            model: the served model name (None: the server's only one).
+            ids: the token ids.
+            salt: the call's cache salt (None: none).
+            priority: the request's scheduling priority where the engine has one (vLLM: lower is served
+                earlier, a call's default is 0), None: the engine's default.
 
         Raises:
             ServerError: the server failed or answered something unreadable.

@@ -38,7 +38,8 @@ class LlamaCppAdapter(ServerAdapter):
         out = exchange.post("/tokenize", {"content": prompt, "add_special": True, "parse_special": True})
         return token_ids(out.get("tokens"), "/tokenize tokens")
 
-    def prewarm(self, exchange: Exchange, model: str | None, ids: Sequence[int], salt: str | None) -> PrewarmReply:
+    def prewarm(self, exchange: Exchange, model: str | None, ids: Sequence[int], salt: str | None, *,
+                priority: int | None = None) -> PrewarmReply:
         if salt is not None:
             raise ServerError("unsupported", "llama.cpp's server has no cache salt; a salted call is not prewarmed")
         out = exchange.post("/completion", {"prompt": list(ids), "n_predict": 1, "cache_prompt": True,

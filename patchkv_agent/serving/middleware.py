@@ -10,9 +10,11 @@ context editors will do to it. In a background thread the middleware
 2. builds the payload the agent will send (:func:`~patchkv_agent.serving.openai.chat_payload`) and renders it
    with the *server's* chat template twice, with two different placeholder results; the ids the renderings
    share, less a safety margin, are what the next call starts with,
-3. sends those ids as a token-id prompt with one token to decode (and the call's ``cache_salt``) to the
+3. sends those ids as token-id prompts with one token to decode (and the call's ``cache_salt``) to the
    same server, address and credentials as the real call, so the real call finds them in the server's
-   prefix cache.
+   prefix cache: at a low scheduling priority where the engine has one, in chunks on growing prefixes where
+   its adapter asks for them (:attr:`~patchkv_agent.serving.adapter.ServerAdapter.chunk_tokens`), so that
+   another thread's call that comes meanwhile waits for one chunk at most.
 
 The real call never waits for it: a preparation still running when the call comes is aborted (the server
 keeps the blocks it computed) and the call goes out unchanged. Each response's
@@ -54,6 +56,22 @@ __all__ = ["PatchKVServerMiddleware"]
 MAX_PREPARATIONS = 32  # preparations alive at once, over all threads (a hung editor holds one until it returns)
 
 
+def prewarm_ends(held: int, n: int, chunk: int | None) -> list[int]:
+    """The prefix lengths a prewarm of ``n`` ids sends, one request each, when the server holds the first
+    ``held`` already: every ``chunk`` ids past ``held`` (rounded to whole chunks, so each request ends on a
+    whole prefix-cache block when ``chunk`` is a multiple of the block), then ``n``; ``[n]`` without chunks.
+
+    Raises:
+        ValueError: a negative length, ``held`` past ``n``, or a chunk < 1.
+    """
+    if not 0 <= held <= n or (chunk is not None and chunk < 1):
+        raise ValueError(f"prewarm_ends needs 0 <= held <= n and chunk >= 1, got {held}, {n}, {chunk}")
+    if chunk is None:
+        return [n]
+    first = (held // chunk + 1) * chunk
+    return list(range(first, n, chunk)) + [n]
+
+
 def _header_value(thread: str) -> str:
     """A thread id as a header value (percent-encoded: any id is safe ASCII)."""
     import urllib.parse
@@ -86,6 +104,7 @@ class _Preparation:
         self.info: dict | None = None
         self.predict_s = self.render_s = self.prewarm_s = None
         self.prewarm_cached: int | None = None
+        self.prewarm_requests: int | None = None
         self.t_end: float | None = None
         self._exchange: Exchange | None = None
         self._lock = threading.Lock()
@@ -130,6 +149,11 @@ class PatchKVServerMiddleware(AgentMiddleware):
             replica (session affinity); a prefix-aware router needs none (the prewarm starts like the call).
         timeout_s: the longest one socket operation of a preparation waits.
         max_prewarm_s: the longest one preparation's server requests take together.
+        priority: each prewarm request's scheduling priority on engines that have one (vLLM: lower is
+            served earlier, a call's default is 0; it orders waiting requests under
+            ``--scheduling-policy priority``); None: none sent.
+        chunk_tokens: the most ids one prewarm request adds (None: the adapter's own choice; 0: the whole
+            prewarm in one request).
         warn: warn once per thread when calls differ from the predictions in ways the editors did not make.
 
     Attributes:
@@ -144,7 +168,8 @@ class PatchKVServerMiddleware(AgentMiddleware):
     def __init__(self, editors: Sequence[Any] | None = None, *, adapter: "str | ServerAdapter" = "auto",
                  cache_salt: "str | Callable[[str], str] | None" = None, prepare: bool = True,
                  scope: str | None = None, affinity_header: str | None = None, timeout_s: float = 10.0,
-                 max_prewarm_s: float = 300.0, warn: bool = True):
+                 max_prewarm_s: float = 300.0, warn: bool = True, priority: int | None = 1,
+                 chunk_tokens: int | None = None):
         super().__init__()
         self.editors = list(editors or [])
         bad = [type(e).__name__ for e in self.editors if not isinstance(e, AgentMiddleware)]
@@ -160,6 +185,10 @@ class PatchKVServerMiddleware(AgentMiddleware):
         if affinity_header is not None and (not isinstance(affinity_header, str) or not affinity_header
                                             or any(c in affinity_header for c in ":\r\n\0 ")):
             raise ValueError(f"affinity_header must be a header name such as 'x-session-id', got {affinity_header!r}")
+        for name, v in (("priority", priority), ("chunk_tokens", chunk_tokens)):
+            if v is not None and (type(v) is not int or abs(v) >= 1 << 31 or (name == "chunk_tokens" and v < 0)):
+                raise ValueError(f"{name} must be None or an int{' >= 0' if name == 'chunk_tokens' else ''}, got {v!r}")
+        self.priority, self.chunk_tokens = priority, chunk_tokens
         self.affinity_header = affinity_header
         self.adapter, self.cache_salt, self.prepare = adapter, cache_salt, bool(prepare)
         self.scope, self.timeout_s, self.max_prewarm_s, self.warn = scope, float(timeout_s), float(max_prewarm_s), warn
@@ -314,9 +343,21 @@ class PatchKVServerMiddleware(AgentMiddleware):
             return  # nothing past what the server holds already
         prep.stage = "prewarming"
         t = time.perf_counter()
-        reply = adapter.prewarm(prep.exchange(), prep.endpoint.model, prep.ids, prep.salt)
-        prep.prewarm_s = time.perf_counter() - t
-        prep.prewarm_cached = reply.cached_tokens
+        prep.prewarm_requests = 0
+        for end in prewarm_ends(prep.reused_before, n, self._chunk(adapter)):
+            left = prep.deadline_s - (time.perf_counter() - prep.t0)
+            if left <= 0:
+                raise ServerError("timeout", f"over the {prep.deadline_s:g} s of max_prewarm_s")
+            reply = adapter.prewarm(prep.exchange(deadline_s=left), prep.endpoint.model, prep.ids[:end], prep.salt,
+                                    priority=self.priority)
+            prep.prewarm_requests += 1
+            if prep.prewarm_cached is None:
+                prep.prewarm_cached = reply.cached_tokens  # what the server held when the prewarm came
+            prep.prewarm_s = time.perf_counter() - t
+
+    def _chunk(self, adapter: ServerAdapter) -> int | None:
+        c = adapter.chunk_tokens if self.chunk_tokens is None else self.chunk_tokens
+        return c or None
 
     # ------------------------------------------------------------- the call
 
@@ -332,7 +373,8 @@ class PatchKVServerMiddleware(AgentMiddleware):
         common = dict(server=getattr(prep.adapter, "name", None), prepared_info=prep.info,
                       predict_s=prep.predict_s, render_s=prep.render_s, prewarm_s=prep.prewarm_s,
                       prepared_tokens=None if prep.ids is None else len(prep.ids),
-                      prepared_reused_before=prep.reused_before, prewarm_cached_tokens=prep.prewarm_cached)
+                      prepared_reused_before=prep.reused_before, prewarm_cached_tokens=prep.prewarm_cached,
+                      prewarm_requests=prep.prewarm_requests)
         if not prep.done.is_set():
             stage = prep.stage
             prep.abort()

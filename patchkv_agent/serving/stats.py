@@ -36,6 +36,7 @@ class ServerCallStats:
         predict_s: the editors' prediction; render_s: the two renderings on the server; prewarm_s: the
             prewarm request; prepared_elapsed_s: from the preparation's start to the call (or to its end).
         prewarm_cached_tokens: what the server found cached when the prewarm came.
+        prewarm_requests: the prewarm requests sent (one per chunk).
         cached_tokens: the call's prompt tokens the server reports cached (None: not reported; vLLM needs
             ``--enable-prompt-tokens-details``).
         prompt_tokens: the call's prompt length as the server counted it.
@@ -56,6 +57,7 @@ class ServerCallStats:
     prewarm_s: float | None = None
     prepared_elapsed_s: float | None = None
     prewarm_cached_tokens: int | None = None
+    prewarm_requests: int | None = None
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
     call_s: float | None = None
