@@ -454,7 +454,9 @@ def _p90(xs):
 
 def summarize_server(rows: Sequence[dict]) -> dict:
     """Per thread count and call kind (edited / append): calls, median and p90 TTFT of each mode and their
-    ratio, prepared outcomes, the hit rate over predictable calls, next actions that agree, cached tokens.
+    ratio, prepared outcomes, the hit rate over predictable calls, next actions that agree, cached tokens and
+    the tokens the server computed (``uncached_median_*``: a prepared edited call computes about what an
+    append computes, the tool result it could not know ahead, which bounds its TTFT from below).
 
     Returns:
         ``{"by_threads": {n: {...}}, "targets": SERVER_TARGETS}``.
@@ -480,6 +482,8 @@ def summarize_server(rows: Sequence[dict]) -> dict:
                 "paired_ratio_median": _median([_ratio(r, rs) for r in sel["prepared"]]),
                 **{f"cached_share_{m}": _median([(r["cached_tokens"] or 0) / r["prompt_tokens"] for r in v
                                                  if r.get("prompt_tokens")]) for m, v in sel.items()},
+                **{f"uncached_median_{m}": _median([r["prompt_tokens"] - (r["cached_tokens"] or 0) for r in v
+                                                    if r.get("prompt_tokens")]) for m, v in sel.items()},
                 "outcomes": _count(r.get("prepared") for r in sel["prepared"]),
             }
         wall = {m: _median([r["episode_s"] for r in rs if r["mode"] == m and r["call"] == 0]) for m in ("prepared", "unprepared")}
@@ -527,8 +531,8 @@ def markdown_server(summary: dict, *, engine: str, command: str = "") -> str:
     """The summary as a markdown table (one row per thread count and call kind)."""
     lines = [f"# Prepared calls on {engine}", "", f"`{command}`" if command else "", "",
              "| threads | calls | kind | n | TTFT median unprepared | prepared | ratio | paired ratio | p90 unprep. | p90 prep. "
-             "| cached share unprep. / prep. | hit rate | same next action |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "| cached share unprep. / prep. | computed tokens unprep. / prep. | hit rate | same next action |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
 
     def f(x, d=3):
         return "-" if x is None else f"{x:.{d}f}"
@@ -539,6 +543,7 @@ def markdown_server(summary: dict, *, engine: str, command: str = "") -> str:
                          f"{f(k['ttft_median_prepared_s'])} s | {f(k['ttft_ratio'], 2)} | {f(k['paired_ratio_median'], 2)} | "
                          f"{f(k['ttft_p90_unprepared_s'])} | {f(k['ttft_p90_prepared_s'])} | "
                          f"{f(k['cached_share_unprepared'], 2)} / {f(k['cached_share_prepared'], 2)} | "
+                         f"{f(k.get('uncached_median_unprepared'), 0)} / {f(k.get('uncached_median_prepared'), 0)} | "
                          f"{f(s['hit_rate'], 3)} | {f(s['same_action'], 3)} |")
         lines.append("")
         lines.append(f"{n} thread(s): outcomes {s['outcomes']}; throughput (calls/s) {s['throughput_calls_per_s']}; "
