@@ -12,6 +12,7 @@ import pytest
 
 from patchkv_agent.core.checkpoint import CorruptCheckpoint
 from patchkv_agent.core.fallback import Fallback, FallbackKind
+from patchkv_agent.core.recovery import RecoveryOutput, RecoveryStats
 from patchkv_agent.core.provenance import CheckpointProvenance, Source
 from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.results import (BaseKind, CallPart, EnginePart, PreparedOutcome, ResumeStats, RuntimePart,
@@ -96,6 +97,21 @@ def test_a_layer_adds_its_own_part_and_edits_no_other():
         ResumeStats.from_json({**st.to_json(), "fallback": "exact recompute: why", "fallback_kind": None})
     a = st.with_call(tool_s=1.0)
     assert st.call is None and a.call == CallPart(tool_s=1.0)  # a new object: the old one is unchanged
+
+
+def test_a_recovery_measurement_is_frozen_and_composed():
+    inner = RecoveryStats(restore_s=1.0, recompute_s=2.0, recompute_tokens=5, extras={"cacheblend_selected": 3})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inner.restore_s = 0.0
+    with pytest.raises(TypeError):
+        inner.extras["tail_probe"] = "off"  # an executor's extras are read-only
+    outer = inner.adding(restore_s=0.5, recompute_s=0.25, tail_probe="off: no layer-wise forward")
+    assert (outer.restore_s, outer.recompute_s, outer.recompute_tokens) == (1.5, 2.25, 5)
+    assert dict(outer.extras) == {"cacheblend_selected": 3, "tail_probe": "off: no layer-wise forward"}
+    assert inner.restore_s == 1.0 and dict(inner.extras) == {"cacheblend_selected": 3}  # the inner one unchanged
+    out = RecoveryOutput(logits=None, keys=[], values=[], stats=inner)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.stats = outer
 
 
 def test_base_kind_names_every_base_the_registry_reports():

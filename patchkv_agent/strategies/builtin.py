@@ -13,6 +13,8 @@ Knows plans and the recovery settings, not models or LangGraph.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..core.layerwise import execute_probed, layerwise_supported
 from ..core.plan import LengthModel, plan_direct, plan_full, plan_repair
 from ..core.recovery import FullRecompute
@@ -111,8 +113,7 @@ class PatchKVStrategy(Strategy):
             # no layer-wise forward for this model: the recency window is recomputed whole (the rule's 0 setting)
             out = run_plan(runner, spec, s, ckpt, plan_repair(edit, ckpt.scores, s.replace(tail_threshold=0.0)),
                            new_ids)
-            out.stats.extras["tail_probe"] = f"off: {why}"
-            return out
+            return dataclasses.replace(out, stats=out.stats.adding(tail_probe=f"off: {why}"))
         return run_plan(runner, spec, s, ckpt, plan, new_ids)
 
     def plan(self, settings, ckpt, edit):
