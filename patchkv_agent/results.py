@@ -270,6 +270,12 @@ class RuntimePart(_Part):
     prepared_predict_s: float | None = None
     prepared_compute_s: float | None = None
 
+    @classmethod
+    def preparation_fields(cls) -> tuple[str, ...]:
+        """The fields the tool-wait preparation reports (``prepared*``; its record,
+        :class:`~patchkv_agent.runtime.state.TakenPreparation`, sets only these)."""
+        return tuple(n for n in cls.field_names() if n.startswith("prepared"))
+
     def __post_init__(self):
         if self.base is not None:
             object.__setattr__(self, "base", BaseKind(self.base))

@@ -20,6 +20,7 @@ from patchkv_agent.results import (BaseKind, CallPart, EnginePart, PreparedOutco
 from patchkv_agent.runtime.keys import thread_key
 from patchkv_agent.runtime.kvstore import MemoryStore, decode_checkpoint, encode_checkpoint
 from patchkv_agent.runtime.kvstore.codec import CheckpointKey, meta_checksum
+from patchkv_agent.runtime.state import TakenPreparation
 from patchkv_agent.runtime.threads import ThreadRegistry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -98,6 +99,18 @@ def test_a_layer_adds_its_own_part_and_edits_no_other():
     a = st.with_call(tool_s=1.0)
     assert st.call is None and a.call == CallPart(tool_s=1.0)  # a new object: the old one is unchanged
 
+
+def test_a_taken_preparation_carries_a_typed_report():
+    report = RuntimePart(prepared=PreparedOutcome.PARTIAL, prepared_reason="stopped", prepared_tokens=8)
+    taken = TakenPreparation(report=report, shared_resident=10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        taken.shared_resident = 0
+    got = taken.runtime_fields(n_ids=20, recompute_tokens=5, from_prepared=True)
+    assert set(got) == set(RuntimePart.preparation_fields()) and got["prepared"] is PreparedOutcome.PARTIAL
+    assert got["prepared_hidden_share"] == 0.5 and taken.report.prepared_hidden_share is None  # composed, not edited
+    assert TakenPreparation().runtime_fields(20, 5, False) == {}
+    with pytest.raises(TypeError, match="thread_id"):
+        TakenPreparation(report=RuntimePart(prepared=PreparedOutcome.HIT, thread_id="t"))  # not the preparation's
 
 def test_a_recovery_measurement_is_frozen_and_composed():
     inner = RecoveryStats(restore_s=1.0, recompute_s=2.0, recompute_tokens=5, extras={"cacheblend_selected": 3})
