@@ -98,6 +98,11 @@ def test_a_layer_adds_its_own_part_and_edits_no_other():
         ResumeStats.from_json({**st.to_json(), "fallback": "exact recompute: why", "fallback_kind": None})
     a = st.with_call(tool_s=1.0)
     assert st.call is None and a.call == CallPart(tool_s=1.0)  # a new object: the old one is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.ttft_s = 0.0  # the flat reads are derived from the parts, never written
+    with pytest.raises(AttributeError, match="tttf_s"):
+        st.tttf_s  # a typo is an error, not a None
+    assert type(st).ttft_s.fget(st) == st.engine.ttft_s and "ttft_s" in dir(st)
 
 
 def test_a_taken_preparation_carries_a_typed_report():
