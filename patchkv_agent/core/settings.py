@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .blocks import DEFAULT_BLOCK_SIZE
@@ -74,6 +73,9 @@ ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {"dirty_window": ("length
 @dataclass(frozen=True, kw_only=True)
 class RecoverySettings:
     """Everything a strategy, the checkpoint pass and the restore read (frozen; copy with ``replace``).
+
+    The fields a strategy's options may override (the planner's) carry ``metadata["strategy"]``
+    (:meth:`field_names` with ``strategy=True``); the others are the checkpoint pass's and the restore's.
 
     Attributes:
         block_size: suffix block size in tokens (unit of selection, transfer and precision tags), in
