@@ -39,8 +39,7 @@ from .core.fallback import Fallback, FallbackKind
 from .core.inputs import InvalidInput, as_token_ids, check_max_new_tokens
 from .core.models import ModelSpec, fingerprint, model_spec
 from .loading import DEFAULT_MODEL, load_model
-from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW, LengthModel
-from .core.precision import PrecisionPolicy
+from .core.plan import DEFAULT_BLOCK_SIZE, DEFAULT_DIRTY_WINDOW
 from .core.prepare import DEFAULT_CHUNK_TOKENS, prepare_exact
 from .core.recovery import FullRecompute, check_attn_implementation, execute
 from .core.runner import ModelRunner, stored_layout
@@ -64,24 +63,20 @@ class PatchKVEngine:
     Args:
         model: a loaded transformers causal LM with sdpa or eager attention.
         tokenizer: its tokenizer, or None when callers pass token ids only.
-        block_size: suffix block size in tokens (unit of selection, transfer and precision).
-        dirty_window: fixed dirty-window length used until a calibrated length model is given.
-        kappa: fraction of suffix tokens outside the window recomputed by attention score.
-        length_model: a calibrated :class:`~patchkv_agent.core.plan.LengthModel` (overrides ``dirty_window``).
-        capture_window: how many final query positions the attention statistics look from.
-        mixed_precision: also write mixed-precision runs (FP16/K8V8/K8V4/K4V4 per block) into checkpoints.
-        precision_policy: thresholds of the per-block precision rule.
-        readers: the reader-block signal (``"lexical"`` or ``"none"``).
-        settings: a whole :class:`RecoverySettings` to start from instead of a profile's (the
-            arguments above still override its fields; no profile is looked up).
+        settings: a whole :class:`RecoverySettings` to start from instead of a profile's (no profile is
+            looked up).
         profile: ``"auto"`` (default) finds this model's calibration profile by fingerprint (or by the
             name it was loaded by) in ``profile_dirs`` and the search path of
             :func:`patchkv_agent.profiles.profile_dirs` (``$PATCHKV_PROFILE_DIR``, the user cache, the
             shipped profiles); a :class:`~patchkv_agent.profiles.Profile` applies that one; None uses
-            the built-in defaults. Explicit arguments above override it.
+            the built-in defaults.
         profile_dirs: folders searched first by ``profile="auto"`` (e.g. a calibration run's output).
         source: the name the model was loaded by (a profile is also looked up by it; set by
             :meth:`from_pretrained`; nothing is written on the model).
+        **overrides: :class:`RecoverySettings` fields by name (``block_size``, ``kappa``, ``length_model``,
+            ``capture_window``, ``mixed_precision``, ``precision_policy``, ``readers``, ...; each documented,
+            defaulted and checked there) and the alias ``dirty_window`` (a fixed window, below a
+            ``length_model`` given too); they win over ``settings`` and the profile (None: not given).
 
     Attributes:
         settings: the :class:`RecoverySettings` every checkpoint and resume reads (frozen). Built once
@@ -103,26 +98,13 @@ class PatchKVEngine:
     Raises:
         ValueError: the model's attention implementation cannot take per-token masks, or a setting is
             outside its range.
+        TypeError: an override that names no setting (the message lists the settings).
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        *,
-        block_size: int | None = None,
-        dirty_window: int | None = None,
-        kappa: float | None = None,
-        length_model: LengthModel | None = None,
-        capture_window: int | None = None,
-        mixed_precision: bool | None = None,
-        precision_policy: PrecisionPolicy | None = None,
-        readers: str | None = None,
-        settings: RecoverySettings | None = None,
-        profile: Profile | str | None = "auto",
-        profile_dirs: Sequence[str | Path] = (),
-        source: str | None = None,
-    ):
+    def __init__(self, model, tokenizer=None, *, settings: RecoverySettings | None = None,
+                 profile: Profile | str | None = "auto", profile_dirs: Sequence[str | Path] = (),
+                 source: str | None = None, **overrides):
+        explicit = RecoverySettings.overrides(overrides, where="PatchKVEngine")  # misuse raises before any work
         check_attn_implementation(model)
         self.source = source
         # engines over one model instance share its runner: one forward lock, capture and weight watch per model
@@ -147,11 +129,6 @@ class PatchKVEngine:
             if self.profile is not None:
                 base = self.profile.settings(base)
                 sources.update(dict.fromkeys(self.profile.fields(), f"profile {self.profile.path or '(given)'}"))
-        explicit = {"block_size": block_size, "kappa": kappa, "precision_policy": precision_policy,
-                    "capture_window": capture_window, "mixed_precision": mixed_precision, "readers": readers,
-                    "length_model": length_model if length_model is not None else (
-                        None if dirty_window is None else LengthModel.fixed(dirty_window))}
-        explicit = {k: v for k, v in explicit.items() if v is not None}
         # explicit arguments win over the profile (and over `settings`)
         self._settings: RecoverySettings = base.replace(**explicit)
         sources.update(dict.fromkeys(explicit, "argument"))
@@ -240,31 +217,27 @@ class PatchKVEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
-                        device: str = "cpu", block_size: int | None = None, dirty_window: int | None = None,
-                        kappa: float | None = None, length_model: LengthModel | None = None,
-                        capture_window: int | None = None, mixed_precision: bool | None = None,
-                        precision_policy: PrecisionPolicy | None = None, readers: str | None = None,
-                        settings: RecoverySettings | None = None, profile: Profile | str | None = "auto",
-                        profile_dirs: Sequence[str | Path] = ()) -> "PatchKVEngine":
+                        device: str = "cpu", settings: RecoverySettings | None = None,
+                        profile: Profile | str | None = "auto", profile_dirs: Sequence[str | Path] = (),
+                        **overrides) -> "PatchKVEngine":
         """Load a model (HF id, local dir, ``.gguf`` path or ``"smollm2-135m"``) and wrap it.
 
         Args:
             name_or_path: what to load (see :func:`patchkv_agent.loading.load_model`); the engine's ``source``.
             dtype, device: parameter dtype, and where the model runs.
-            block_size, dirty_window, kappa, length_model, capture_window, mixed_precision,
-            precision_policy, readers, settings, profile, profile_dirs: as for :class:`PatchKVEngine`.
+            settings, profile, profile_dirs, **overrides: as for :class:`PatchKVEngine`.
 
         Returns:
             The engine.
 
         Raises:
             FileNotFoundError, ValueError: see :func:`patchkv_agent.loading.load_model`; a setting out of range.
+            TypeError: an override that names no setting (checked before the model loads).
         """
+        RecoverySettings.overrides(overrides, where="PatchKVEngine.from_pretrained")
         model, tok = load_model(name_or_path, dtype=dtype, device=device)
-        return cls(model, tok, block_size=block_size, dirty_window=dirty_window, kappa=kappa,
-                   length_model=length_model, capture_window=capture_window, mixed_precision=mixed_precision,
-                   precision_policy=precision_policy, readers=readers, settings=settings, profile=profile,
-                   profile_dirs=profile_dirs, source=str(name_or_path))
+        return cls(model, tok, settings=settings, profile=profile, profile_dirs=profile_dirs,
+                   source=str(name_or_path), **overrides)
 
     # ----------------------------------------------------------------- input
 

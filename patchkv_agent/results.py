@@ -270,6 +270,12 @@ class RuntimePart(_Part):
     prepared_predict_s: float | None = None
     prepared_compute_s: float | None = None
 
+    @classmethod
+    def preparation_fields(cls) -> tuple[str, ...]:
+        """The fields the tool-wait preparation reports (``prepared*``; its record,
+        :class:`~patchkv_agent.runtime.state.TakenPreparation`, sets only these)."""
+        return tuple(n for n in cls.field_names() if n.startswith("prepared"))
+
     def __post_init__(self):
         if self.base is not None:
             object.__setattr__(self, "base", BaseKind(self.base))
@@ -340,7 +346,7 @@ class ResumeStats(Mapping):
     when those layers ran.
 
     Reads as a read-only mapping of :meth:`to_dict` (the JSON form's keys), and every part's fields read as
-    attributes (``stats.ttft_s``, ``stats.base``; None for a field of an absent part). A layer adds its own
+    read-only properties (``stats.ttft_s``, ``stats.base``; None for a field of an absent part). A layer adds its own
     part through :meth:`with_runtime` / :meth:`with_call`, which return a new object.
 
     Attributes:
@@ -359,15 +365,11 @@ class ResumeStats(Mapping):
             if not (isinstance(v, cls) or (v is None and name != "engine")):
                 raise TypeError(f"ResumeStats.{name} must be a {cls.__name__}, got {type(v).__name__}")
 
-    def __getattr__(self, name: str) -> Any:
-        part = _OWNER.get(name)
-        if part is None or name.startswith("_"):
-            if name == "fallback_kind":
-                fb = self.__dict__["engine"].fallback
-                return fb.kind if fb is not None else None
-            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-        obj = self.__dict__.get(part)
-        return getattr(obj, name) if obj is not None else None
+    @property
+    def fallback_kind(self) -> FallbackKind | None:
+        """The fallback's kind (None: no fallback)."""
+        fb = self.engine.fallback
+        return fb.kind if fb is not None else None
 
     # ------------------------------------------------------------------ adding a part
 
@@ -476,6 +478,22 @@ class ResumeStats(Mapping):
         return NotImplemented
 
     __hash__ = None
+
+
+def _flat_read(part: str, name: str) -> property:
+    def read(self: ResumeStats) -> Any:
+        obj = getattr(self, part)
+        return getattr(obj, name) if obj is not None else None
+
+    read.__name__ = name
+    return property(read, doc=f"``{part}.{name}`` (None without the {part} part; read-only).")
+
+
+# every part's field reads as a property of ResumeStats (derived, read-only; an unknown name is an AttributeError)
+for _name, _part in _OWNER.items():
+    assert not hasattr(ResumeStats, _name), f"bug: {_name} shadows a ResumeStats attribute"
+    setattr(ResumeStats, _name, _flat_read(_part, _name))
+del _name, _part
 
 
 def json_safe(x: Any) -> Any:

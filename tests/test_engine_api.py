@@ -71,6 +71,34 @@ def test_engine_builds_settings_once_explicit_args_win(engine):
         PatchKVEngine(engine.model, None, block_size=0, profile=None)
 
 
+def test_one_schema_names_every_setting_an_entry_point_takes(engine):
+    # every settings field is a keyword of the engine, checked by the schema; a typo names the valid ones
+    every = {"capture_window": 4, "mixed_precision": False, "restore_precision": "mixed", "recent_window": 16,
+             "tail_threshold": 0.5, "head_tokens": 3, "reader_min_blocks": 2}
+    e = PatchKVEngine(engine.model, None, profile=None, **every)
+    assert {k: getattr(e.settings, k) for k in every} == every
+    assert all(e.settings_sources[k] == "argument" for k in every)
+    with pytest.raises(TypeError, match=r"no setting \['kapa'\].*kappa.*tail_threshold.*dirty_window"):
+        PatchKVEngine(engine.model, None, profile=None, kapa=0.1)
+    with pytest.raises(TypeError, match="from_pretrained has no setting"):  # before any model is loaded
+        PatchKVEngine.from_pretrained("/nonexistent/model", kapa=0.1)
+    with pytest.raises(ValueError, match="dirty_window"):
+        PatchKVEngine(engine.model, None, profile=None, dirty_window=-1)
+    # the alias converts; the field it stands for wins when both are given
+    assert RecoverySettings.overrides({"dirty_window": 7}) == {"length_model": LengthModel.fixed(7)}
+    both = RecoverySettings.overrides({"dirty_window": 7, "length_model": LengthModel.fixed(9), "kappa": None})
+    assert both == {"length_model": LengthModel.fixed(9)}
+    # a strategy takes the planner's settings, not the checkpoint pass's, with the same names and checks
+    assert set(PatchKVStrategy.option_names()) == {"precision", "dirty_window",
+                                                   *RecoverySettings.field_names(strategy=True)}
+    assert not {"capture_window", "mixed_precision", "precision_policy"} & set(PatchKVStrategy.option_names())
+    with pytest.raises(TypeError, match=r"PatchKVStrategy has no setting \['capture_window'\]"):
+        PatchKVStrategy(capture_window=4)
+    with pytest.raises(ValueError, match=r"takes no option \['capture_window'\]"):
+        get_strategy("patchkv", {"capture_window": 4})
+    assert PatchKVStrategy(head_tokens=5).resolve(RecoverySettings()).head_tokens == 5
+
+
 def test_engine_settings_are_replaced_whole_and_repr_says_where_each_came_from(tmp_path):
     from patchkv_agent.profiles import Profile
 

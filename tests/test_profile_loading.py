@@ -159,3 +159,22 @@ def test_settings_and_length_models_range_check_every_count():
 def test_the_shipped_profile_still_loads():
     prof = read_profile(SHIPPED_PROFILE_DIR / "smollm2-135m.json")
     assert isinstance(prof, Profile) and prof.block_size == 32 and prof.recent_window == 1024
+
+
+def test_a_profile_sets_settings_through_the_one_schema():
+    prof = read_profile(SHIPPED_PROFILE_DIR / "smollm2-135m.json")
+    # what it sets is the settings' own fields, checked there; the attributes read them
+    assert set(prof.overrides) <= set(RecoverySettings.field_names())
+    assert prof.settings() == RecoverySettings().replace(**prof.overrides)
+    assert prof.kappa == prof.overrides["kappa"] and prof.head_tokens is None  # left to the base settings
+    with pytest.raises(TypeError):
+        prof.overrides["kappa"] = 0.5  # read-only
+    with pytest.raises(AttributeError, match="kapa"):
+        prof.kapa
+    # every planner field a strategy may override is a top-level profile field, in the file's range check
+    data = {"schema": 1, "model": "m", "fingerprint": "f", "length_model": _lm(), "kappa": 0.1, "block_size": 16,
+            "head_tokens": 8, "rewrite_share": 0.5}
+    got = Profile.from_dict(data)
+    assert (got.head_tokens, got.rewrite_share, got.settings().head_tokens) == (8, 0.5, 8)
+    with pytest.raises(ValueError, match="head_tokens"):
+        Profile.from_dict({**data, "head_tokens": -1})

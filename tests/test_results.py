@@ -12,6 +12,7 @@ import pytest
 
 from patchkv_agent.core.checkpoint import CorruptCheckpoint
 from patchkv_agent.core.fallback import Fallback, FallbackKind
+from patchkv_agent.core.recovery import RecoveryOutput, RecoveryStats
 from patchkv_agent.core.provenance import CheckpointProvenance, Source
 from patchkv_agent.eval.tiny import tiny_engine
 from patchkv_agent.results import (BaseKind, CallPart, EnginePart, PreparedOutcome, ResumeStats, RuntimePart,
@@ -19,6 +20,7 @@ from patchkv_agent.results import (BaseKind, CallPart, EnginePart, PreparedOutco
 from patchkv_agent.runtime.keys import thread_key
 from patchkv_agent.runtime.kvstore import MemoryStore, decode_checkpoint, encode_checkpoint
 from patchkv_agent.runtime.kvstore.codec import CheckpointKey, meta_checksum
+from patchkv_agent.runtime.state import TakenPreparation
 from patchkv_agent.runtime.threads import ThreadRegistry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -96,6 +98,38 @@ def test_a_layer_adds_its_own_part_and_edits_no_other():
         ResumeStats.from_json({**st.to_json(), "fallback": "exact recompute: why", "fallback_kind": None})
     a = st.with_call(tool_s=1.0)
     assert st.call is None and a.call == CallPart(tool_s=1.0)  # a new object: the old one is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.ttft_s = 0.0  # the flat reads are derived from the parts, never written
+    with pytest.raises(AttributeError, match="tttf_s"):
+        st.tttf_s  # a typo is an error, not a None
+    assert type(st).ttft_s.fget(st) == st.engine.ttft_s and "ttft_s" in dir(st)
+
+
+def test_a_taken_preparation_carries_a_typed_report():
+    report = RuntimePart(prepared=PreparedOutcome.PARTIAL, prepared_reason="stopped", prepared_tokens=8)
+    taken = TakenPreparation(report=report, shared_resident=10)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        taken.shared_resident = 0
+    got = taken.runtime_fields(n_ids=20, recompute_tokens=5, from_prepared=True)
+    assert set(got) == set(RuntimePart.preparation_fields()) and got["prepared"] is PreparedOutcome.PARTIAL
+    assert got["prepared_hidden_share"] == 0.5 and taken.report.prepared_hidden_share is None  # composed, not edited
+    assert TakenPreparation().runtime_fields(20, 5, False) == {}
+    with pytest.raises(TypeError, match="thread_id"):
+        TakenPreparation(report=RuntimePart(prepared=PreparedOutcome.HIT, thread_id="t"))  # not the preparation's
+
+def test_a_recovery_measurement_is_frozen_and_composed():
+    inner = RecoveryStats(restore_s=1.0, recompute_s=2.0, recompute_tokens=5, extras={"cacheblend_selected": 3})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inner.restore_s = 0.0
+    with pytest.raises(TypeError):
+        inner.extras["tail_probe"] = "off"  # an executor's extras are read-only
+    outer = inner.adding(restore_s=0.5, recompute_s=0.25, tail_probe="off: no layer-wise forward")
+    assert (outer.restore_s, outer.recompute_s, outer.recompute_tokens) == (1.5, 2.25, 5)
+    assert dict(outer.extras) == {"cacheblend_selected": 3, "tail_probe": "off: no layer-wise forward"}
+    assert inner.restore_s == 1.0 and dict(inner.extras) == {"cacheblend_selected": 3}  # the inner one unchanged
+    out = RecoveryOutput(logits=None, keys=[], values=[], stats=inner)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.stats = outer
 
 
 def test_base_kind_names_every_base_the_registry_reports():

@@ -231,11 +231,8 @@ def execute_probed(runner: "ModelRunner", spec: ModelSpec, settings: "RecoverySe
                                    restore_blocks=_readonly(np.zeros(0)), small_restore=True)
         probed_s = time.perf_counter() - t1
         out = execute(runner, spec, new_ids, full, ckpt.keys, ckpt.values)
-        out.stats.restore_s += t1 - t0
-        out.stats.recompute_s += probed_s
-        out.stats.extras.update(probe_stats, tail_small_restore=True)
-        out.plan = full
-        return out
+        stats = out.stats.adding(restore_s=t1 - t0, recompute_s=probed_s, **probe_stats, tail_small_restore=True)
+        return dataclasses.replace(out, stats=stats, plan=full)
     keep = np.union1d(buf.recompute, selected)
     fwd.narrow(keep)
     fwd.run(spec.num_layers)

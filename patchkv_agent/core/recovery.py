@@ -19,8 +19,9 @@ diffing, planning policy or LangGraph.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -152,9 +153,10 @@ def check_attn_implementation(model) -> None:
         )
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RecoveryStats:
     """What one recovery measured (the engine folds it into its :class:`~patchkv_agent.results.EnginePart`).
+    Frozen: an executor that adds to another's measurement builds a new record (:meth:`adding`).
 
     Attributes:
         restore_s: restoring checkpoint rows (RoPE-corrected) into the buffers.
@@ -162,8 +164,8 @@ class RecoveryStats:
         recompute_tokens: rows run through the model.
         payload_bytes: checkpoint bytes the restore read.
         restore_kernel: the restore's kernel path (``native``, ``torch``, ``triton``; None: nothing restored).
-        extras: the fields one strategy's executor owns (CacheBlend's ``cacheblend_*``); they become the
-            result's strategy extras and may not reuse a result field's name.
+        extras: the fields one strategy's executor owns (CacheBlend's ``cacheblend_*``), read-only; they become
+            the result's strategy extras and may not reuse a result field's name.
     """
 
     restore_s: float
@@ -171,12 +173,31 @@ class RecoveryStats:
     recompute_tokens: int
     payload_bytes: int = 0
     restore_kernel: str | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extras, MappingProxyType):
+            object.__setattr__(self, "extras", MappingProxyType(dict(self.extras)))
+
+    def adding(self, *, restore_s: float = 0.0, recompute_s: float = 0.0, **extras: Any) -> "RecoveryStats":
+        """A new record: these seconds added to this one's and ``extras`` added to its extras (an executor
+        that ran another's recovery after work of its own, e.g. the measured tail rule's probe).
+
+        Args:
+            restore_s, recompute_s: seconds to add.
+            **extras: strategy extras to add (a key already present takes the new value).
+
+        Returns:
+            The new :class:`RecoveryStats` (this one is unchanged).
+        """
+        return replace(self, restore_s=self.restore_s + restore_s, recompute_s=self.recompute_s + recompute_s,
+                       extras={**self.extras, **extras})
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RecoveryOutput:
-    """Result of :func:`execute`: first-token logits, the full K/V of ``C_new`` and what it cost.
+    """Result of :func:`execute`: first-token logits, the full K/V of ``C_new`` and what it cost (frozen: a
+    strategy that changes the outcome builds a new one with ``dataclasses.replace``).
 
     ``plan`` is the plan that ran when an executor changed the one it was given (the measured tail rule moves
     the blocks it kept to the recompute rows; :mod:`patchkv_agent.core.layerwise`), else None."""

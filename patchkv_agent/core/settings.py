@@ -2,10 +2,12 @@
 
 :class:`RecoverySettings` holds what planning, checkpointing and restoring need: the block size, the
 dirty-window length model, ``kappa``, the per-block precision policy, the precision restored rows are
-read at, the attention-capture window and whether checkpoints carry mixed-precision runs. The engine
+read at, the attention-capture window and whether checkpoints carry mixed-precision runs. It is the one schema
+of the recovery settings: every field, its default, its range check and its documentation live here, and
+the other entry points take a whole value or keyword overrides checked by :meth:`RecoverySettings.overrides`
+(the engine's and ``from_pretrained``'s keywords, a strategy's options, a profile's fields). The engine
 builds one from its calibration profile and explicit arguments (explicit arguments win); strategies
-receive it (with the model spec) and may return a modified copy (``dataclasses.replace``) for their
-own options.
+receive it (with the model spec) and apply their options over it (:meth:`RecoverySettings.replace`).
 
 Boundary: torch-free (imports only :mod:`.blocks`, :mod:`.readers`, :mod:`.length_model` and :mod:`.precision`, which are numpy-only; the planner imports this module), so
 profiles and tools can build settings without loading a model.
@@ -15,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from .blocks import DEFAULT_BLOCK_SIZE
 from .length_model import LengthModel
 from .readers import DEFAULT_READER_BUDGET, READER_ATTENTION_BLOCKS, READER_MIN_BLOCKS, READER_MIN_SHARE, READERS
 from .precision import PrecisionPolicy
 
-__all__ = ["RecoverySettings", "DEFAULT_DIRTY_WINDOW", "DEFAULT_REWRITE_SHARE", "DEFAULT_RECENT_WINDOW",
+__all__ = ["RecoverySettings", "ALIASES", "DEFAULT_DIRTY_WINDOW", "DEFAULT_REWRITE_SHARE", "DEFAULT_RECENT_WINDOW",
            "DEFAULT_MIN_RESTORE_SHARE", "DEFAULT_TAIL_CHECK_LAYER", "DEFAULT_CAPTURE_WINDOW", "RESTORE_PRECISIONS",
            "MAX_TOKENS"]
 
@@ -52,9 +56,26 @@ def _default_length_model() -> LengthModel:
     return LengthModel.fixed(DEFAULT_DIRTY_WINDOW)
 
 
+_STRATEGY = {"strategy": True}  # field metadata: a strategy may override the field by its option of that name
+
+
+def _fixed_window(tokens: int) -> LengthModel:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"dirty_window must be an int in [0, 2^31), got {str(tokens)[:40]}")
+    return LengthModel.fixed(tokens)
+
+
+ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {"dirty_window": ("length_model", _fixed_window)}
+"""Keyword names that set a field through a conversion: ``dirty_window=n`` is ``length_model=LengthModel.fixed(n)``
+(the field, when given too, wins)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RecoverySettings:
     """Everything a strategy, the checkpoint pass and the restore read (frozen; copy with ``replace``).
+
+    The fields a strategy's options may override (the planner's) carry ``metadata["strategy"]``
+    (:meth:`field_names` with ``strategy=True``); the others are the checkpoint pass's and the restore's.
 
     Attributes:
         block_size: suffix block size in tokens (unit of selection, transfer and precision tags), in
@@ -100,24 +121,24 @@ class RecoverySettings:
         ValueError: a field outside its range (the message names it).
     """
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    length_model: LengthModel = field(default_factory=_default_length_model)
-    kappa: float = 0.0
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_STRATEGY)
+    length_model: LengthModel = field(default_factory=_default_length_model, metadata=_STRATEGY)
+    kappa: float = field(default=0.0, metadata=_STRATEGY)
     precision_policy: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     restore_precision: str = "fp16"
     capture_window: int = DEFAULT_CAPTURE_WINDOW
     mixed_precision: bool = True
-    readers: str = "lexical"
-    reader_budget: float = DEFAULT_READER_BUDGET
-    reader_min_share: float = READER_MIN_SHARE
-    reader_min_blocks: int = READER_MIN_BLOCKS
-    reader_attention_blocks: int = READER_ATTENTION_BLOCKS
-    rewrite_share: float = DEFAULT_REWRITE_SHARE
-    recent_window: int = DEFAULT_RECENT_WINDOW
-    min_restore_share: float = DEFAULT_MIN_RESTORE_SHARE
-    tail_threshold: float = 0.0
-    tail_check_layer: int = DEFAULT_TAIL_CHECK_LAYER
-    head_tokens: int = 0
+    readers: str = field(default="lexical", metadata=_STRATEGY)
+    reader_budget: float = field(default=DEFAULT_READER_BUDGET, metadata=_STRATEGY)
+    reader_min_share: float = field(default=READER_MIN_SHARE, metadata=_STRATEGY)
+    reader_min_blocks: int = field(default=READER_MIN_BLOCKS, metadata=_STRATEGY)
+    reader_attention_blocks: int = field(default=READER_ATTENTION_BLOCKS, metadata=_STRATEGY)
+    rewrite_share: float = field(default=DEFAULT_REWRITE_SHARE, metadata=_STRATEGY)
+    recent_window: int = field(default=DEFAULT_RECENT_WINDOW, metadata=_STRATEGY)
+    min_restore_share: float = field(default=DEFAULT_MIN_RESTORE_SHARE, metadata=_STRATEGY)
+    tail_threshold: float = field(default=0.0, metadata=_STRATEGY)
+    tail_check_layer: int = field(default=DEFAULT_TAIL_CHECK_LAYER, metadata=_STRATEGY)
+    head_tokens: int = field(default=0, metadata=_STRATEGY)
 
     def __post_init__(self) -> None:
         # token counts: ints below 2^31 (a block size of 2^32 would wrap to 0 in the kernels' int32 fields)
@@ -157,9 +178,51 @@ class RecoverySettings:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """The settings' fields, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+    def field_names(cls, *, strategy: bool = False) -> tuple[str, ...]:
+        """The settings' fields, in declaration order.
+
+        Args:
+            strategy: only the fields a strategy's options may override (the planner's; not the checkpoint
+                pass's ``precision_policy``, ``capture_window``, ``mixed_precision``, nor ``restore_precision``,
+                which a strategy takes as its own ``precision``).
+        """
+        return tuple(f.name for f in dataclasses.fields(cls) if not strategy or f.metadata.get("strategy"))
+
+    @classmethod
+    def keyword_names(cls, *, strategy: bool = False) -> tuple[str, ...]:
+        """The names :meth:`overrides` takes: the fields (see :meth:`field_names`) and the :data:`ALIASES` of
+        those fields."""
+        names = cls.field_names(strategy=strategy)
+        return names + tuple(a for a, (target, _) in ALIASES.items() if target in names)
+
+    @classmethod
+    def overrides(cls, given: Mapping[str, Any], *, strategy: bool = False,
+                  where: str = "RecoverySettings") -> dict[str, Any]:
+        """Keyword overrides as checked field values: the one way an entry point that takes settings as
+        keywords (``PatchKVEngine(..., kappa=0.1)``, ``PatchKVStrategy(recent_window=64)``) reads them.
+
+        Args:
+            given: names (:meth:`keyword_names`) and values; a None value is left out (not given).
+            strategy: only the names a strategy may override.
+            where: who takes them (named in the messages).
+
+        Returns:
+            The field values by field name (aliases converted; a field given wins over its alias).
+
+        Raises:
+            TypeError: a name that is no setting (the message lists the ones ``where`` takes).
+            ValueError: a value outside its range (the message names the field).
+        """
+        valid = cls.keyword_names(strategy=strategy)
+        unknown = sorted(k for k in given if k not in valid)
+        if unknown:
+            raise TypeError(f"{where} has no setting {unknown}; its settings: {', '.join(valid)}")
+        out = {k: v for k, v in given.items() if v is not None and k not in ALIASES}
+        for alias, (target, convert) in ALIASES.items():
+            if given.get(alias) is not None and target not in out:
+                out[target] = convert(given[alias])
+        cls().replace(**out)  # the values' one range check, before anything is built from them
+        return out
 
     def describe(self, sources: dict[str, str]) -> str:
         """``field=value [source]`` for every field, comma-separated (a length model by its quantile).

@@ -45,7 +45,7 @@ from ..core.settings import RecoverySettings
 if TYPE_CHECKING:
     from ..core.precision import PrecisionPolicy
 
-__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "PROFILE_MAX_BYTES", "PROFILE_MAX_DEPTH",
+__all__ = ["PROFILE_SCHEMA", "SHIPPED_PROFILE_DIR", "READER_RULE_KEYS", "PROFILE_FIELDS", "PROFILE_MAX_BYTES", "PROFILE_MAX_DEPTH",
            "Profile", "profile_dirs", "iter_profiles", "load_profile", "is_profile", "read_profile",
            "resolve_profile_arg"]
 
@@ -65,27 +65,18 @@ _MAX_THRESHOLD = 1e9  # precision thresholds and bounds (risk scores are attenti
 class Profile:
     """One calibration profile, validated and frozen.
 
+    The recovery settings it sets are :attr:`overrides`, checked by the one schema,
+    :class:`~patchkv_agent.core.settings.RecoverySettings` (their meaning, defaults and ranges are
+    documented there); each also reads as an attribute (``profile.kappa``, ``profile.recent_window``:
+    None when this profile leaves the field to the base settings, e.g. an older profile).
+
     Attributes:
         model: the model name it was calibrated for (what name matching compares).
         fingerprint: the weights+tokenizer fingerprint it was calibrated on.
-        length_model: the dirty-window length model.
-        kappa: high-attention share, in ``[0, 1]``.
-        block_size: block size in tokens, ``>= 1``.
-        readers: the reader signal (None: an older profile; the base settings' own is kept).
-        recent_window: the recency rule's window (None: an older profile; the base settings' own is kept).
-        min_restore_share: the small-restore rule's share (None: an older profile; the base settings' own
-            is kept).
-        tail_threshold, tail_check_layer: the measured tail rule (None: an older profile; the base settings'
-            own are kept).
-        rewrite_share: the head-rewrite rule's share (None: the base settings' own; set by a calibration that
-            chose it, the agent stage's variants).
-        head_tokens: the head-rewrite rule's near-head window in tokens (None: the base settings' own; set by the
-            agent stage's variants).
-        reader_rule: the reader rule's constants as settings fields (``reader_min_share``,
-            ``reader_min_blocks``, ``reader_attention_blocks``, ``reader_budget``), read from the profile's
-            ``reader_rule`` object (keys ``min_share``, ``min_blocks``, ``attention_blocks``, ``budget``;
-            each optional); empty: an older profile, the base settings' own are kept.
-        precision_policy: the calibrated per-block precision policy (None: not calibrated; defaults kept).
+        overrides: the settings fields it sets, read-only: always ``length_model``, ``kappa`` and
+            ``block_size``; the planner fields a calibration chose (:data:`PROFILE_FIELDS` at the file's top
+            level, the reader constants from its ``reader_rule`` object: keys ``min_share``, ``min_blocks``,
+            ``attention_blocks``, ``budget``, each optional); ``precision_policy`` when calibrated.
         path: the file it was read from (None: built from a dict).
         match: how it was found: ``"fingerprint"``, ``"name"``, ``"explicit"`` (a path) or ``"given"``.
         data: the whole JSON object, read-only (provenance, selection tables).
@@ -93,25 +84,32 @@ class Profile:
 
     model: str
     fingerprint: str
-    length_model: LengthModel
-    kappa: float
-    block_size: int
-    readers: str | None = None
-    recent_window: int | None = None
-    min_restore_share: float | None = None
-    tail_threshold: float | None = None
-    tail_check_layer: int | None = None
-    rewrite_share: float | None = None
-    head_tokens: int | None = None
-    reader_rule: Mapping[str, Any] = field(default_factory=dict)
-    precision_policy: "PrecisionPolicy | None" = None
+    overrides: Mapping[str, Any]
     path: str | None = None
     match: str = "given"
     data: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    def __getattr__(self, name: str) -> Any:
+        if name in _SETTING_NAMES:  # a settings field this profile leaves to the base: None
+            return self.__dict__.get("overrides", {}).get(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def reader_rule(self) -> Mapping[str, Any]:
+        """The reader rule's constants this profile sets, as settings fields (empty: none)."""
+        return MappingProxyType({k: v for k, v in self.overrides.items() if k in READER_RULE_KEYS.values()})
+
     @classmethod
     def from_dict(cls, data: Any, *, path: str | Path | None = None, match: str = "given") -> "Profile":
         """Validate a profile's JSON object.
+
+        Args:
+            data: the JSON object.
+            path: the file it came from (named in messages).
+            match: how it was found.
+
+        Returns:
+            The profile.
 
         Raises:
             ValueError: a missing key or a field of the wrong type or range (the message names the file).
@@ -125,51 +123,44 @@ class Profile:
             lm = data["length_model"]
             if not isinstance(lm, dict):
                 raise ValueError("'length_model' is not an object")
-            length_model = LengthModel.from_dict(lm)
             schema = data["schema"]
             if isinstance(schema, bool) or not isinstance(schema, int) or not 1 <= schema <= PROFILE_SCHEMA:
                 raise ValueError(f"schema={_short(schema)} (this package reads schema 1..{PROFILE_SCHEMA})")
             for k in ("model", "fingerprint"):
                 if not isinstance(data[k], str):
                     raise ValueError(f"{k}={_short(data[k])} (need a string)")
-            fields = {"length_model": length_model, "kappa": data["kappa"], "block_size": data["block_size"]}
-            fields.update({k: data[k] for k in _OPTIONAL_FIELDS if data.get(k) is not None})
+            fields = {"length_model": LengthModel.from_dict(lm), "kappa": data["kappa"], "block_size": data["block_size"]}
+            fields.update({k: data[k] for k in PROFILE_FIELDS if data.get(k) is not None})
             fields.update(_reader_rule(data.get("reader_rule")))
             policy = _policy(data.get("precision_policy"))
+            if policy is not None:
+                fields["precision_policy"] = policy
             checked = RecoverySettings().replace(**fields)  # the one type and range check of every field
         except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
             raise ValueError(f"{where} is malformed: {str(e)[:300]}; recalibrate with 'patchkv-agent calibrate'") from None
-        opt = {k: getattr(checked, k) for k in _OPTIONAL_FIELDS if k in fields}
-        rule = {k: getattr(checked, k) for k in READER_RULE_KEYS.values() if k in fields}
-        return cls(model=data["model"], fingerprint=data["fingerprint"], length_model=length_model,
-                   kappa=checked.kappa, block_size=checked.block_size, **opt,
-                   reader_rule=MappingProxyType(rule), precision_policy=policy,
+        return cls(model=data["model"], fingerprint=data["fingerprint"],
+                   overrides=MappingProxyType({k: getattr(checked, k) for k in fields}),
                    path=None if path is None else str(path), match=match, data=MappingProxyType(dict(data)))
 
     def fields(self) -> dict[str, Any]:
-        """The :class:`~patchkv_agent.core.settings.RecoverySettings` fields this profile sets."""
-        out: dict[str, Any] = {"length_model": self.length_model, "kappa": self.kappa, "block_size": self.block_size}
-        for k in _OPTIONAL_FIELDS:
-            if getattr(self, k) is not None:
-                out[k] = getattr(self, k)
-        out.update(self.reader_rule)
-        if self.precision_policy is not None:
-            out["precision_policy"] = self.precision_policy
-        return out
+        """The :class:`~patchkv_agent.core.settings.RecoverySettings` fields this profile sets (:attr:`overrides`)."""
+        return dict(self.overrides)
 
     def settings(self, base: "RecoverySettings | None" = None) -> "RecoverySettings":
         """``base`` (default: the built-in defaults) with this profile's fields."""
-        return (base if base is not None else RecoverySettings()).replace(**self.fields())
-
-
-_OPTIONAL_FIELDS = ("readers", "recent_window", "min_restore_share", "tail_threshold", "tail_check_layer",
-                    "rewrite_share", "head_tokens")
-"""Settings fields a profile may set at its top level (absent in older profiles: the base settings' own are kept)."""
+        return (base if base is not None else RecoverySettings()).replace(**self.overrides)
 
 
 READER_RULE_KEYS = {"min_share": "reader_min_share", "min_blocks": "reader_min_blocks",
                     "attention_blocks": "reader_attention_blocks", "budget": "reader_budget"}
 """A profile's ``reader_rule`` keys and the :class:`~patchkv_agent.core.settings.RecoverySettings` fields they set."""
+
+
+_SETTING_NAMES = frozenset(RecoverySettings.field_names())
+PROFILE_FIELDS = tuple(k for k in RecoverySettings.field_names(strategy=True)
+                       if k not in ("length_model", "kappa", "block_size", *READER_RULE_KEYS.values()))
+"""Settings fields a profile may set at its top level (the planner's, a strategy's options, less those the file
+writes in its own form); absent in older profiles: the base settings' own are kept."""
 
 
 def _short(v: Any) -> str:

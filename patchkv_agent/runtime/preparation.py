@@ -22,10 +22,9 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from types import MappingProxyType
 from typing import Any, Callable
 
-from ..results import PreparedOutcome, ResumeResult
+from ..results import PreparedOutcome, ResumeResult, RuntimePart
 from .background import PreparationStopped, predicting
 from .keys import ThreadKey
 from .lifecycle import Phase, transition, view_of
@@ -257,7 +256,7 @@ class PreparationMixin:
         if res is None:
             kind = PreparedOutcome.FAILED if stage is PrepStage.DONE and prep.reason else PreparedOutcome.UNFINISHED
             out.update(prepared=kind, prepared_reason=prep.reason or f"still {stage.value} when the call came")
-            return TakenPreparation(fields=MappingProxyType(out))
+            return TakenPreparation(report=RuntimePart(**out))
         done, reused, computed = len(res.context_ids), res.stats.prepare.reused_rows, res.stats.prepare.computed_rows
         sp = shared_prefix(res.context_ids, ids)
         sr = shared_prefix(prev, ids) if prev is not None else 0
@@ -265,7 +264,7 @@ class PreparationMixin:
         out.update(prepared_tokens=computed, prepared_wasted=max(0, computed - max(0, min(sp, done) - reused)))
 
         def taken(base: ResumeResult | None, edit=None) -> TakenPreparation:
-            return TakenPreparation(base=base, fields=MappingProxyType(out), shared_resident=sr, edit=edit)
+            return TakenPreparation(base=base, report=RuntimePart(**out), shared_resident=sr, edit=edit)
 
         if not strategy.uses_checkpoint:
             out.update(prepared=PreparedOutcome.MISS, prepared_reason=f"the call's strategy ({strategy.name}) "

@@ -12,14 +12,13 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from ..core.diff import Edit
 from ..core.fallback import Fallback
-from ..results import BaseKind, ResumeResult
+from ..results import BaseKind, ResumeResult, RuntimePart
 from .keys import ThreadKey
 from .kvstore import CheckpointKey
 
@@ -112,32 +111,49 @@ class TakenPreparation:
 
     Attributes:
         base: the prepared rows to resume from (a hit or a partial preparation), or None.
-        fields: the :class:`~patchkv_agent.results.RuntimePart`'s ``prepared*`` values (outcome, reason,
-            tokens, wasted rows, predict / compute seconds, info).
+        report: the preparation's own stats, a :class:`~patchkv_agent.results.RuntimePart` with only its
+            ``prepared*`` fields set (outcome, reason, tokens, wasted rows, predict / compute seconds, info);
+            None: nothing was prepared.
         shared_resident: the ids the call shares with the resident context (None: nothing was prepared).
         edit: the diff of the chosen base's ids into the call's, where choosing it planned one (the resume
             reuses it instead of diffing again), else None.
+
+    Raises:
+        TypeError: ``report`` sets a field that is not the preparation's.
     """
 
     base: ResumeResult | None = None
-    fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    report: RuntimePart | None = None
     shared_resident: int | None = None
     edit: Edit | None = None
 
+    def __post_init__(self) -> None:
+        if self.report is not None:
+            foreign = sorted(k for k, v in self.report.to_dict().items()
+                             if v is not None and k not in RuntimePart.preparation_fields())
+            if foreign:
+                raise TypeError(f"a preparation's report sets only prepared* fields, not {foreign}")
+
     def runtime_fields(self, n_ids: int, recompute_tokens: int, from_prepared: bool) -> dict[str, Any]:
-        """:attr:`fields` and ``prepared_hidden_share``: the share of the call's recompute the tool wait did.
+        """The :class:`~patchkv_agent.results.RuntimePart` fields the preparation gives the resume's runtime
+        part: :attr:`report`'s, with ``prepared_hidden_share`` (the share of the call's recompute the tool
+        wait did).
 
         Args:
             n_ids: the call's context length.
             recompute_tokens: the rows the call recomputed itself.
             from_prepared: the call resumed from the prepared rows.
+
+        Returns:
+            The ``prepared*`` fields by name (empty: nothing was prepared).
         """
-        out = dict(self.fields)
-        sr = self.shared_resident
+        if self.report is None:
+            return {}
+        report, sr = self.report, self.shared_resident
         if sr is not None and n_ids > sr:
             fg = recompute_tokens if from_prepared else n_ids - sr
-            out["prepared_hidden_share"] = max(0.0, min(1.0, 1.0 - fg / (n_ids - sr)))
-        return out
+            report = report.replace(prepared_hidden_share=max(0.0, min(1.0, 1.0 - fg / (n_ids - sr))))
+        return {k: getattr(report, k) for k in RuntimePart.preparation_fields()}
 
 
 @dataclass(eq=False)

@@ -44,6 +44,13 @@ class Strategy:
     exact: ClassVar[bool] = False
     overrides: Mapping[str, Any] = MappingProxyType({})
 
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The options this strategy takes by name (what :func:`get_strategy` checks a mapping of options
+        against): by default its ``__init__``'s keyword-only arguments."""
+        params = inspect.signature(cls.__init__).parameters
+        return tuple(sorted(n for n, p in params.items() if n != "self" and p.kind is p.KEYWORD_ONLY))
+
     def set_overrides(self, **overrides) -> None:
         """Record settings overrides (None values are skipped), validated against :class:`RecoverySettings`.
 
@@ -165,11 +172,10 @@ def get_strategy(strategy: "str | Strategy", options: "Mapping[str, Any] | None"
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     cls = STRATEGIES[strategy]
     opts = dict(options or {})
-    params = inspect.signature(cls.__init__).parameters
-    takes = sorted(n for n, p in params.items() if n != "self" and p.kind is p.KEYWORD_ONLY)
+    takes = cls.option_names()
     bad = sorted(k for k in opts if k not in takes)
     if bad:
-        raise ValueError(f"strategy {strategy!r} takes no option {bad}; its options: {takes or 'none'}")
+        raise ValueError(f"strategy {strategy!r} takes no option {bad}; its options: {list(takes) or 'none'}")
     return cls(**opts)
 
 
@@ -234,6 +240,10 @@ def register_variant(name: str, base: str, options: Mapping[str, Any], doc: str 
     def __init__(self):
         parent.__init__(self, **opts)
 
-    register_strategy(type(f"Variant_{len(STRATEGIES)}", (parent,), {"name": name, "__init__": __init__,
-                                                                       "__doc__": doc or f"{base} with {opts}"}))
+    def option_names(cls) -> tuple[str, ...]:
+        return ()  # its options are fixed
+
+    register_strategy(type(f"Variant_{len(STRATEGIES)}", (parent,), {
+        "name": name, "__init__": __init__, "option_names": classmethod(option_names),
+        "__doc__": doc or f"{base} with {opts}"}))
     return name

@@ -13,9 +13,12 @@ Knows plans and the recovery settings, not models or LangGraph.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..core.layerwise import execute_probed, layerwise_supported
-from ..core.plan import LengthModel, plan_direct, plan_full, plan_repair
+from ..core.plan import plan_direct, plan_full, plan_repair
 from ..core.recovery import FullRecompute
+from ..core.settings import RecoverySettings
 from .base import Strategy, register_strategy, run_plan
 
 
@@ -60,45 +63,30 @@ class PatchKVStrategy(Strategy):
     """Dirty window + high-attention blocks, BlockRound. Options override the engine's settings.
 
     Args:
-        dirty_window: fixed ``d_hat`` in tokens (overrides the settings' length model).
-        kappa: fraction of suffix tokens outside the window picked by attention score.
-        block_size: block size in tokens.
         precision: ``"mixed"`` (default: each restored block at its checkpoint tag; a checkpoint
             without mixed runs is restored as stored) or ``"fp16"``.
-        readers: ``"lexical"`` or ``"none"``: the reader-block signal (default: the settings').
-        reader_budget: the most suffix blocks (a share) added as reader blocks.
-        reader_min_share, reader_min_blocks, reader_attention_blocks: the reader rule's constants (default:
-            the settings'; see :func:`~patchkv_agent.core.plan.plan_repair`).
-        rewrite_share: the head-rewrite rule's threshold (1.0: off; default: the settings').
-        recent_window: the recency rule's window in tokens (0: off; default: the settings').
-        min_restore_share: the small-restore rule's threshold, a share of the suffix (0: off; default: the
-            settings').
-        tail_threshold: the measured tail rule's K/V deviation threshold (0: the recency window is recomputed
-            whole; default: the settings').
-        tail_check_layer: the layer the measured tail rule compares at (default: the settings').
-        head_tokens: an edit starting within the first this many tokens recomputes the whole suffix (0: off;
-            default: the settings').
+        **settings: any :class:`~patchkv_agent.core.settings.RecoverySettings` field a strategy may override
+            (``RecoverySettings.field_names(strategy=True)``: ``kappa``, ``block_size``, ``readers``, the reader
+            constants, ``rewrite_share``, ``recent_window``, ``min_restore_share``, ``tail_threshold``,
+            ``tail_check_layer``, ``head_tokens``, ``length_model``) or the alias ``dirty_window`` (a fixed
+            ``d_hat`` in tokens); each is documented, defaulted and checked there (a field left out: the
+            engine's settings).
 
     Raises:
+        TypeError: a name that is no such setting (the message lists them).
         ValueError: an option outside its range.
     """
 
     name = "patchkv"
 
-    def __init__(self, *, dirty_window: int | None = None, kappa: float | None = None,
-                 block_size: int | None = None, precision: str = "mixed", readers: str | None = None,
-                 reader_budget: float | None = None, reader_min_share: float | None = None,
-                 reader_min_blocks: int | None = None, reader_attention_blocks: int | None = None,
-                 rewrite_share: float | None = None, recent_window: int | None = None,
-                 min_restore_share: float | None = None, tail_threshold: float | None = None,
-                 tail_check_layer: int | None = None, head_tokens: int | None = None):
-        self.set_overrides(length_model=None if dirty_window is None else LengthModel.fixed(dirty_window),
-                           kappa=kappa, block_size=block_size, restore_precision=precision, readers=readers,
-                           reader_budget=reader_budget, reader_min_share=reader_min_share,
-                           reader_min_blocks=reader_min_blocks, reader_attention_blocks=reader_attention_blocks,
-                           rewrite_share=rewrite_share, recent_window=recent_window,
-                           min_restore_share=min_restore_share, tail_threshold=tail_threshold,
-                           tail_check_layer=tail_check_layer, head_tokens=head_tokens)
+    def __init__(self, *, precision: str = "mixed", **settings):
+        self.set_overrides(restore_precision=precision,
+                           **RecoverySettings.overrides(settings, strategy=True, where="PatchKVStrategy"))
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """``precision`` and the settings a strategy may override (with their aliases)."""
+        return ("precision",) + RecoverySettings.keyword_names(strategy=True)
 
     def execute(self, runner, spec, settings, ckpt, edit, plan, new_ids):
         s = self.resolve(settings)
@@ -111,8 +99,7 @@ class PatchKVStrategy(Strategy):
             # no layer-wise forward for this model: the recency window is recomputed whole (the rule's 0 setting)
             out = run_plan(runner, spec, s, ckpt, plan_repair(edit, ckpt.scores, s.replace(tail_threshold=0.0)),
                            new_ids)
-            out.stats.extras["tail_probe"] = f"off: {why}"
-            return out
+            return dataclasses.replace(out, stats=out.stats.adding(tail_probe=f"off: {why}"))
         return run_plan(runner, spec, s, ckpt, plan, new_ids)
 
     def plan(self, settings, ckpt, edit):
