@@ -422,3 +422,14 @@ def test_decoded_tokens_and_near_ties_read_the_servers_logprobs():
     assert near_tie(toks, toks, 0.5) is None          # the same tokens
     assert near_tie([("B", -0.3, 3.0)], toks, 1.0) is False  # parted where both led by 2.5+ nats
     assert near_tie(toks[:1], toks, 0.5) is True      # one stopped where the other's next token led by 0.2
+
+
+def test_the_server_episodes_keep_what_they_are_told_and_refuse_a_bad_keep():
+    from patchkv_agent.eval.server_bench import server_episodes
+
+    default = server_episodes(1, ["clear", "summarize"], context=5000)
+    kept = server_episodes(1, ["clear", "summarize"], context=5000, keep=8)
+    assert [e.setting[1] for e in kept] == [8, 16]
+    assert [e.setting[0] for e in kept] == [e.setting[0] for e in default]  # the triggers stay the workloads'
+    with pytest.raises(ValueError, match="keep"):
+        server_episodes(1, ["clear"], keep=0)

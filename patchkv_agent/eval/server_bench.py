@@ -73,7 +73,7 @@ class ServerEpisode:
 
 
 def server_episodes(n: int, workloads: Sequence[str] = WORKLOADS, *, context: int = 4000, calls: int | None = None,
-                    seed: int = 0) -> list[ServerEpisode]:
+                    seed: int = 0, keep: int | None = None) -> list[ServerEpisode]:
     """``n`` episodes per workload from the research histories, their editors sized for ``context`` tokens.
 
     Args:
@@ -82,6 +82,8 @@ def server_episodes(n: int, workloads: Sequence[str] = WORKLOADS, *, context: in
         context: the context the editors keep the agent near (their triggers scale with it).
         calls: tool calls per episode (default: enough to pass the trigger twice).
         seed: rotates the histories.
+        keep: the tool results the editors keep (``clear``: ``keep`` results; ``summarize``: ``2 * keep``
+            messages); None: the workloads' own. A longer kept tail is more for an edited call to recompute.
 
     Returns:
         The episodes (interleaved by workload).
@@ -92,8 +94,9 @@ def server_episodes(n: int, workloads: Sequence[str] = WORKLOADS, *, context: in
     from .agent_workloads import CLEAR_SETTINGS, SUMMARY_SETTINGS, SYSTEM_PROMPT, research_histories, scale_setting
 
     bad = [w for w in workloads if w not in WORKLOADS]
-    if bad or n < 1:
-        raise ValueError(f"workloads must be among {WORKLOADS} and n >= 1, got {list(workloads)}, n={n}")
+    if bad or n < 1 or (keep is not None and not 1 <= keep <= 64):
+        raise ValueError(f"workloads must be among {WORKLOADS}, n >= 1 and keep 1-64, got {list(workloads)}, "
+                         f"n={n}, keep={keep}")
     per_call = 330  # tokens of a research result, about
     k = calls or max(12, int(1.6 * context / per_call))
     hist = research_histories(n * len(workloads), calls=k, seed=seed)
@@ -101,6 +104,8 @@ def server_episodes(n: int, workloads: Sequence[str] = WORKLOADS, *, context: in
     for i, h in enumerate(hist):
         w = workloads[i % len(workloads)]
         setting = scale_setting((CLEAR_SETTINGS if w == "clear" else SUMMARY_SETTINGS)[0], context)
+        if keep is not None:
+            setting = (setting[0], keep if w == "clear" else 2 * keep, *setting[2:])
         steps = [m for m in h.messages if m["role"] in ("assistant", "tool")]
         out.append(ServerEpisode(id=f"{h.id}/{w}", workload=w, system=h.system or SYSTEM_PROMPT,
                                  task=h.messages[0]["content"],

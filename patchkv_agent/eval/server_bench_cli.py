@@ -76,6 +76,8 @@ def add_cli(sub) -> None:
     p.add_argument("--threads", type=_threads, default=[1], help="comma-separated: episodes at once per phase (1,4)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens each call decodes at most")
     p.add_argument("--seed", type=int, default=0, help="rotates the research histories")
+    p.add_argument("--keep", type=int, default=None,
+                   help="tool results the editors keep (summarize: twice as many messages); default: the workloads'")
     p.add_argument("--chunk-tokens", type=_chunk, default=None,
                    help="the most ids one prewarm request adds (default: the adapter's; 0: one request)")
     p.add_argument("--priority", type=_priority, default=1,
@@ -112,7 +114,9 @@ def cmd_bench_server(args) -> int:
         (out / ".write-test").unlink()
     except OSError as e:
         raise UsageError(f"--out-dir {out}: not writable ({e.strerror}); pick another directory") from None
-    episodes = server_episodes(args.episodes, wls, context=args.context, seed=args.seed)
+    if args.keep is not None and not 1 <= args.keep <= 64:
+        raise UsageError(f"--keep takes 1-64 tool results, got {args.keep}")
+    episodes = server_episodes(args.episodes, wls, context=args.context, seed=args.seed, keep=args.keep)
     srv = None
     if args.base_url is None:
         from . import servers
