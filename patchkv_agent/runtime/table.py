@@ -5,8 +5,8 @@ A :class:`ThreadTable` maps every context key (``thread_id``, ``checkpoint_ns`` 
 :class:`~patchkv_agent.runtime.state.ThreadState` (least recently used first) and every thread key to the
 context its last call used. One short table lock guards both maps; a record's own fields are guarded by its
 ``lock`` and written only through :func:`~patchkv_agent.runtime.lifecycle.transition` (by the call path,
-:mod:`.residency` and :mod:`.preparation`). The table lock is never held while taking a thread lock, except
-where a record is removed (``forget``: the thread lock first, then the table lock).
+:mod:`.residency` and :mod:`.preparation`). A thread lock may be held while taking the table lock (a record
+removed by ``forget``), never the reverse.
 
 *Several contexts per thread key* (:meth:`ThreadTable.choose_context`): a summarizer, a router or a sub-agent
 calling the same model under one graph thread has a context of its own. A key holds up to ``contexts`` recent
@@ -42,7 +42,7 @@ class ThreadTable:
 
     def __init__(self, contexts: int = 4) -> None:
         self.contexts = contexts
-        self.lock = threading.Lock()  # the table lock: both maps, never held while waiting for a thread lock
+        self.lock = threading.Lock()  # the table lock: both maps; never held while taking a thread lock
         self._records: OrderedDict[ThreadKey, ThreadState] = OrderedDict()  # least recently used first
         self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
 

@@ -45,9 +45,9 @@ whether the preparation was a hit, partial, a miss, unfinished or failed. :meth:
 
 Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its snapshot and to
 install the result, not while it quantizes and copies), the engine's ``forward_lock`` for the model forward (one
-forward at a time per model, shared with every other registry and direct caller of that engine), one short registry
-lock for the tables. A thread lock may be held while taking the forward lock, never the reverse. Threads never share
-KV: a thread resumes only from its own checkpoint.
+forward at a time per model, shared with every other registry and direct caller of that engine), the short table
+lock of the :class:`~.table.ThreadTable`. A thread lock may be held while taking the forward lock, never the reverse.
+Threads never share KV: a thread resumes only from its own checkpoint.
 
 The registry is a facade over four objects, one job each:
 
