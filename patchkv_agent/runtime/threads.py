@@ -115,7 +115,7 @@ class ThreadRegistry:
 
     Attributes:
         table: the :class:`~patchkv_agent.runtime.table.ThreadTable` (the records).
-        calls: the :class:`~patchkv_agent.runtime.calls.CallPath` (how :meth:`stream` serves a call).
+        call_path: the :class:`~patchkv_agent.runtime.calls.CallPath` (how :meth:`stream` serves a call).
         residency: the :class:`~patchkv_agent.runtime.residency.Residency` (offloads, heals, store, budgets).
         preparations: the :class:`~patchkv_agent.runtime.preparation.Preparations`.
         events: evictions, drops, heals, discarded offloads and preparations, for inspection.
@@ -163,7 +163,7 @@ class ThreadRegistry:
                                    workers=workers)
         self.preparations = Preparations(engine, self.table, self.residency, self.events, chunk_tokens=c,
                                          predict_timeout_s=self.predict_timeout_s)
-        self.calls = CallPath(engine, self.table, self.residency, self.preparations, chunk_tokens=c)
+        self.call_path = CallPath(engine, self.table, self.residency, self.preparations, chunk_tokens=c)
 
     # ----------------------------------------------------------------- tables
 
@@ -336,7 +336,7 @@ class ThreadRegistry:
             ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
                 :class:`~patchkv_agent.core.inputs.InvalidInput`).
         """
-        return self.calls.stream(key, token_ids, strategy, max_new_tokens, sampler)
+        return self.call_path.stream(key, token_ids, strategy, max_new_tokens, sampler)
 
     def generate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
                  max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
