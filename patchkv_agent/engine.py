@@ -663,7 +663,7 @@ class PatchKVEngine:
         with self.forward_lock:
             fallback = self._validate_checkpoint(ckpt) if ckpt is not None else None
             if fallback is not None:  # stale weights: nothing of the checkpoint is used
-                ckpt, request = None, request.with_strategy(get_strategy("exact"))
+                ckpt, request = None, request.as_full_prefill()
             return run_resume(self.runner, self.spec, self.settings, request, ckpt, words=self.words,
                               eos_ids=self.eos_ids, fallback=fallback)
 

@@ -38,7 +38,7 @@ from .core.recovery import execute
 from .core.runner import ModelRunner
 from .core.settings import RecoverySettings
 from .results import EnginePart, ResumeResult, ResumeStats
-from .strategies import Strategy
+from .strategies import Strategy, exact_reuse, full_prefill
 
 __all__ = ["ResumeRequest", "run_resume", "exact_rows_of"]
 
@@ -67,8 +67,17 @@ class ResumeRequest:
     checked_for: str = dataclasses.field(default="", repr=False, compare=False)
 
     def with_strategy(self, strategy: Strategy) -> "ResumeRequest":
-        """This request under another (resolved) strategy, e.g. ``exact`` after a fallback."""
+        """This request under another (resolved) strategy."""
         return dataclasses.replace(self, strategy=strategy)
+
+    def as_full_prefill(self) -> "ResumeRequest":
+        """This request as a full prefill that reads no base (a fallback, a call with nothing to resume from)."""
+        return self.with_strategy(full_prefill())
+
+    def as_exact_reuse(self) -> "ResumeRequest":
+        """This request reusing its base's rows up to the first change, recomputing the rest (a base of exact
+        rows: a prepared context)."""
+        return self.with_strategy(exact_reuse())
 
     def prefill_only(self) -> "ResumeRequest":
         """This request without its decode (a :class:`~patchkv_agent.runtime.stream.TokenStream` decodes)."""

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         res = fut.result()
         sync()
-        th = reg._peek(reg.active(a))  # the preparation's own stats (reading, not driving, the registry)
+        th = reg.table.peek(reg.active(a))  # the preparation's own stats (reading, not driving, the registry)
         prep = th.preparation.result if th is not None and th.preparation is not None else None
         st = prep.stats.prepare.to_dict() if prep is not None else {}
         # a new version of A so that the next preparation is one again

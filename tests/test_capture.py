@@ -130,3 +130,18 @@ def test_batch_with_left_padding(model, ids):
     assert cap.raw_scores().shape == (2, N_TOKENS)
     np.testing.assert_allclose(cap.scores(0), eager_reference(model, ids, layers=cap.layers, window=8), atol=1e-5)
     assert np.all(cap.scores(1)[:6] == 0) and abs(float(cap.scores(1).sum()) - 1) < 1e-5
+
+
+def test_the_active_table_holds_a_model_only_inside_its_block(model, ids):
+    from patchkv_agent.core.capture import ACTIVE
+
+    before = len(ACTIVE)
+    first = AttentionCapture(model)
+    with first:
+        assert len(ACTIVE) == before + len(first._modules)
+        with pytest.raises(RuntimeError, match="already inside another"):
+            with AttentionCapture(model):
+                pass
+        assert len(ACTIVE) == before + len(first._modules)  # the refused block took nothing over
+        model(ids)
+    assert len(ACTIVE) == before and first.n_records > 0

@@ -341,3 +341,15 @@ def test_strategy_options_are_named_and_checked_in_one_place(engine, pair):
     a = engine.resume(ckpt, new, strategy=PatchKVStrategy(dirty_window=1000), max_new_tokens=0)
     b = engine.resume(ckpt, new, strategy=engine.strategy("patchkv", {"dirty_window": 1000}), max_new_tokens=0)
     assert a.stats.restore_tokens == b.stats.restore_tokens == 0 and torch.equal(a.logits, b.logits)
+
+
+def test_the_exact_strategies_a_layer_gets_without_naming_them():
+    from patchkv_agent.resume import ResumeRequest
+    from patchkv_agent.strategies import exact_reuse, full_prefill, get_strategy
+
+    full, reuse = full_prefill(), exact_reuse()
+    assert full.exact and not full.uses_checkpoint
+    assert reuse.exact and reuse.uses_checkpoint
+    req = ResumeRequest(ids=np.arange(4, dtype=np.int64), strategy=get_strategy("patchkv"), max_new_tokens=2)
+    assert req.as_full_prefill().strategy.exact and not req.as_full_prefill().strategy.uses_checkpoint
+    assert req.as_exact_reuse().strategy.exact and req.as_exact_reuse().max_new_tokens == 2

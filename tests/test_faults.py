@@ -286,7 +286,7 @@ def test_background_delete_on_a_dead_redis_logs_one_line(engine, pair, ckpt, red
     redis_server.stop()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        reg._submit_delete(key)
+        reg.residency.submit_delete(key)
         reg.close()
     recs = [r for r in caplog.records if "could not delete" in r.getMessage()]
     assert len(recs) == 1 and recs[0].exc_info is None and "\n" not in recs[0].getMessage()

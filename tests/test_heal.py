@@ -125,7 +125,7 @@ def test_a_late_offload_job_never_releases_a_newer_jobs_heal(engine):
     v3 = v2[:100] + [7, 8, 9] + v2[103:]
     gate = threading.Event()
     reg.generate(key, v1, max_new_tokens=0)
-    reg._executor.submit(gate.wait, 30)  # the worker is busy: v1's job waits behind it
+    reg.residency.worker.submit(gate.wait, 30)  # the worker is busy: v1's job waits behind it
     reg.offload_async(key)
     r2 = reg.generate(key, v2, max_new_tokens=0)
     assert r2.stats["base"] == "resident" and r2.approx_rows > 0

@@ -37,13 +37,13 @@ def reg():
 @given(handle=HANDLES)
 def test_any_handle_is_noted_or_refused_with_a_value_error_and_nothing_changes(reg, handle):
     key = thread_key("fuzzed-handle")
-    before = reg._peek(key)
+    before = reg.table.peek(key)
     version = before.version if before is not None else 0
     try:
         reg.expect(key, handle)
     except ValueError as e:
         assert handle_shape_problem(handle) is not None and "the KV handle" in str(e)
-        after = reg._peek(key)
+        after = reg.table.peek(key)
         assert (after.version if after is not None else 0) == version
     else:
         assert handle_shape_problem(handle) is None

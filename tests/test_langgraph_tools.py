@@ -147,3 +147,25 @@ def test_thread_keys_are_stable_across_tasks_and_savers():
     meta = {"thread_id": "t", "langgraph_node": "inner", "langgraph_checkpoint_ns": "sub:99|inner:77"}
     assert thread_key_from_metadata(meta) == ("t", "sub")
     assert thread_key_from_metadata({}, default_thread_id=None) is None
+
+
+def test_a_grammar_compiler_is_built_once_per_owner_and_goes_with_it():
+    import gc
+
+    from patchkv_agent.langgraph.grammar import GrammarCompilers
+
+    class Owner:
+        pass
+
+    table, built = GrammarCompilers(), []
+
+    def build():
+        built.append(object())
+        return built[-1]
+
+    a, b = Owner(), Owner()
+    assert table.compiler_for(a, build) is table.compiler_for(a, build) is built[0]
+    assert table.compiler_for(b, build) is built[1] and len(built) == 2
+    del a
+    gc.collect()
+    assert list(table._by_owner.values()) == [built[1]]

@@ -248,6 +248,31 @@ def test_no_hidden_upward_dependency():
     assert out.stdout.strip() == "0", "importing the engine installed a torch hook"
 
 
+def test_the_runtime_asks_a_strategy_what_it_declares_never_its_name():
+    """``runtime/`` (kvstore included) never resolves a strategy by a literal name nor compares a name with one:
+    it reads what the strategy declares (``uses_checkpoint``, ``exact``) and gets an exact one from
+    ``ResumeRequest.as_full_prefill`` / ``as_exact_reuse``."""
+    from patchkv_agent.strategies import STRATEGIES
+
+    names = set(STRATEGIES)
+    bad = []
+    for mod, path in discover().items():
+        if not _within(mod, f"{PKG}.runtime"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            literals: list[ast.expr] = []
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if called in ("strategy", "get_strategy"):
+                    literals = list(node.args[:1])
+            elif isinstance(node, ast.Compare):
+                literals = [node.left, *node.comparators]
+            if any(isinstance(x, ast.Constant) and x.value in names for x in literals):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, f"strategy names in the runtime: {bad}"
+
+
 # --------------------------------------------------------------------------------------------- docs
 
 _TEXT = (".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".c")

@@ -16,7 +16,7 @@ KEYS = (thread_key("a"), thread_key("b"))
 
 
 def _records(reg):
-    return [reg._peek(k) for k in reg.keys() if reg._peek(k) is not None]
+    return [reg.table.peek(k) for k in reg.keys() if reg.table.peek(k) is not None]
 
 
 def _check_all(reg, when: str) -> None:
@@ -31,7 +31,7 @@ def _settled(reg):
     for _ in range(20):  # a finished job may start another (an eviction offloads the other thread): until none runs
         running = []
         for k in reg.keys():  # every context's record (wait() and wait_prepared() act on a key's active one)
-            th = reg._peek(k)
+            th = reg.table.peek(k)
             with th.lock:
                 jobs = [th.pending, th.preparation.future if th.preparation is not None else None]
             running += [f for f in jobs if f is not None and not f.done()]
@@ -41,7 +41,7 @@ def _settled(reg):
             fut.exception(timeout=120)  # over, whichever way it ended
     out = {}
     for k in reg.keys():
-        th = reg._peek(k)
+        th = reg.table.peek(k)
         with th.lock:
             out[k] = view_of(th)
     return out
@@ -76,7 +76,7 @@ def test_random_operations_keep_records_consistent_and_moves_legal(engine, seed,
             k = KEYS[int(rng.integers(0, 2))]
             op = ["resume", "resume", "offload", "release", "prepare", "stream", "forget"][int(rng.integers(0, 7))]
             if op == "resume":
-                if reg._peek(reg.active(k)) is not None and reg._peek(reg.active(k)).token_ids is not None:
+                if reg.table.peek(reg.active(k)) is not None and reg.table.peek(reg.active(k)).token_ids is not None:
                     ids[k] = _next_version(rng, ids[k], vocab)
                 reg.generate(k, ids[k], max_new_tokens=2)
             elif op == "offload":
@@ -121,7 +121,7 @@ def test_the_checks_can_fail(engine):
         k = KEYS[0]
         ids = np.random.default_rng(5).integers(0, engine.spec.vocab_size, 120)
         reg.generate(k, ids, max_new_tokens=2)
-        th = reg._peek(reg.active(k))
+        th = reg.table.peek(reg.active(k))
         with th.lock:
             assert invariant_violations(th) == [] and view_of(th).location is Location.RESIDENT
             th.token_ids = ids[::-1].copy()  # a record whose resident KV is of other ids
@@ -145,7 +145,7 @@ def test_an_illegal_move_raises_and_leaves_the_record_as_it_was(engine):
     try:
         k = KEYS[0]
         reg.generate(k, np.random.default_rng(6).integers(0, engine.spec.vocab_size, 90), max_new_tokens=2)
-        th = reg._peek(reg.active(k))
+        th = reg.table.peek(reg.active(k))
         res = th.resident
         with transition(th, "evict without an offload"):  # resident -> lost: a move of the lifecycle
             th.resident, th.lost = None, Fallback(FallbackKind.EVICTED, "test")
@@ -173,7 +173,7 @@ def test_every_registry_step_goes_through_the_check(engine, monkeypatch):
         monkeypatch.setitem(lifecycle.MOVES, Location, MOVES[Location] - {(Location.NONE, Location.RESIDENT)})
         with pytest.raises(IllegalTransition, match=r"resume on thread .*location: none -> resident"):
             reg.generate(k, ids, max_new_tokens=2)
-        th = reg._peek(reg.active(k))
+        th = reg.table.peek(reg.active(k))
         assert th.version == 0 and th.token_ids is None and th.resident is None and th.streams == 0
         monkeypatch.undo()
         assert reg.generate(k, ids, max_new_tokens=2).stats.base == "none"  # the same call, once the move is legal

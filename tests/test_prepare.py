@@ -167,7 +167,7 @@ def test_a_barely_started_preparation_gives_way_to_a_resident_base_that_recomput
 
     k, ctx, rng = _first_call(reg, "barely")
     predicted = np.concatenate([ctx[:100], ctx[150:]])
-    th = reg._peek(reg.active(k))
+    th = reg.table.peek(reg.active(k))
     stopped = reg.engine.prepare(th.resident, predicted, chunk_tokens=8, should_stop=lambda: True)
     assert len(stopped.context_ids) == stopped.stats.prepare.reused_rows  # no chunk ran
     with th.lock:  # what a preparation stopped before its first chunk leaves behind
@@ -460,5 +460,5 @@ def test_a_predictions_decode_stops_at_the_next_step_once_abandoned(reg, one_tor
             reg.stream(key, ids, max_new_tokens=1)
     ref = reg.engine.resume(None, ids, strategy="exact", max_new_tokens=2)
     assert drawn == ref.output_ids  # what it drew before it stopped is exact's
-    th = reg._peek(reg.active(key))
+    th = reg.table.peek(reg.active(key))
     assert th.streams == 0 and list(th.token_ids) == list(ids)  # the stopped stream was closed and committed

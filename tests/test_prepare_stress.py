@@ -58,7 +58,7 @@ def test_many_preparers_with_model_calls_forgets_and_evictions_stay_exact(budget
                     reg.forget(name)
                     ids = rng.integers(0, vocab, 150)
                     continue
-                if op == "prepare" and reg._peek(reg.active(k)) is not None:
+                if op == "prepare" and reg.table.peek(reg.active(k)) is not None:
                     reg.prepare_async(k, predictor(name, ids))
                     if rnd.random() < 0.5:
                         continue  # the next call comes while it predicts
@@ -77,7 +77,7 @@ def test_many_preparers_with_model_calls_forgets_and_evictions_stay_exact(budget
         assert not any(t.is_alive() for t in threads), "a worker hung"
         assert not errors, errors[:3]
         for k in reg.keys():
-            th = reg._peek(k)
+            th = reg.table.peek(k)
             if th is not None:
                 reg.wait_prepared(k, timeout=60)
                 with th.lock:

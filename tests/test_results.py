@@ -148,7 +148,7 @@ def test_registry_resumes_carry_each_layers_part(eng):
     first = reg.generate(key, old, max_new_tokens=0)
     assert first.stats.base is BaseKind.NONE and first.stats.version == 1 and first.stats.base_version is None
     reg.offload_async(key, release=True).result()  # the next resume reads the background checkpoint
-    ckpt = reg._peek(key).checkpoint
+    ckpt = reg.table.peek(key).checkpoint
     assert ckpt.provenance.source is Source.RESUME and ckpt.provenance.exact_rows == len(ckpt) == len(old)
     res = reg.generate(key, new, strategy="patchkv", max_new_tokens=3)
     st = res.stats

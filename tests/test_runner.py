@@ -176,3 +176,16 @@ def test_kv_keep_one_layout_through_the_paths():
     view = eng.as_checkpoint(res)
     assert all(v.data_ptr() == k.data_ptr() and v.shape == k.shape[1:] for v, k in zip(view.keys, res.keys))
     assert res.cache.layers[0].keys.untyped_storage().data_ptr() == res.keys[0].untyped_storage().data_ptr()
+
+
+def test_a_runner_table_holds_its_runners_weakly():
+    from patchkv_agent.core.runner import RunnerTable
+
+    table = RunnerTable()
+    model = torch.nn.Linear(2, 2)
+    runner = ModelRunner.of(model, table)
+    assert ModelRunner.of(model, table) is runner and len(table) == 1
+    assert ModelRunner.of(model) is not runner  # the process's table is another one
+    del runner
+    gc.collect()
+    assert len(table) == 0

@@ -441,7 +441,7 @@ def test_an_open_stream_pins_its_thread_against_eviction(engine):
         reg.generate(B, cb, max_new_tokens=2)  # over budget: A would be the victim, but its stream is open
         assert reg.handle(A)["kv"] == "resident" and not [e for e in reg.events if e["key"] == A]
         toks = [next(sa)] + list(sa)
-    assert reg._thread(A).streams == 0
+    assert reg.table.get(A).streams == 0
     # the commit kept the decoded tokens: the next version that appends to them reuses them as a prefix
     nxt = ca + sa.result.output_ids[:2] + [9, 9]
     r = reg.generate(A, nxt, strategy="prefix", max_new_tokens=1)
@@ -452,18 +452,18 @@ def test_an_open_stream_pins_its_thread_against_eviction(engine):
 
 def test_a_resume_is_validated_once_and_reuses_the_context_choice_diff(engine, monkeypatch):
     import patchkv_agent.resume as resume_mod
-    import patchkv_agent.runtime.threads as threads_mod
+    import patchkv_agent.runtime.table as table_mod
     from patchkv_agent.engine import PatchKVEngine
 
     reg = ThreadRegistry(engine)
     c0 = ctx(0)
     reg.generate(A, c0, max_new_tokens=4)
-    resident = reg._peek(reg.active(A)).resident
+    resident = reg.table.peek(reg.active(A)).resident
     c1 = edited(c0, at=80)  # an edit near the head: the context choice diffs to find the lane
     want = engine.resume(resident, c1, strategy="patchkv", max_new_tokens=4)  # its own diff: the oracle
 
     calls = {"validate": 0, "choice_diff": 0, "resume_diff": 0}
-    real_validate, real_diff = PatchKVEngine.validate_ids, threads_mod.diff_versions
+    real_validate, real_diff = PatchKVEngine.validate_ids, table_mod.diff_versions
 
     def counting_validate(self, *a, **k):
         calls["validate"] += 1
@@ -476,7 +476,7 @@ def test_a_resume_is_validated_once_and_reuses_the_context_choice_diff(engine, m
         return f
 
     monkeypatch.setattr(PatchKVEngine, "validate_ids", counting_validate)
-    monkeypatch.setattr(threads_mod, "diff_versions", counted("choice_diff"))
+    monkeypatch.setattr(table_mod, "diff_versions", counted("choice_diff"))
     monkeypatch.setattr(resume_mod, "diff_versions", counted("resume_diff"))
     got = reg.generate(A, c1, max_new_tokens=4)
     assert calls == {"validate": 1, "choice_diff": 1, "resume_diff": 0}

@@ -103,7 +103,7 @@ def test_a_handle_without_a_usable_ids_hash_is_not_served_from_the_store(engine)
         fresh = ThreadRegistry(engine, store=store)
         with pytest.raises(ValueError, match=r"the KV handle has ids_hash=.* \(need a str\)"):
             fresh.expect(A, {**handle, "ids_hash": bad, "kv_ids_hash": bad})
-        assert fresh._peek(A) is None or fresh._peek(A).version == 0  # nothing noted
+        assert fresh.table.peek(A) is None or fresh.table.peek(A).version == 0  # nothing noted
         fresh.close()
     fresh = ThreadRegistry(engine, store=store)  # the hash of other tokens: the entry is never served
     fresh.expect(A, {**handle, "ids_hash": ids_hash(ctx(303)), "kv_ids_hash": ids_hash(ctx(303))})
@@ -124,7 +124,7 @@ def test_a_forged_handle_is_refused_before_it_changes_anything(engine, handle, f
     with pytest.raises(ValueError, match="the KV handle") as e:
         reg.expect(A, forged)
     assert field in str(e.value) and "ThreadRegistry.handle()" in str(e.value)
-    th = reg._peek(A)
+    th = reg.table.peek(A)
     assert th is None or (th.version == 0 and th.store_key is None)
     reg.close()
 

@@ -13,7 +13,8 @@ device; nothing is synchronised with the host until :meth:`AttentionCapture.scor
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -24,13 +25,56 @@ from transformers.modeling_utils import AttentionInterface
 from .models import text_config
 from .settings import DEFAULT_CAPTURE_WINDOW
 
-__all__ = ["AttentionCapture", "capture_attention_forward", "default_layers"]
+__all__ = ["AttentionCapture", "ActiveCaptures", "ACTIVE", "capture_attention_forward", "default_layers"]
 
-# id(attention module) -> the capture recording it, only while that capture's `with` block runs (emptied on
-# exit). transformers dispatches attention by a registered name, process-wide, so the registered function is
-# one module-level dispatcher and several captures (on different models) share the name; what a model keeps
-# between passes (its capture per window) lives in its ModelRunner, not here.
-_ACTIVE: dict[int, AttentionCapture] = {}
+
+class ActiveCaptures:
+    """Which capture records each attention module, only while that capture's ``with`` block runs.
+
+    Process-wide by nature: transformers dispatches attention by a registered name, process-wide, and calls the
+    registered function with the attention module alone; so the function is one module-level dispatcher
+    (:func:`capture_attention_forward`), several captures (on different models) share its name, and the
+    dispatcher finds the capture of a module here. Entries are keyed by ``id(module)``, added when a capture's
+    block opens and removed when it exits, so the table holds only the modules inside an open block. What a
+    model keeps between passes (its capture per window) lives in its
+    :class:`~patchkv_agent.core.runner.ModelRunner`, not here. Entering and leaving are serialised by the
+    table's lock; a lookup is one dictionary read.
+    """
+
+    def __init__(self) -> None:
+        self._by_module: dict[int, AttentionCapture] = {}
+        self._lock = threading.Lock()
+
+    def of(self, module: torch.nn.Module) -> "AttentionCapture | None":
+        """The capture recording ``module`` now, or None."""
+        return self._by_module.get(id(module))
+
+    def enter(self, capture: "AttentionCapture", modules: Sequence[torch.nn.Module]) -> None:
+        """Make ``capture`` the recorder of ``modules``.
+
+        Raises:
+            RuntimeError: one of them is recorded by another capture (the model is inside another block).
+        """
+        with self._lock:
+            for m in modules:
+                if self._by_module.get(id(m), capture) is not capture:
+                    raise RuntimeError("this model is already inside another AttentionCapture")
+            for m in modules:
+                self._by_module[id(m)] = capture
+
+    def leave(self, capture: "AttentionCapture", modules: Sequence[torch.nn.Module]) -> None:
+        """Stop ``capture`` recording ``modules`` (a module another capture records is left as it is)."""
+        with self._lock:
+            for m in modules:
+                if self._by_module.get(id(m)) is capture:
+                    del self._by_module[id(m)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_module)
+
+
+ACTIVE = ActiveCaptures()  # the process's table (see ActiveCaptures)
 
 
 def capture_attention_forward(
@@ -52,7 +96,7 @@ def capture_attention_forward(
         ``(attn_output, None)`` exactly as ``sdpa_attention_forward``.
     """
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    cap = _ACTIVE.get(id(module))
+    cap = ACTIVE.of(module)
     if cap is not None:
         cap._record(module, query, key, attention_mask, kwargs)
     return out
@@ -131,19 +175,17 @@ class AttentionCapture:
         AttentionInterface.register(self.name, capture_attention_forward)
         if self.name not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             AttentionMaskInterface.register(self.name, sdpa_mask)  # the same masks sdpa would get
-        for m in self._modules:
-            if id(m) in _ACTIVE and _ACTIVE[id(m)] is not self:
-                raise RuntimeError("this model is already inside another AttentionCapture")
-        self._previous = self.model.config._attn_implementation
-        self._set_impl(self.name)
-        for m in self._modules:
-            _ACTIVE[id(m)] = self
+        ACTIVE.enter(self, self._modules)
+        try:
+            self._previous = self.model.config._attn_implementation
+            self._set_impl(self.name)
+        except BaseException:
+            ACTIVE.leave(self, self._modules)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for m in self._modules:
-            if _ACTIVE.get(id(m)) is self:
-                del _ACTIVE[id(m)]
+        ACTIVE.leave(self, self._modules)
         if self._previous is not None:
             self._set_impl(self._previous)
             self._previous = None

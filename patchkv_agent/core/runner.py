@@ -9,10 +9,10 @@ of its first parameter (device and dtype) live in the model's :class:`ModelRunne
 Sharing. Every engine built over one model instance gets the same runner (:meth:`ModelRunner.of`), so they
 share one :class:`~.weights.ForwardLock`: one forward at a time per model, whatever number of engines,
 registries and direct callers use it (an attention capture swaps the model's attention function for its
-pass: another forward inside it would be recorded, or race the swap). The registry behind :meth:`ModelRunner.of`
-is the package's one process-wide map of per-model state: it maps ``id(model)`` to the runner and holds the
-runner weakly (an entry goes with the last engine that used it; the runner holds its model, so the id is
-not reused while the entry lives). It keeps nothing alive and adds nothing to the model.
+pass: another forward inside it would be recorded, or race the swap). The table behind :meth:`ModelRunner.of`
+(:class:`RunnerTable`, one per process: :data:`RUNNERS`) is process-wide by nature: it maps ``id(model)`` to the
+runner and holds the runner weakly (an entry goes with the last engine that used it; the runner holds its model,
+so the id is not reused while the entry lives). It keeps nothing alive and adds nothing to the model.
 
 K/V layout. One layout goes through the engine's paths: per layer one tensor ``[1, H, N, D]`` (batch 1, KV
 heads, positions, head dim) on the model's device and dtype, a transformers cache layer's own. The recovery
@@ -25,8 +25,9 @@ buffers, a forward's output (:class:`~.recovery.RecoveryOutput`), a prepared con
 - the transformers cache: :meth:`ModelRunner.dynamic_cache` adopts the tensors as they are.
 
 Process-wide state that stays: transformers' attention registry (the capture's function is registered by
-name, the way transformers dispatches attention), :mod:`.capture`'s table of the attention modules inside a
-``with capture:`` block (emptied when the block exits) and torch's parameter-registration hook (:mod:`.weights`).
+name, the way transformers dispatches attention), :mod:`.capture`'s :class:`~.capture.ActiveCaptures` (the
+attention modules inside a ``with capture:`` block, emptied when the block exits), this module's
+:class:`RunnerTable` and torch's parameter-registration hook (:mod:`.weights`).
 
 Boundary: torch and transformers' cache classes; knows nothing about fingerprints, checkpoints' contents,
 plans or strategies.
@@ -44,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicS
 from .models import cache_kwarg
 from .weights import ForwardLock, WeightWatch
 
-__all__ = ["ModelRunner", "stored_layout"]
+__all__ = ["ModelRunner", "RunnerTable", "RUNNERS", "stored_layout"]
 
 
 def stored_layout(kv: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -76,13 +77,17 @@ class ModelRunner:
         self._cache_layers: tuple[Any, list | None] | None = None  # (config, per-layer cache types) or None
 
     @classmethod
-    def of(cls, model) -> "ModelRunner":
-        """The runner of ``model``, shared by every caller while one of them holds it (see the module doc)."""
-        with _RUNNERS_GUARD:
-            runner = _RUNNERS.get(id(model))
-            if runner is None or runner.model is not model:
-                runner = _RUNNERS[id(model)] = cls(model)
-            return runner
+    def of(cls, model, table: "RunnerTable | None" = None) -> "ModelRunner":
+        """The runner of ``model``, shared by every caller while one of them holds it (see the module doc).
+
+        Args:
+            model: the model.
+            table: the :class:`RunnerTable` to look it up in (None: the process's, :data:`RUNNERS`).
+
+        Returns:
+            The runner (built, and entered in the table, when the table holds none for ``model``).
+        """
+        return (RUNNERS if table is None else table).runner_of(model, cls)
 
     # ------------------------------------------------------------------ device
 
@@ -229,8 +234,42 @@ class ModelRunner:
         return out
 
 
-_RUNNERS: "weakref.WeakValueDictionary[int, ModelRunner]" = weakref.WeakValueDictionary()
-_RUNNERS_GUARD = threading.Lock()
+class RunnerTable:
+    """The runner of each live model instance: what makes every engine over one model share one forward lock.
+
+    Process-wide by nature: a model instance is one object in the process, shared by whoever holds it (several
+    engines, registries, direct callers), and its forward lock must be one whatever owns those engines; so no
+    engine can own the table. Entries are keyed by ``id(model)`` and hold the runner weakly (it goes with the
+    last engine that used it; the runner holds its model, so the id is not reused while the entry lives); the
+    table keeps nothing alive and writes nothing on the model. Lookups are serialised by the table's lock.
+    """
+
+    def __init__(self) -> None:
+        self._runners: "weakref.WeakValueDictionary[int, ModelRunner]" = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def runner_of(self, model, factory: type[ModelRunner] = ModelRunner) -> ModelRunner:
+        """The runner of ``model``, built with ``factory(model)`` when the table holds none for it.
+
+        Args:
+            model: the model instance.
+            factory: the runner class (a subclass of :class:`ModelRunner`).
+
+        Returns:
+            The runner every caller of ``model`` shares while one of them holds it.
+        """
+        with self._lock:
+            runner = self._runners.get(id(model))
+            if runner is None or runner.model is not model:
+                runner = self._runners[id(model)] = factory(model)
+            return runner
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._runners)
+
+
+RUNNERS = RunnerTable()  # the process's table (see RunnerTable)
 
 
 def _adopt(cache: DynamicCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:

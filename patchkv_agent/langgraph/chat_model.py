@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import weakref
 from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
@@ -64,19 +62,15 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "patchkv_probe_tool", "d
 CALL_KWARGS = ("tools", "tool_choice", "response_format", "strategy", "strategy_options", "max_new_tokens",
                "max_tokens", "temperature", "top_p", "seed")
 STRUCTURED_METHODS = ("json_schema", "json_mode", "function_calling")
-_GRAMMARS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_GRAMMARS_LOCK = threading.Lock()
 
 
 def grammar_compiler(engine):
-    """The (cached) :class:`~patchkv_agent.langgraph.grammar.GrammarCompiler` of an engine's tokenizer."""
-    from .grammar import GrammarCompiler
+    """The :class:`~patchkv_agent.langgraph.grammar.GrammarCompiler` of an engine's tokenizer, compiled once per
+    engine (:class:`~patchkv_agent.langgraph.grammar.GrammarCompilers`)."""
+    from .grammar import GRAMMARS, GrammarCompiler
 
-    with _GRAMMARS_LOCK:
-        gc = _GRAMMARS.get(engine)
-        if gc is None:
-            gc = _GRAMMARS[engine] = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.eos_ids)
-        return gc
+    return GRAMMARS.compiler_for(engine, lambda: GrammarCompiler(engine.tokenizer, engine.spec.vocab_size,
+                                                                 engine.eos_ids))
 
 
 def structured_instruction(response_format: dict) -> str:

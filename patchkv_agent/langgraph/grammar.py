@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -156,6 +157,41 @@ class GrammarCompiler:
         if kind == "json_object":
             return self.compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
         raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+class GrammarCompilers:
+    """The :class:`GrammarCompiler` of each owner (an engine: its tokenizer), compiled once and shared by every
+    chat model over that owner.
+
+    Process-wide by nature: LangChain copies and wraps a chat model freely (``bind_tools``,
+    ``with_structured_output``, ``with_config``, pydantic copies) and many build one per request, so a compiler
+    held by one chat model would compile the tokenizer's vocabulary again for each; what they share is the
+    engine. Entries are keyed weakly by the owner (an entry goes with it; the compiler holds no reference to
+    it). Lookups are serialised by the table's lock, so two first calls compile once.
+    """
+
+    def __init__(self) -> None:
+        self._by_owner: "weakref.WeakKeyDictionary[Any, GrammarCompiler]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def compiler_for(self, owner: Any, build: Callable[[], GrammarCompiler]) -> GrammarCompiler:
+        """The compiler of ``owner``, built with ``build()`` the first time.
+
+        Args:
+            owner: what the compiler belongs to (weakly referenced: an engine).
+            build: makes the compiler (called under the table's lock, once per owner).
+
+        Returns:
+            The owner's compiler.
+        """
+        with self._lock:
+            gc = self._by_owner.get(owner)
+            if gc is None:
+                gc = self._by_owner[owner] = build()
+            return gc
+
+
+GRAMMARS = GrammarCompilers()  # the process's table (see GrammarCompilers)
 
 
 def spec_for(*, tools: Sequence[dict] | None = None, tool_choice: Any = None,

@@ -90,7 +90,7 @@ def resume_in_background(engine: Any, resident: "ResumeResult | None", req: Any,
     check_not_stopped(stop)
     prep = engine.prepare(resident, req.ids, chunk_tokens=chunk_tokens, should_stop=stop.is_set)
     check_not_stopped(stop)  # a stopped preparation returns fewer rows: only when ``stop`` was set
-    tail = dataclasses.replace(req, edit=None).with_strategy(engine.strategy("prefix"))
+    tail = dataclasses.replace(req, edit=None).as_exact_reuse()
     with engine.forward_lock.background():
         check_not_stopped(stop)
         # the prepared rows as the base of an exact prefix resume: it recomputes the last row only

@@ -1,18 +1,17 @@
 """The tool wait does the edit: a thread's predicted next context, computed exactly while its tools run.
 
-:class:`PreparationMixin` holds the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` methods of the
-preparation (:meth:`~PreparationMixin.prepare_async`, :meth:`~PreparationMixin.wait_prepared`,
-:meth:`~PreparationMixin.phase`, and the job and hand-over the registry's ``stream`` calls): a predictor
-runs on a daemon thread of its own for ``predict_timeout_s`` at most (a hung or raising predictor never
-holds the registry's worker, so offloads, heals and other threads go on), then ``engine.prepare``
-computes the prediction's K/V in the worker, in chunks that give way to foreground forwards
-(:mod:`patchkv_agent.core.prepare`), and the next resume takes the result as its base when the call's
-context continues it. A preparation is a :class:`~patchkv_agent.runtime.state.Preparation` on the
-thread's record; its stages (predicting, queued for the worker, computing, done) change under the thread
-lock.
+:class:`Preparations` runs a registry's preparations (:meth:`~Preparations.prepare_async`,
+:meth:`~Preparations.wait_prepared`, and the hand-over to the call path, :meth:`~Preparations.take`): a
+predictor runs on a daemon thread of its own for ``predict_timeout_s`` at most (a hung or raising predictor
+never holds the registry's worker, so offloads, heals and other threads go on), then ``engine.prepare``
+computes the prediction's K/V in the worker (:attr:`Residency.worker <.residency.Residency.worker>`), in
+chunks that give way to foreground forwards (:mod:`patchkv_agent.core.prepare`), and the next resume takes
+the result as its base when the call's context continues it. A preparation is a
+:class:`~patchkv_agent.runtime.state.Preparation` on the thread's record; its stages (predicting, queued for
+the worker, computing, done) change under the thread lock.
 
-Boundary: mixed into the registry (uses its tables, its worker, its engine); knows the engine's public
-``prepare`` and ``validate_ids``, nothing about LangChain (predictors come from the caller).
+Boundary: the table's records, the residency's worker and resident budget, the engine's public ``prepare``,
+``planned`` and ``validate_ids``; nothing about LangChain (predictors come from the caller).
 """
 
 from __future__ import annotations
@@ -27,17 +26,33 @@ from typing import Any, Callable
 from ..results import PreparedOutcome, ResumeResult, RuntimePart
 from .background import PreparationStopped, predicting
 from .keys import ThreadKey
-from .lifecycle import Phase, transition, view_of
+from .lifecycle import transition
+from .residency import Residency
 from .state import Prediction, Preparation, PrepStage, TakenPreparation, ThreadState, shared_prefix
+from .table import ThreadTable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreparationMixin"]
+__all__ = ["Preparations"]
 
 
-class PreparationMixin:
-    """The preparation methods of :class:`~patchkv_agent.runtime.threads.ThreadRegistry` (see the module
-    docstring); not used on its own."""
+class Preparations:
+    """The preparations of one registry's threads (see the module docstring).
+
+    Args:
+        engine: the :class:`~patchkv_agent.engine.PatchKVEngine`.
+        table: the registry's :class:`~patchkv_agent.runtime.table.ThreadTable`.
+        residency: the registry's :class:`~patchkv_agent.runtime.residency.Residency` (its worker computes,
+            its resident budget counts the prepared rows).
+        events: the registry's event list (``"prepared"`` is appended).
+        chunk_tokens: rows per background forward unless a call says otherwise.
+        predict_timeout_s: seconds a predictor may run (None: no limit).
+    """
+
+    def __init__(self, engine: Any, table: ThreadTable, residency: Residency, events: list[dict[str, Any]], *,
+                 chunk_tokens: int, predict_timeout_s: float | None) -> None:
+        self.engine, self.table, self.residency, self.events = engine, table, residency, events
+        self.chunk_tokens, self.predict_timeout_s = chunk_tokens, predict_timeout_s
 
     def prepare_async(self, key: ThreadKey | None, predict: Callable[[], "Prediction | Any"], *,
                       chunk_tokens: int | None = None) -> Future | None:
@@ -73,7 +88,7 @@ class PreparationMixin:
         if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                          or chunk_tokens < 1):
             raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
-        th = self._known(key)
+        th = self.table.known(key)
         if th is None:
             return None
         with transition(th, "prepare"):
@@ -85,7 +100,7 @@ class PreparationMixin:
             if old is not None:
                 old.stop.set()
             prep = Preparation(version=th.version, predict=predict, future=Future(),
-                               chunk_tokens=chunk_tokens or self.prepare_chunk_tokens)
+                               chunk_tokens=chunk_tokens or self.chunk_tokens)
             th.preparation = prep
         threading.Thread(target=self._prepare_thread, args=(th, prep), daemon=True,
                          name=f"patchkv-prepare-{str(th.key[0])[:24]}").start()
@@ -101,7 +116,7 @@ class PreparationMixin:
         Returns:
             The seconds waited (0.0 when nothing is being prepared).
         """
-        th = self._peek(self.active(key)) if key is not None else None
+        th = self.table.peek(self.table.active(key)) if key is not None else None
         prep = th.preparation if th is not None else None
         if prep is None or prep.future is None or prep.future.done():
             return 0.0
@@ -152,7 +167,7 @@ class PreparationMixin:
             prep.ids, prep.reason = ids, pred.reason
             prep.advance(PrepStage.QUEUED)
         try:
-            return self._executor.submit(self._compute_job, th, prep).result()
+            return self.residency.worker.submit(self._compute_job, th, prep).result()
         except RuntimeError as e:  # the registry closed while it predicted
             return self._finish(th, prep, f"the preparation was not computed: {e}")
 
@@ -213,7 +228,7 @@ class PreparationMixin:
         self.events.append({"event": "prepared", "key": th.key, "version": prep.version, "tokens": len(ids),
                             "computed": res.stats.prepare.computed_rows, "stopped": res.stats.prepare.stopped,
                             "prepare_s": res.stats.ttft_s})
-        self._enforce_resident_budget(keep=th.key)
+        self.residency.enforce_resident_budget(keep=th.key)
         return prep.predict_s + res.stats.ttft_s
 
     @staticmethod
@@ -229,7 +244,7 @@ class PreparationMixin:
             prep.reason = prep.reason or reason
             prep.advance(PrepStage.DONE)
 
-    def _take_preparation(self, th: ThreadState, req: Any) -> TakenPreparation:
+    def take(self, th: ThreadState, req: Any) -> TakenPreparation:
         """Detach ``th``'s preparation for the resume ``req`` (a validated request) and choose its base: a
         :class:`~patchkv_agent.runtime.state.TakenPreparation`, built once.
 
@@ -291,12 +306,3 @@ class PreparationMixin:
                        prepared_reason=f"the call's context differs from the prediction at token {sp} of "
                        f"{len(prep.ids)}; the resident context shares {sr}")
         return taken(None)
-
-    def phase(self, key: ThreadKey | None) -> Phase:
-        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.lifecycle.Phase`:
-        the view of the thread's parts, :func:`~patchkv_agent.runtime.lifecycle.view_of`)."""
-        th = self._peek(self.active(key)) if key is not None else None
-        if th is None:
-            return Phase.NONE
-        with th.lock:
-            return view_of(th).phase

@@ -1,9 +1,10 @@
 """The record a :class:`~patchkv_agent.runtime.threads.ThreadRegistry` keeps per thread (context version,
-resident and offloaded KV, store entry, pending job, heal state) and byte counts of KV.
+resident and offloaded KV, store entry, pending job, heal state; held in its :class:`~.table.ThreadTable`) and
+byte counts of KV.
 
-Boundary: data only; the registry makes every transition, each through :func:`.lifecycle.transition` (under
-``ThreadState.lock``, checked against the moves :mod:`.lifecycle` allows); a preparation's stage moves only
-through :meth:`Preparation.advance`.
+Boundary: data only; the registry's objects (:mod:`.calls`, :mod:`.residency`, :mod:`.preparation`) make every
+transition, each through :func:`.lifecycle.transition` (under ``ThreadState.lock``, checked against the moves
+:mod:`.lifecycle` allows); a preparation's stage moves only through :meth:`Preparation.advance`.
 """
 
 from __future__ import annotations

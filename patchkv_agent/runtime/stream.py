@@ -1,7 +1,7 @@
 """Decoding a resumed thread version token by token: :class:`TokenStream` and :func:`run_stream`.
 
 Boundary: draws tokens with the engine's model under its forward lock and, when it ends, hands the decoded
-state to the commit handle it was given (the :class:`~patchkv_agent.runtime.threads.ThreadRegistry` that
+state to the commit handle it was given (the registry's :class:`~patchkv_agent.runtime.calls.CallPath` that
 opened it passes one bound to the thread version; the stream never calls back into the registry); knows
 nothing about stores or LangGraph.
 """

@@ -31,11 +31,9 @@ lock, while the agent's tool runs and the model is idle), installs the exact KV 
 checkpoints that: an approximation never outlives the call it sped up. A resume that arrives while its thread is
 healing waits for the heal (``heal_wait_s``).
 
-*Several contexts per thread* (``contexts=4``): a summarizer, a router or a sub-agent calling the same model under
-the same graph thread has a context of its own. A thread key holds up to ``contexts`` recent contexts (each a thread
-of the registry under the key ``(thread_id, ns#ctxN)``); a call continues the one it shares the most with (the
-longest common prefix, or, when no context shares half of itself, the most tokens the diff can reuse) and opens a
-new one when none shares a quarter of the new version, so two callers on one key never overwrite each other's KV.
+*Several contexts per thread* (``contexts=4``): a thread key holds up to ``contexts`` recent contexts (each a
+thread of the registry under the key ``(thread_id, ns#ctxN)``), so a summarizer or a sub-agent calling the same
+model under one graph thread never overwrites the agent's KV (:meth:`.table.ThreadTable.choose_context`).
 :meth:`handle`, :meth:`offload_async` and :meth:`wait` act on the context the key's last call used.
 
 *Preparation* (:meth:`ThreadRegistry.prepare_async`): while a thread's tools run, its predicted next context (the
@@ -47,52 +45,52 @@ whether the preparation was a hit, partial, a miss, unfinished or failed. :meth:
 
 Locking: one lock per thread (state transitions of that thread; an offload holds it only to take its snapshot and to
 install the result, not while it quantizes and copies), the engine's ``forward_lock`` for the model forward (one
-forward at a time per model, shared with every other registry and direct caller of that engine), one short registry
-lock for the tables. A thread lock may be held while taking the forward lock, never the reverse. Threads never share
-KV: a thread resumes only from its own checkpoint.
+forward at a time per model, shared with every other registry and direct caller of that engine), the short table
+lock of the :class:`~.table.ThreadTable`. A thread lock may be held while taking the forward lock, never the reverse.
+Threads never share KV: a thread resumes only from its own checkpoint.
 
-Knows the engine's public methods (``resume``, ``checkpoint_from``), the store interface, and nothing about
-LangGraph. The preparation's methods live in :mod:`.preparation`, the store entries and budgets in :mod:`.residency`
-(mixins of :class:`ThreadRegistry`), the per-thread record and its phases in :mod:`.state`.
+The registry is a facade over four objects, one job each:
+
+- :class:`~.table.ThreadTable` (:mod:`.table`): what a thread holds: the per-thread records
+  (:class:`~.state.ThreadState`, their locks), the active context of each key, the context choice;
+- :class:`~.calls.CallPath` (:mod:`.calls`): how a call is served, top to bottom: validate, resolve the strategy,
+  choose the context, take the preparation, wait for a heal, pick the base, resume, install, record the stats,
+  commit the decoded tokens;
+- :class:`~.residency.Residency` (:mod:`.residency`): where the KV lives beyond the resident version and the
+  background jobs that move it there: offloads and their heal stage, store entries, the byte budgets;
+- :class:`~.preparation.Preparations` (:mod:`.preparation`): the tool-wait preparations of next contexts
+  (:mod:`.background`: a prediction's own model calls).
+
+Knows the engine's public methods, the store interface, and nothing about LangGraph.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
-import logging
-import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
-import numpy as np
-
-from ..core.diff import Edit, diff_versions
 from ..core.fallback import Fallback, FallbackKind
 from ..core.sampling import Sampler
 from ..engine import PatchKVEngine
 from ..results import BaseKind, ResumeResult
 from ..strategies import Strategy
-from .background import check_not_stopped, prediction_stop, resume_in_background
-from .keys import MIN_CONTINUE_SHARE, ThreadKey, context_key, handle_version, thread_key
-from .kvstore import CheckpointKey, KVStore, StoreUnavailable, ids_hash, load_for_resume, resume_from_store
-from .lifecycle import Job, Location, is_offloaded, transition, view_of
-from .preparation import PreparationMixin
-from .residency import ResidencyMixin
-from .state import ThreadState, ckpt_bytes, kv_bytes, shared_prefix
+from .calls import CallPath
+from .keys import ThreadKey, handle_version, thread_key
+from .kvstore import KVStore, ids_hash, load_for_resume
+from .lifecycle import Job, Location, Phase, transition, view_of
+from .preparation import Preparations
+from .residency import Residency
+from .state import Prediction
 from .stream import TokenStream, run_stream
-
-log = logging.getLogger(__name__)
+from .table import ThreadTable
 
 DEFAULT_RESIDENT_BUDGET = 1 << 30
 DEFAULT_PREPARE_CHUNK, DEFAULT_PREPARE_CHUNK_CPU = 256, 64  # rows per background preparation forward: GPU, CPU
 DEFAULT_PREDICT_TIMEOUT = 30.0  # seconds a preparation's predictor may run (ThreadRegistry(predict_timeout_s=))
 
 
-class ThreadRegistry(PreparationMixin, ResidencyMixin):
+class ThreadRegistry:
     """Context versions and KV per agent thread over one :class:`PatchKVEngine`.
 
     Args:
@@ -114,6 +112,13 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             most a foreground forward waits for (None: 256 on an accelerator, 64 on a CPU: ~0.2 s of SmolLM2).
         predict_timeout_s: seconds a preparation's predictor may run (on its own thread, never the
             worker's) before it is abandoned and the preparation fails with the reason; None: no limit.
+
+    Attributes:
+        table: the :class:`~patchkv_agent.runtime.table.ThreadTable` (the records).
+        call_path: the :class:`~patchkv_agent.runtime.calls.CallPath` (how :meth:`stream` serves a call).
+        residency: the :class:`~patchkv_agent.runtime.residency.Residency` (offloads, heals, store, budgets).
+        preparations: the :class:`~patchkv_agent.runtime.preparation.Preparations`.
+        events: evictions, drops, heals, discarded offloads and preparations, for inspection.
 
     Raises:
         ValueError: a bad ``on_evict``, budget, ``contexts`` or ``predict_timeout_s``, or
@@ -149,117 +154,43 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         self.heal, self.contexts = bool(heal), contexts
         self.prepare_chunk_tokens = c
         self.predict_timeout_s = None if predict_timeout_s is None else float(predict_timeout_s)
-        self._active: dict[ThreadKey, ThreadKey] = {}  # thread key -> the context its last call used
         self.forward_lock = engine.forward_lock  # the engine's: one forward at a time per model, across registries
-        self._lock = threading.Lock()
-        self._threads: OrderedDict[ThreadKey, ThreadState] = OrderedDict()  # least recently used first
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="patchkv-offload")
-        self.events: list[dict[str, Any]] = []  # evictions and drops, for inspection
+        self.events: list[dict[str, Any]] = []  # evictions, drops, heals, preparations: for inspection
+        self.table = ThreadTable(contexts)
+        self.residency = Residency(engine, self.table, self.events, store=store,
+                                   resident_budget_bytes=resident_budget_bytes,
+                                   offload_budget_bytes=offload_budget_bytes, on_evict=on_evict, heal=self.heal,
+                                   workers=workers)
+        self.preparations = Preparations(engine, self.table, self.residency, self.events, chunk_tokens=c,
+                                         predict_timeout_s=self.predict_timeout_s)
+        self.call_path = CallPath(engine, self.table, self.residency, self.preparations, chunk_tokens=c)
 
     # ----------------------------------------------------------------- tables
 
-    def _thread(self, key: ThreadKey, create: bool = True) -> ThreadState | None:
-        with self._lock:
-            th = self._threads.get(key)
-            if th is None and create:
-                th = self._threads[key] = ThreadState(key=key)
-            if th is not None:
-                self._threads.move_to_end(key)
-                th.last_used = time.monotonic()
-            return th
-
-    def _known(self, key: ThreadKey | None) -> ThreadState | None:
-        """The record of ``key``'s active context (touched as used), or None for None or an unknown key."""
-        return self._thread(self.active(key), create=False) if key is not None else None
-
-    def _peek(self, key: ThreadKey) -> ThreadState | None:
-        with self._lock:
-            return self._threads.get(key)
-
     def active(self, key: ThreadKey | None) -> ThreadKey | None:
         """The context key the last call of thread key ``key`` used (``key`` itself before any call)."""
-        if key is None:
-            return None
-        with self._lock:
-            return self._active.get(key, key)
-
-    def _choose_context(self, key: ThreadKey, ids: np.ndarray) -> tuple[ThreadKey, Edit | None]:
-        """The context of ``key`` that a call with ``ids`` continues (or a new one): see the module docstring.
-
-        Returns:
-            ``(context key, diff)``: the diff of the chosen context's resident ids into ``ids`` when the choice
-            had to diff (an edit near the head), so the resume reuses it instead of diffing again; else None.
-        """
-        if self.contexts == 1:
-            return key, None
-        lanes: list[tuple[ThreadKey, np.ndarray, float]] = []
-        free: ThreadKey | None = None
-        for i in range(self.contexts):
-            ck = context_key(key, i)
-            th = self._peek(ck)
-            tok = th.token_ids if th is not None else None
-            if tok is None or len(tok) == 0:
-                if free is None and (th is None or (th.resident is None and th.store_key is None
-                                                    and th.checkpoint is None and th.lost is None)):
-                    free = ck
-                continue
-            lanes.append((ck, tok, th.last_used))
-        if not lanes:  # the key's first call (or one after a restart: its version and reason are there)
-            return key, None
-        for ck, _, _ in lanes:  # the context whose prepared next version this call continues
-            prep = self._peek(ck).preparation
-            pids = prep.ids if prep is not None else None
-            if pids is not None and len(pids) <= len(ids) and shared_prefix(pids, ids) == len(pids):
-                return ck, None
-        shared = [shared_prefix(tok, ids) for _, tok, _ in lanes]
-        best = int(np.argmax(shared))
-        if shared[best] * 2 >= len(lanes[best][1]):  # continues (appends to / edits the back half of) it
-            return lanes[best][0], None
-        # an edit near the head, or another caller: how much is reusable. Each lane is diffed against what a
-        # resume from it would restore (its resident ids, decoded tokens included), so the chosen lane's diff
-        # is the resume's own and is handed on to it
-        reuse, edits = [], []
-        for (ck, tok, _), p in zip(lanes, shared):
-            th = self._peek(ck)
-            resident = th.resident if th is not None else None
-            base_ids = resident.context_ids if resident is not None else tok
-            try:
-                e = diff_versions(base_ids, ids)
-            except ValueError:
-                reuse.append(p)
-                edits.append(None)
-                continue
-            reuse.append(int(e.prefix_len + e.suffix_len))
-            edits.append(e)
-        best = int(np.argmax(reuse))
-        if reuse[best] >= MIN_CONTINUE_SHARE * len(ids):
-            return lanes[best][0], edits[best]
-        if free is not None:
-            return free, None
-        return min(lanes, key=lambda lane: lane[2])[0], None  # the least recently used context is replaced
+        return self.table.active(key)
 
     def keys(self) -> list[ThreadKey]:
         """Known thread keys, least recently used first."""
-        with self._lock:
-            return list(self._threads)
+        return self.table.keys()
 
     def resident_bytes(self) -> int:
         """K/V bytes held resident across threads (prepared next contexts included)."""
-        with self._lock:
-            threads = list(self._threads.values())
-        total = 0
-        for t in threads:
-            if t.resident is not None:
-                total += kv_bytes(t.resident)
-            prep = t.preparation
-            if prep is not None and prep.result is not None:
-                total += kv_bytes(prep.result)
-        return total
+        return self.table.resident_bytes()
 
     def offloaded_bytes(self) -> int:
         """Checkpoint bytes held in this process across threads (a store's bytes: ``store.nbytes()``)."""
-        with self._lock:
-            return sum(ckpt_bytes(t.checkpoint) for t in self._threads.values() if t.checkpoint is not None)
+        return self.table.offloaded_bytes()
+
+    def phase(self, key: ThreadKey | None) -> Phase:
+        """Where the KV of ``key``'s active context is now (a :class:`~patchkv_agent.runtime.lifecycle.Phase`:
+        the view of the thread's parts, :func:`~patchkv_agent.runtime.lifecycle.view_of`)."""
+        th = self.table.peek(self.table.active(key)) if key is not None else None
+        if th is None:
+            return Phase.NONE
+        with th.lock:
+            return view_of(th).phase
 
     def handle(self, key: ThreadKey) -> dict[str, Any] | None:
         """The KV handle of a thread's current version, JSON-serialisable (no tensors).
@@ -271,7 +202,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             KV): what :meth:`expect` binds a store entry to; None for an unknown thread.
         """
         key = self.active(key)
-        th = self._thread(key, create=False)
+        th = self.table.get(key, create=False)
         if th is None or th.token_ids is None:
             return None
         view = view_of(th)
@@ -304,40 +235,20 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         saying why. A registry that already holds the version (or a later one) ignores the call.
         """
         v = handle_version(handle)  # a handle comes from outside the process: its shape is checked
-        th = self._thread(key)
+        th = self.table.get(key)
         bound = {h for h in (handle.get("kv_ids_hash"), handle.get("ids_hash")) if isinstance(h, str)}
-        found, why = self._find_stored(key, v, bound) if self.store is not None else (None, "")
+        found, why = self.residency.find_stored(key, v, bound)
         with transition(th, "expect", restart=True):
             if th.version >= v:
                 return
             th.version, th.token_ids = v, None
             th.resident, th.checkpoint = None, None
-            self._set_store_entry(th, found, v, BaseKind.RESTART)
+            self.residency.set_store_entry(th, found, v, BaseKind.RESTART)
             th.lost = None if found is not None else Fallback(
                 FallbackKind.NOT_HELD,
                 f"the graph checkpoint refers to KV of context version {v} "
                 f"(ids {str(handle.get('ids_hash'))[:64]}) that this process does not hold (restart or new registry)"
                 + why)
-
-    def _find_stored(self, key: ThreadKey, version: int, ids: set[str]) -> tuple[CheckpointKey | None, str]:
-        """The store's most recently used entry of ``version`` of thread ``key`` written by this model for
-        tokens hashing to one of ``ids``, or ``(None, why not)``: an entry of other tokens under that thread
-        and version (planted, or left by another writer) is never picked."""
-        try:
-            keys = self.store.keys()
-        except StoreUnavailable as e:  # one line, no traceback: the resume says so anyway
-            log.warning("store unavailable while looking up thread %s version %d: %s", key, version,
-                        str(e).splitlines()[0][:300])
-            return None, f"; the {self.store.tier} store was unreachable"
-        fp = self.engine.spec.fingerprint
-        hits = [k for k in keys if (k.thread_id, k.checkpoint_ns, k.version, k.fingerprint) == (*key, version, fp)]
-        bound = [k for k in hits if k.ids_hash in ids]
-        if bound:
-            return bound[-1], ""
-        if hits:
-            return None, (f"; the {self.store.tier} store's entry of that version holds other tokens "
-                          f"(ids {hits[-1].ids_hash}), so it is not used")
-        return None, f"; the {self.store.tier} store holds no checkpoint of it either"
 
     def fork(self, src: ThreadKey, dst: ThreadKey) -> bool:
         """Start thread ``dst`` from ``src``'s current version and KV (shared, read-only tensors): the context
@@ -348,11 +259,11 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         Returns:
             False when ``src`` has no context version.
         """
-        s = self._known(src)  # the context src's last call used (a summarizer's lane is another context)
+        s = self.table.known(src)  # the context src's last call used (a summarizer's lane is another context)
         if s is None:
             return False
-        self._wait_pending(s)
-        d = self._thread(dst)
+        self.residency.wait_pending(s)
+        d = self.table.get(dst)
         with s.lock:
             if s.token_ids is None:
                 return False
@@ -362,44 +273,41 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         stored, reason = None, None
         if skey is not None:  # dst gets its own entry: each thread owns (and replaces) exactly one
             stored, reason = load_for_resume(self.engine, self.store, skey)
-        self._wait_pending(d)
+        self.residency.wait_pending(d)
         with d.lock:
             (d.version, d.token_ids, d.resident, d.checkpoint, d.checkpoint_version, d.checkpoint_source) = snapshot
             d.lost, d.pending = None, None
             if stored is not None:
-                self._put_store(d, stored, d.version, ssource)
+                self.residency.put_store(d, stored, d.version, ssource)
             else:
-                self._set_store_entry(d, None)
+                self.residency.set_store_entry(d, None)
                 if reason is not None:
                     d.lost = reason
-        self._enforce_resident_budget(keep=dst)
+        self.residency.enforce_resident_budget(keep=dst)
         return True
 
     def forget(self, thread_id: str) -> None:
         """Drop every key of ``thread_id`` (e.g. when the graph thread is deleted)."""
         for k in self.keys():
             if k[0] == str(thread_id):
-                th = self._thread(k, create=False)
+                th = self.table.get(k, create=False)
                 if th is not None:
                     if th.preparation is not None:
                         th.preparation.stop.set()
-                    self._wait_pending(th)
-                    with th.lock, self._lock:
-                        self._threads.pop(k, None)
-                        self._active.pop(k, None)
+                    self.residency.wait_pending(th)
+                    with th.lock:
+                        self.table.remove(th)
                     with transition(th, "forget"):
-                        self._set_store_entry(th, None)
+                        self.residency.set_store_entry(th, None)
 
     def close(self) -> None:
         """Stop preparations, finish pending offloads and stop the worker (a store stays open: its owner
         closes it)."""
-        with self._lock:
-            threads = list(self._threads.values())
-        for th in threads:
+        for th in self.table.records():
             prep = th.preparation
             if prep is not None:
                 prep.stop.set()
-        self._executor.shutdown(wait=True)
+        self.residency.close()
 
     # ---------------------------------------------------------------- resume
 
@@ -428,82 +336,7 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             ValueError: bad ids, ``max_new_tokens`` or strategy (the engine's validator:
                 :class:`~patchkv_agent.core.inputs.InvalidInput`).
         """
-        # the public boundary's one validation: the request is checked and resolved here, before any state
-        # changes, and every layer below runs it as it is
-        req = self.engine.request(token_ids, strategy, max_new_tokens)
-        ids, max_new_tokens, strat = req.ids, req.max_new_tokens, req.strategy
-        strategy = strat.name
-        exact_req = req.with_strategy(self.engine.strategy("exact")).prefill_only()
-        stop = prediction_stop()  # a prediction's own call (a summary): behind every real call (.background)
-        check_not_stopped(stop)
-        if key is None:
-            if stop is not None:
-                res = resume_in_background(self.engine, None, exact_req, stop, self.prepare_chunk_tokens)
-            else:
-                with self.forward_lock:
-                    res = self.engine.resume_request(None, exact_req)
-            res.stats = res.stats.with_runtime(base=BaseKind.NONE, requested_strategy=strategy, offload_wait_s=0.0)
-            return TokenStream(self.engine, res, max_new_tokens, sampler, stop=stop)
-        primary, (key, edit) = key, self._choose_context(key, ids)
-        req = dataclasses.replace(req, edit=edit).prefill_only()
-        with self._lock:
-            self._active[primary] = key
-        th = self._thread(key)
-        taken = self._take_preparation(th, req)  # detached once; its diff (a partial call planned one) goes on
-        prepared, req = taken.base, dataclasses.replace(req, edit=taken.edit) if taken.edit is not None else req
-        # a heal in progress gives the exact base this resume wants (a prepared base is exact already)
-        heal_wait_s = 0.0 if prepared is not None else self._wait_heal(th)
-        with th.lock:
-            resident = th.resident is not None or prepared is not None
-        # a resident thread resumes from its resident KV: a pending offload is not waited for
-        wait_s = 0.0 if resident and strat.uses_checkpoint else self._wait_pending(th)
-        with transition(th, "resume"):
-            base_heal = th.heal_stats
-            base_approx = th.resident.approx_rows if th.resident is not None else None
-            if not strat.uses_checkpoint:  # no base needed (exact): do not write one
-                base, base_version, source, skey = None, None, BaseKind.NONE, None
-                fallback = None
-            elif prepared is not None:
-                base, base_version, skey = self.engine.as_checkpoint(prepared), th.version, None
-                source = BaseKind.PREPARED
-                fallback = None
-            else:
-                base, base_version, source, skey = self._base(th)
-                fallback = th.lost if base is None and skey is None else None
-            if stop is not None:  # exact, in chunks from the resident rows it shares
-                res = resume_in_background(self.engine, th.resident, req, stop, self.prepare_chunk_tokens)
-            elif skey is not None:  # the store read runs outside the forward lock
-                res = resume_from_store(self.engine, self.store, skey, req, forward_lock=self.forward_lock)
-                if res.stats.fallback is not None:  # nothing of the stored checkpoint was used
-                    base_version, source = None, BaseKind.NONE  # evicted, corrupt, missing: exact, reason recorded
-            else:
-                with self.forward_lock:
-                    if base is None:
-                        res = self.engine.resume_request(None, exact_req)
-                    else:
-                        res = self.engine.resume_request(base, req)
-            th.version += 1
-            th.token_ids, th.lost, th.heal_stats = ids, None, None
-            th.resident = dataclasses.replace(res, cache=None, output_ids=[])
-            th.checkpoint, th.pending = None, None  # superseded by the resident version
-            stale = th.store_key
-            th.store_key = None
-            version = th.version
-            th.streams += 1  # until the stream's commit: see TokenStream.close
-        if stale is not None:  # superseded too: free its share of the store's budget, off the critical path
-            self._submit_delete(stale)
-        heal_s, healed_rows = base_heal or (None, None)
-        prep_stats = taken.runtime_fields(len(ids), res.stats.recompute_tokens, source is BaseKind.PREPARED)
-        res.stats = res.stats.with_runtime(
-            thread_id=key[0], checkpoint_ns=primary[1], version=version, base_version=base_version,
-            base=source, requested_strategy=strategy, offload_wait_s=wait_s, context=key[1], heal_wait_s=heal_wait_s,
-            base_approx_rows=base_approx if source is BaseKind.RESIDENT else None,
-            base_heal_s=heal_s, base_healed_rows=healed_rows, **prep_stats)
-        if res.stats.fallback is None and fallback is not None:  # the base it expected is gone: say why
-            res.stats = res.stats.with_engine(fallback=fallback)
-        self._enforce_resident_budget(keep=key)
-        return TokenStream(self.engine, res, max_new_tokens, sampler,
-                           commit=functools.partial(self._commit, th, version), stop=stop)
+        return self.call_path.stream(key, token_ids, strategy, max_new_tokens, sampler)
 
     def generate(self, key: ThreadKey | None, token_ids, *, strategy: "str | Strategy" = "patchkv",
                  max_new_tokens: int = 16, sampler: Sampler | None = None) -> ResumeResult:
@@ -524,46 +357,6 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, lambda: self.generate(key, token_ids, strategy=strategy,
                                                                       max_new_tokens=max_new_tokens, sampler=sampler))
-
-    def _base(self, th: ThreadState):
-        """Where to resume ``th`` from: ``(checkpoint, version, source, store_key)``.
-
-        The resident KV when it is still there (a zero-copy full-precision view: nothing is ever written
-        on the critical path), else a checkpoint in this process, else the thread's store entry of its
-        current version (``checkpoint`` None, ``store_key`` set), else nothing.
-        """
-        if th.resident is not None:
-            return self.engine.as_checkpoint(th.resident), th.version, BaseKind.RESIDENT, None
-        if th.checkpoint is not None:
-            return th.checkpoint, th.checkpoint_version, th.checkpoint_source, None
-        if th.store_key is not None and th.store_version == th.version:
-            return None, th.version, th.store_source, th.store_key
-        return None, None, BaseKind.NONE, None
-
-    def _commit(self, th: ThreadState, version: int, res: ResumeResult, cache) -> None:
-        """Make the decoded tokens' KV part of the thread's resident version (if still current)."""
-        out = res.output_ids
-        keys, values, ids = res.keys, res.values, res.context_ids
-        if len(out) > 1 and cache is not None:
-            n = len(ids) + len(out) - 1
-            try:
-                ks = [layer.keys for layer in cache.layers]
-                vs = [layer.values for layer in cache.layers]
-            except AttributeError:
-                ks = vs = []
-            if ks and all(k.shape[-2] == n for k in ks) and all(v.shape[-2] == n for v in vs):
-                keys, values = ks, vs
-                ids = np.concatenate([ids, np.asarray(out[:-1], dtype=np.int64)])
-        with transition(th, "commit"):
-            th.streams = max(0, th.streams - 1)
-            if th.version != version or th.resident is None:
-                return
-            exact = res.exact_rows
-            if exact is None or exact >= len(res.context_ids):  # decoded over an exact context: exact too
-                exact = len(ids)
-            th.resident = dataclasses.replace(res, cache=None, output_ids=[], context_ids=ids, keys=keys,
-                                              values=values, exact_rows=exact)
-        self._enforce_resident_budget(keep=th.key)
 
     # --------------------------------------------------------------- offload
 
@@ -586,20 +379,8 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
             The offload's future (its result: the offload seconds, or None when there was nothing to do),
             or None when nothing was started.
         """
-        th = self._known(key)
-        if th is None:
-            return None
-        with transition(th, "offload"):
-            if th.pending is not None and not th.pending.done():
-                return th.pending
-            if th.resident is None:
-                return None
-            if is_offloaded(th):  # this version's KV is written already: nothing to write again
-                if release:
-                    th.resident = None
-                return th.pending
-            th.pending = self._submit_offload(th, BaseKind.BACKGROUND, release)
-            return th.pending
+        th = self.table.known(key)
+        return self.residency.offload(th, release) if th is not None else None
 
     def offload(self, key: ThreadKey | None, *, release: bool = False) -> float | None:
         """Synchronous :meth:`offload_async`: returns the offload seconds (None when nothing to do)."""
@@ -613,87 +394,43 @@ class ThreadRegistry(PreparationMixin, ResidencyMixin):
 
     def wait(self, key: ThreadKey | None) -> float:
         """Wait for a pending offload of ``key``; returns the seconds waited."""
-        th = self._thread(self.active(key), create=False) if key is not None else None
-        return self._wait_pending(th) if th is not None else 0.0
+        th = self.table.known(key)
+        return self.residency.wait_pending(th) if th is not None else 0.0
 
-    def _submit_offload(self, th: ThreadState, source: BaseKind, release: bool = False) -> Future:
-        """Queue an offload job of ``th``'s current version (caller holds ``th.lock``). The job owns its heal
-        event (set once its heal stage is over; None: nothing to heal): a job that runs late, after its
-        thread moved on, sets only its own event, never the one a newer job's resume is waiting on."""
-        prep = th.preparation
-        preparing = prep is not None and prep.version == th.version  # it recomputes what the next call uses
-        healing = (threading.Event() if self.heal and not preparing and th.resident is not None
-                   and th.resident.approx_rows else None)
-        th.healing = healing
-        return self._executor.submit(self._offload_job, th, th.version, source, release, healing)
+    # ----------------------------------------------------------- preparation
 
-    def _wait_heal(self, th: ThreadState) -> float:
-        """Wait until the heal stage of ``th``'s pending job is over (a resume wants the exact base)."""
-        with th.lock:
-            evt, fut = th.healing, th.pending
-        if evt is None or evt.is_set() or fut is None or fut.done():
-            return 0.0
-        t0 = time.perf_counter()
-        while not evt.wait(0.05):
-            if fut.done():  # the job ended (or failed) before its heal stage: nothing to wait for
-                break
-        return time.perf_counter() - t0
+    def prepare_async(self, key: ThreadKey | None, predict: "Callable[[], Prediction | Any]", *,
+                      chunk_tokens: int | None = None) -> Future | None:
+        """Compute the thread's predicted next context exactly in the background, while its tools run
+        (:meth:`Preparations.prepare_async <patchkv_agent.runtime.preparation.Preparations.prepare_async>`
+        says how, and how the next call uses it).
 
-    def _wait_pending(self, th: ThreadState) -> float:
-        fut = th.pending
-        if fut is None or fut.done():
-            return 0.0
-        t0 = time.perf_counter()
-        try:
-            fut.result()
-        except Exception:  # the job recorded the failure in th.lost / kept the resident KV
-            log.exception("background offload of thread %s failed", th.key)
-        return time.perf_counter() - t0
+        Args:
+            key: the thread key (its active context).
+            predict: the predictor (called once, on its own thread; whatever it raises, ``BaseException``
+                included, becomes ``prepared_reason``).
+            chunk_tokens: rows per background forward (default: :attr:`prepare_chunk_tokens`).
 
-    def _offload_job(self, th: ThreadState, version: int, source: BaseKind, release: bool = False,
-                     healing: threading.Event | None = None) -> float | None:
-        """Write ``version``'s resident KV as a checkpoint: a snapshot under the thread lock, the checkpoint
-        (quantization, copies; no forward, so no forward lock) outside it, then installed only if the
-        thread still holds that state. ``"evicted"`` (and ``release``) offloads then drop the resident KV;
-        the others keep it (the next resume uses it), the checkpoint serving restarts, other processes and
-        eviction."""
-        with th.lock:
-            if th.version != version or th.resident is None:
-                if healing is not None:
-                    healing.set()
-                return None
-            snap = th.resident
-        t0 = time.perf_counter()
-        if healing is not None:
-            try:
-                if snap.approx_rows:  # recompute the approximate rows while the model is idle (a tool runs)
-                    healed = self.engine.heal(snap)
-                    with transition(th, "heal"):
-                        if th.version == version and th.resident is snap:
-                            th.resident = snap = healed
-                            th.heal_stats = (healed.stats.heal_s, healed.stats.healed_rows)
-                            self.events.append({"event": "heal", "key": th.key, "version": version,
-                                                "rows": healed.stats.healed_rows, "heal_s": healed.stats.heal_s})
-            finally:
-                healing.set()
-            with th.lock:
-                if th.version != version or th.resident is not snap:
-                    self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
-                    return None
-        ckpt = self.engine.checkpoint_from(snap)
-        with transition(th, "offload: install"):
-            if th.version != version or th.resident is not snap:  # the thread moved on: nothing to install
-                self.events.append({"event": "offload_discarded", "key": th.key, "version": version})
-                return None
-            if self.store is None:
-                th.checkpoint, th.checkpoint_version, th.checkpoint_source = ckpt, version, source
-            else:
-                self._put_store(th, ckpt, version, source)
-            if source == BaseKind.EVICTED or release:
-                th.resident = None
-            dt = time.perf_counter() - t0
-        self._enforce_offload_budget(keep=th.key)
-        return dt
+        Returns:
+            The job's future (one per thread version: a second call for the same version returns the
+            first one's), or None for an unknown thread or one without a context version.
+
+        Raises:
+            ValueError: ``chunk_tokens`` < 1.
+        """
+        return self.preparations.prepare_async(key, predict, chunk_tokens=chunk_tokens)
+
+    def wait_prepared(self, key: ThreadKey | None, timeout: float | None = None) -> float:
+        """Wait until the preparation of ``key``'s current version is over (done, failed or stopped).
+
+        Args:
+            key: the thread key (its active context).
+            timeout: seconds at most (None: no limit).
+
+        Returns:
+            The seconds waited (0.0 when nothing is being prepared).
+        """
+        return self.preparations.wait_prepared(key, timeout)
 
 
 __all__ = ["ThreadRegistry", "ThreadKey", "TokenStream", "thread_key", "ids_hash", "run_stream"]

@@ -3,7 +3,8 @@
 - :mod:`.base`: the interface, the registry and :class:`RecoverySettings` (re-exported from
   :mod:`patchkv_agent.core.settings`): what every strategy reads instead of the engine.
 - :mod:`.builtin`: ``exact`` (the oracle), ``prefix`` (Prefix Cache baseline), ``direct`` (Direct KV
-  Reuse baseline), ``patchkv`` (selective recovery).
+  Reuse baseline), ``patchkv`` (selective recovery); :func:`full_prefill` and :func:`exact_reuse`, the exact
+  strategies the layers above run without naming them.
 - :mod:`.cacheblend`: the CacheBlend baseline.
 
 Importing this package registers all five; nothing below imports it back.
@@ -12,8 +13,9 @@ Importing this package registers all five; nothing below imports it back.
 from __future__ import annotations
 
 from .base import STRATEGIES, RecoverySettings, Strategy, get_strategy, register_spec, register_strategy, run_plan
-from .builtin import DirectStrategy, ExactStrategy, PatchKVStrategy, PrefixStrategy
+from .builtin import DirectStrategy, ExactStrategy, PatchKVStrategy, PrefixStrategy, exact_reuse, full_prefill
 from .cacheblend import CacheBlendStrategy
 
 __all__ = ["STRATEGIES", "Strategy", "RecoverySettings", "get_strategy", "register_spec", "register_strategy", "run_plan",
-           "ExactStrategy", "PrefixStrategy", "DirectStrategy", "PatchKVStrategy", "CacheBlendStrategy"]
+           "ExactStrategy", "PrefixStrategy", "DirectStrategy", "PatchKVStrategy", "CacheBlendStrategy", "full_prefill",
+           "exact_reuse"]

@@ -32,6 +32,16 @@ class ExactStrategy(Strategy):
         return FullRecompute(new_len=edit.new_len)
 
 
+def full_prefill() -> Strategy:
+    """The strategy of a full prefill: reads no base, exact by construction (``exact``); what a layer above runs
+    when it has no usable base. The one place a caller gets it, so no caller names it.
+
+    Returns:
+        A fresh :class:`ExactStrategy`.
+    """
+    return ExactStrategy()
+
+
 @register_strategy
 class PrefixStrategy(Strategy):
     name = "prefix"
@@ -39,6 +49,16 @@ class PrefixStrategy(Strategy):
 
     def plan(self, settings, ckpt, edit):
         return plan_full(edit, block_size=settings.block_size)
+
+
+def exact_reuse() -> Strategy:
+    """The exact strategy that reuses a base's rows up to the first change and recomputes the rest (``prefix``):
+    what a layer above runs over rows it knows are exact. The one place a caller gets it.
+
+    Returns:
+        A fresh :class:`PrefixStrategy`.
+    """
+    return PrefixStrategy()
 
 
 @register_strategy

@@ -104,7 +104,7 @@ def resume_from_store(engine, store: KVStore, key: CheckpointKey, new_token_ids,
     get_s = time.perf_counter() - t0
     with forward_lock if forward_lock is not None else contextlib.nullcontext():
         if ckpt is None:
-            res = engine.resume_request(None, req.with_strategy(engine.strategy("exact")))
+            res = engine.resume_request(None, req.as_full_prefill())
             res.stats = res.stats.with_engine(fallback=reason)  # the reason this layer ran exactly
         else:
             res = engine.resume_request(ckpt, req)
