@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         before = set(sys.modules)
         import patchkv_agent.cli as cli
         import patchkv_agent.engine  # noqa: F401
-        import patchkv_agent.eval.host_bench  # noqa: F401
-        import patchkv_agent.eval.tiny  # noqa: F401
+        import benchmarks.host_bench  # noqa: F401
+        import benchmarks.tiny  # noqa: F401
         import patchkv_agent.runtime.threads  # noqa: F401
         from patchkv_agent.kernels import dispatch, native
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.loading import is_random
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
     from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
