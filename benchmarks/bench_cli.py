@@ -97,7 +97,7 @@ def add_cli(sub) -> None:
 
 
 def tool_latency(spec: str):
-    """``--tool-latency``: a :class:`~patchkv_agent.eval.prepared_bench.ToolLatency`, or a UsageError."""
+    """``--tool-latency``: a :class:`~benchmarks.prepared_bench.ToolLatency`, or a UsageError."""
     from .prepared_bench import ToolLatency
 
     try:
@@ -230,7 +230,7 @@ def _summary_rows(files: list[str]) -> list[dict]:
 
 def cmd_bench_loop(args) -> int:
     """``patchkv-agent bench-loop``: the tool-latency sweep (``--tool-latencies``), or with ``--tool-latency``
-    the agent loop with the tool-wait preparation (:mod:`patchkv_agent.eval.prepared_bench`)."""
+    the agent loop with the tool-wait preparation (:mod:`.prepared_bench`)."""
     import json
 
     if args.tool_latency is not None:
