@@ -21,6 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/ beside the package
+
 OPTIONAL = ("langgraph", "langchain", "langchain_core", "gguf", "accelerate", "xgrammar", "pydantic", "redis",
             "xxhash", "matplotlib", "safetensors", "tokenizers", "tqdm", "numpy")
 
