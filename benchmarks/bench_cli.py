@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from patchkv_agent.cli import (_CONTEXT_HELP, _at_least_two, _common, _count_tokens, _engine, _non_negative,
-                               _workload_names)
+from patchkv_agent import cli as _cli  # the engine loading by attribute, so a test can replace cli._engine
+from patchkv_agent.cli import _CONTEXT_HELP, _at_least_two, _common, _non_negative, _workload_names
 from patchkv_agent.cli_args import (DEFAULT_TOOL_LATENCIES, _check_strategies, _check_workloads, _floors, _reason,
                                     _shard, _sweep)
 from patchkv_agent.usage import UsageError
@@ -163,8 +163,8 @@ def cmd_bench(args) -> int:
         from patchkv_agent.usage import check_writable_dir
 
         check_writable_dir("--out-dir", args.out_dir)  # before the model loads
-        eng = _engine(args)
-        count = _count_tokens(eng)
+        eng = _cli._engine(args)
+        count = _cli._count_tokens(eng)
         traces = []
         for wl in args.workloads.split(","):
             traces += build_workload_traces(wl, args.edit, n=args.n, target_tokens=args.target_tokens,
@@ -268,8 +268,8 @@ def _loop_setup(args, result_name: str):
         (out / result_name).touch()
     except OSError as e:
         raise UsageError(f"--out-dir: cannot write to {out}: {_reason(e)}") from None
-    eng = _engine(args)
-    return out, eng, _count_tokens(eng)
+    eng = _cli._engine(args)
+    return out, eng, _cli._count_tokens(eng)
 
 
 

@@ -190,7 +190,8 @@ def test_cli_summarize(tmp_path, capsys):
 
 def test_cli_summarize_merges_shards(tmp_path, capsys):
     """Two shard files summarize to the same numbers as the one file they were split from."""
-    from patchkv_agent.cli import _shard, main
+    from patchkv_agent.cli import main
+    from patchkv_agent.cli_args import _shard
 
     rows = read_results(SMALL)
     ids = sorted({r["id"] for r in rows})
