@@ -2,7 +2,7 @@
 
 Boundary: one opt-in stage of ``patchkv-agent calibrate`` (``--agent-workloads``). It builds agent-workload
 episodes (:func:`agent_traces`: LangChain's middlewares editing agent histories,
-:func:`patchkv_agent.eval.bench.build_workload_traces`), resumes every edited version from the exact KV of
+:func:`patchkv_agent.eval.episodes.build_workload_traces`), resumes every edited version from the exact KV of
 the call before it through the engine's public methods only (``checkpoint``, ``resume`` with ``exact`` and
 :class:`~patchkv_agent.strategies.builtin.PatchKVStrategy` ``(recent_window=w)``, the rest of the settings
 the engine's), scores each resume's next action against the exact one
@@ -118,7 +118,7 @@ def agent_traces(workload: str, *, n: int = DEFAULT_N, skip: int = DEFAULT_SKIP,
         ValueError: not an agent workload, ``n < 1`` or ``skip < 0``.
     """
     from patchkv_agent.eval.agent_workloads import AGENT_WORKLOADS
-    from patchkv_agent.eval.bench import build_workload_traces
+    from patchkv_agent.eval.episodes import build_workload_traces
 
     if workload not in AGENT_WORKLOADS:
         raise ValueError(f"unknown agent workload {workload!r}; choose from {list(AGENT_WORKLOADS)}")

@@ -65,16 +65,6 @@ def _sweep(spec: str | None) -> list[float]:
     return lats
 
 
-def _tool_latency(spec: str):
-    """``--tool-latency``: a :class:`~patchkv_agent.eval.prepared_bench.ToolLatency`, or a UsageError."""
-    from .eval.prepared_bench import ToolLatency
-
-    try:
-        return ToolLatency.parse(spec)
-    except ValueError as e:
-        raise UsageError(f"--tool-latency: {e}") from None
-
-
 def _check_model(args) -> None:
     from .loading import EMBEDDED_MODELS, RANDOM_PREFIX, looks_like_path, parse_random_spec
 
@@ -133,28 +123,6 @@ def _check_workloads(flag: str, spec: str) -> list[str]:
     return names
 
 
-def _check_bench_loop(args) -> None:
-    """``bench-loop``: the sweep or the latency model (not both); the prepared loop runs agent workloads only."""
-    from .eval.agent_workloads import AGENT_WORKLOADS
-
-    if args.tool_latency is None:
-        _sweep(args.tool_latencies)
-        extra = [f for f, v in (("--cover-preparation", args.cover_preparation), ("--exact-reference",
-                                args.exact_reference), ("--prepare-chunk", args.prepare_chunk is not None)) if v]
-        if extra:
-            raise UsageError(f"{extra[0]} applies to the prepared loop; pass --tool-latency SPEC too")
-        return
-    if args.tool_latencies is not None:
-        raise UsageError("pass --tool-latencies (the sweep) or --tool-latency (the prepared loop), not both")
-    if args.agents:
-        raise UsageError("--agents runs with the sweep (--tool-latencies), not with --tool-latency")
-    _tool_latency(args.tool_latency)
-    other = [w for w in _check_workloads("--workloads", args.workloads) if w not in AGENT_WORKLOADS]
-    if other:
-        raise UsageError(f"--tool-latency: the prepared loop predicts with an agent workload's editor; {other} "
-                         f"have none: choose from {list(AGENT_WORKLOADS)} (or use --tool-latencies)")
-
-
 def _check_edit(args) -> None:
     from .eval.workloads import EDITS
 
@@ -163,26 +131,13 @@ def _check_edit(args) -> None:
         raise UsageError(f"--edit: unknown edit {edit!r}; choose from {[*EDITS, 'all']}")
 
 
-def _bench_defaults(args) -> None:
-    """``bench``'s ``--workloads`` / ``--strategies`` when not given: the defaults, or with ``--follow`` the
-    edit-following ones (and ``patchkv-noreaders`` registered)."""
-    from .eval.bench import (DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, register_noreaders,
-                             register_norecent)
-    from .eval.follow import FOLLOW_WORKLOADS
-
-    register_noreaders()  # the ablation variants may be named in --strategies
-    register_norecent()
-    if args.workloads is None:
-        args.workloads = ",".join(FOLLOW_WORKLOADS if args.follow else DEFAULT_WORKLOADS)
-    if args.strategies is None:
-        args.strategies = ",".join(FOLLOW_STRATEGIES if args.follow else DEFAULT_STRATEGIES)
-
-
 def _check_command(args) -> None:
     """Command-specific checks beyond :func:`patchkv_agent.usage.check_ranges`."""
     cmd = args.command
     if cmd == "bench":
-        _bench_defaults(args)
+        from .cli_bench import load_benchmark
+
+        load_benchmark("bench_cli").bench_defaults(args)
     if cmd in ("demo", "replay", "bench", "bench-loop"):
         _check_strategies(args.strategies)
     if cmd in ("replay", "bench"):
@@ -215,7 +170,9 @@ def _check_command(args) -> None:
         _check_out_dir("--out-dir", args.out_dir)
     if cmd == "bench-loop":
         _check_out_dir("--out-dir", args.out_dir)
-        _check_bench_loop(args)
+        from .cli_bench import load_benchmark
+
+        load_benchmark("bench_cli").check_bench_loop(args)
     if cmd in ("demo", "bench-transport"):
         _check_out_file("--out", args.out)
     if cmd == "stress":

@@ -21,6 +21,8 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/ beside the package
+
 OPTIONAL = ("langgraph", "langchain", "langchain_core", "gguf", "accelerate", "xgrammar", "pydantic", "redis",
             "xxhash", "matplotlib", "safetensors", "tokenizers", "tqdm", "numpy")
 
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         before = set(sys.modules)
         import patchkv_agent.cli as cli
         import patchkv_agent.engine  # noqa: F401
-        import patchkv_agent.eval.host_bench  # noqa: F401
-        import patchkv_agent.eval.tiny  # noqa: F401
+        import benchmarks.host_bench  # noqa: F401
+        import benchmarks.tiny  # noqa: F401
         import patchkv_agent.runtime.threads  # noqa: F401
         from patchkv_agent.kernels import dispatch, native
 

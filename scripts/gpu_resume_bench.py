@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/ beside the package
+
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ def _engine(args):
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.model == "tiny":
-        from patchkv_agent.eval.tiny import tiny_engine
+        from benchmarks.tiny import tiny_engine
 
         eng = tiny_engine("llama", max_positions=max(args.lengths) + args.edit_tokens + args.append + 64, device=device,
                           config={"vocab_size": 4096, "pad_token_id": None}, scale=1.0)
@@ -78,7 +80,7 @@ def _versions(eng, n: int, args, rng) -> tuple[np.ndarray, np.ndarray, str]:
     vocab = int(eng.spec.vocab_size)
     tok = eng.tokenizer
     if tok is not None and getattr(tok, "chat_template", None):
-        from patchkv_agent.eval.host_bench import _conversation
+        from benchmarks.host_bench import _conversation
 
         msgs = _conversation(tok, n + 256, args.seed)
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)

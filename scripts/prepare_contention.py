@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/ beside the package
+
 import numpy as np
 
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from patchkv_agent.engine import PatchKVEngine
     from patchkv_agent.loading import is_random
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
     from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from patchkv_agent import PatchKVEngine
-    from patchkv_agent.eval.bench import build_workload_traces
+    from patchkv_agent.eval.episodes import build_workload_traces
     from patchkv_agent.eval.metrics import NEXT_ACTION_TOKENS, next_action_agree
     from patchkv_agent.eval.traces import plain_messages, version_ids
 

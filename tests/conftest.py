@@ -33,10 +33,10 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def engine(request):
     """The test module's engine, built once per module by the one tiny-engine factory,
-    :func:`patchkv_agent.eval.tiny.tiny_engine`: with the module's ``ENGINE`` keywords (a dict), or by the
+    :func:`benchmarks.tiny.tiny_engine`: with the module's ``ENGINE`` keywords (a dict), or by the
     module's ``ENGINE`` builder (a callable, e.g. :func:`tiny_models.chat_engine`); without ``ENGINE``, the
     default tiny engine (the tiny llama, 8-token blocks and dirty window, no profile)."""
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
 
     spec = getattr(request.module, "ENGINE", {})
     return spec() if callable(spec) else tiny_engine(**spec)
@@ -57,7 +57,7 @@ def no_model(monkeypatch):
     """Every way a command loads a model raises (a bad argument must be caught before it loads one)."""
     from patchkv_agent import cli, engine
     from patchkv_agent import loading as models
-    from patchkv_agent.eval import stress_cli
+    from benchmarks import stress_cli
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the arguments were checked")

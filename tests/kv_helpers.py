@@ -1,5 +1,5 @@
 """Shared helpers of the KV store tests: synthetic checkpoints and a throwaway redis-server on loopback
-(:class:`patchkv_agent.eval.redis_server.RedisProcess`, or the test skips)."""
+(:class:`benchmarks.redis_server.RedisProcess`, or the test skips)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
 from patchkv_agent.core.provenance import CheckpointProvenance
 from patchkv_agent.runtime.kvstore import CheckpointKey, encode_checkpoint
-from patchkv_agent.eval.redis_server import RedisProcess, redis_server_path
+from benchmarks.redis_server import RedisProcess, redis_server_path
 
 REDIS_SKIP = ("Redis tier tests skipped: no redis-server in the venv's bin/ or on PATH (bash scripts/bootstrap.sh "
               "installs one with the test extra; with PATCHKV_REQUIRE_SERVERS=1, as scripts/test.sh sets, this fails)")

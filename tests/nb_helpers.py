@@ -28,7 +28,18 @@ def run_notebook(name: str) -> tuple[list[dict], str]:
     nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(ROOT / "notebooks")}})
-    client.execute()
+    import os
+
+    saved = os.environ.get("PYTHONPATH")
+    # the kernel imports the checkout's benchmark harness (benchmarks/, beside the package, not installed)
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), saved) if x)
+    try:
+        client.execute()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, errors

@@ -153,7 +153,7 @@ class FaultProxy:
 def start_engine(name: str):
     """Start the named serving engine on the embedded model; skips (or, with ``PATCHKV_REQUIRE_SERVERS=1``,
     which ``scripts/test.sh`` sets, fails) when it is not set up."""
-    from patchkv_agent.eval import servers
+    from benchmarks import servers
 
     try:
         if name == "vllm":

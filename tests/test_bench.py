@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from patchkv_agent.eval.bench import markdown_table, plot_frontier, read_results, run_bench, summarize, write_summary
+from benchmarks.bench import markdown_table, plot_frontier, read_results, run_bench, summarize, write_summary
 from patchkv_agent.eval.traces import RESULT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +190,8 @@ def test_cli_summarize(tmp_path, capsys):
 
 def test_cli_summarize_merges_shards(tmp_path, capsys):
     """Two shard files summarize to the same numbers as the one file they were split from."""
-    from patchkv_agent.cli import _shard, main
+    from patchkv_agent.cli import main
+    from patchkv_agent.cli_args import _shard
 
     rows = read_results(SMALL)
     ids = sorted({r["id"] for r in rows})
@@ -245,7 +246,7 @@ def test_cli_bench_follow_runs_the_edit_following_set(tmp_path, monkeypatch, one
     from tiny_models import chat_engine
 
     from patchkv_agent import cli
-    from patchkv_agent.eval.bench import FOLLOW_STRATEGIES, NOREADERS
+    from benchmarks.bench import FOLLOW_STRATEGIES, NOREADERS
     from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
     from patchkv_agent.strategies import STRATEGIES
 

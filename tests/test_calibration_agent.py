@@ -18,7 +18,7 @@ from patchkv_agent.calibration.agent_stage import (
     select_recent_window,
     with_recent_window,
 )
-from patchkv_agent.eval.tiny import CHATML, tiny_engine
+from benchmarks.tiny import CHATML, tiny_engine
 from patchkv_agent.strategies.builtin import PatchKVStrategy
 from tiny_models import tiny_profile
 
@@ -476,7 +476,7 @@ def test_stage_rejects_bad_settings_and_traces_with_nothing_to_choose_by(engine)
 
 
 def test_agent_traces_are_the_ones_after_the_benchmarks_first():
-    from patchkv_agent.eval.bench import build_workload_traces
+    from patchkv_agent.eval.episodes import build_workload_traces
 
     got = agent_traces("agent-clear", n=2, skip=3, target_tokens=4000)  # LangChain's approximate token count
     bench = build_workload_traces("agent-clear", n=3, target_tokens=4000)

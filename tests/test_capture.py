@@ -13,7 +13,7 @@ N_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def model():
-    from patchkv_agent.eval.tiny import tiny_model
+    from benchmarks.tiny import tiny_model
 
     # five layers (the default layer sample differs from "all"), the plain random init
     return tiny_model("llama", 0, vocab_size=128, intermediate_size=128, layers=5, max_positions=256,

@@ -183,28 +183,28 @@ def test_bench_follow_and_capture_cost_options_resolve_their_defaults(no_model):
     """``bench --follow``: the follow-* workloads under FOLLOW_STRATEGIES, ``patchkv-noreaders`` registered
     (patchkv with the reader blocks off), unless --workloads / --strategies are given; without it the
     defaults. ``bench-transport --capture-cost``: its own --tokens / --out defaults. No model loads."""
-    from patchkv_agent.eval.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, NOREADERS
+    from benchmarks.bench import DEFAULT_STRATEGIES, DEFAULT_WORKLOADS, FOLLOW_STRATEGIES, NOREADERS
     from patchkv_agent.eval.follow import FOLLOW_WORKLOADS
     from patchkv_agent.strategies import STRATEGIES, PatchKVStrategy, get_strategy
     from patchkv_agent.core.settings import RecoverySettings
 
     saved = dict(STRATEGIES)
     try:
-        plain = cli.build_parser().parse_args(["bench"])
+        plain = cli.build_parser(benchmarks=True).parse_args(["bench"])
         cli.check_args(plain)
         assert (plain.workloads, plain.strategies) == (",".join(DEFAULT_WORKLOADS), ",".join(DEFAULT_STRATEGIES))
-        args = cli.build_parser().parse_args(["bench", "--follow"])
+        args = cli.build_parser(benchmarks=True).parse_args(["bench", "--follow"])
         cli.check_args(args)
         assert args.workloads == ",".join(FOLLOW_WORKLOADS) and args.strategies == ",".join(FOLLOW_STRATEGIES)
         s = get_strategy(NOREADERS)
         assert isinstance(s, PatchKVStrategy) and s.resolve(RecoverySettings()).readers == "none"
-        mine = cli.build_parser().parse_args(["bench", "--follow", "--workloads", "nq-e", "--strategies", "exact"])
+        mine = cli.build_parser(benchmarks=True).parse_args(["bench", "--follow", "--workloads", "nq-e", "--strategies", "exact"])
         cli.check_args(mine)
         assert (mine.workloads, mine.strategies) == ("nq-e", "exact")
     finally:
         STRATEGIES.clear()
         STRATEGIES.update(saved)
-    cap = cli.build_parser().parse_args(["bench-transport", "--capture-cost"])
+    cap = cli.build_parser(benchmarks=True).parse_args(["bench-transport", "--capture-cost"])
     cli.check_args(cap)
     assert cap.capture_cost and cap.tokens is None and cap.out is None  # resolved by the command: 3000, capture_cost.json
 

@@ -1,7 +1,7 @@
 """SegmentEncoder against its oracle: the tokenizer's own ids of the whole text, on conversations edited the
 way agents edit them, for byte-level BPE, SentencePiece-style (Metaspace, prepend "first") and char-level
 tokenizers built in memory; a tokenizer whose added tokens strip whitespace turns the memo off. Also: the
-char-level chat tokenizer of the tiny models (:func:`patchkv_agent.eval.tiny.tiny_chat_tokenizer`) round-trips
+char-level chat tokenizer of the tiny models (:func:`benchmarks.tiny.tiny_chat_tokenizer`) round-trips
 chat text inside their vocabulary."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from patchkv_agent.core.encoding import SegmentEncoder
-from patchkv_agent.eval.tiny import tiny_chat_tokenizer
+from benchmarks.tiny import tiny_chat_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -144,7 +144,7 @@ def test_a_slow_or_foreign_tokenizer_is_tokenized_whole():
 
 
 def test_engine_encode_uses_the_memo_and_matches_the_tokenizer():
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
 
     eng = tiny_engine(chat_template=CHATML)
     msgs = _conversation(np.random.default_rng(2), 6)

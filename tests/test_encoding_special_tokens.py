@@ -18,7 +18,7 @@ from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, System
 from langchain_core.tools import tool
 
 from patchkv_agent.core.encoding import SegmentEncoder, special_token_texts
-from patchkv_agent.eval.tiny import CHATML_TOOLS, tiny_chat_tokenizer
+from benchmarks.tiny import CHATML_TOOLS, tiny_chat_tokenizer
 from patchkv_agent.langgraph import PatchKVChatModel
 from patchkv_agent.langgraph.tools import plain_messages, to_trace_messages, tool_schemas
 from test_encoding import bytelevel_bpe, metaspace_bpe

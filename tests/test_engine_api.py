@@ -20,7 +20,7 @@ from patchkv_agent.core.precision import PrecisionPolicy
 from patchkv_agent.runtime.kvstore import CheckpointMissing, ForeignCheckpoint, MemoryStore, StoreUnavailable
 from patchkv_agent.runtime.kvstore import load_for_resume, resume_from_store
 from patchkv_agent.strategies import PatchKVStrategy, get_strategy
-from patchkv_agent.eval.tiny import tiny_engine, tiny_model
+from benchmarks.tiny import tiny_engine, tiny_model
 from kv_helpers import plan_settings
 from test_recovery import edited_pair
 

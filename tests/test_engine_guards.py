@@ -16,7 +16,7 @@ from patchkv_agent.cli import build_parser
 from patchkv_agent.core.inputs import InvalidInput
 from patchkv_agent.runtime.kvstore import MemoryStore, resume_from_store
 from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
-from patchkv_agent.eval.tiny import tiny_engine, tiny_model
+from benchmarks.tiny import tiny_engine, tiny_model
 
 TOL = 1e-4
 

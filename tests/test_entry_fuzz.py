@@ -1,4 +1,4 @@
-"""A structure-aware fuzzer over the entry codec (``patchkv_agent.eval.entry_fuzz``).
+"""A structure-aware fuzzer over the entry codec (``benchmarks.entry_fuzz``).
 
 Random structural edits (header fields, blob shapes and dtypes, row indices, block tags, runs, format
 labels incl. K4V4, missing or extra blobs) under consistent checksums: 0 escaped exceptions and torch ==
@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzzer needs the test extra: pip install 'patchkv-agent[test]'")
 
-from patchkv_agent.eval import entry_fuzz  # noqa: E402
+from benchmarks import entry_fuzz  # noqa: E402
 from patchkv_agent.runtime.kvstore import codec  # noqa: E402
 
 EXAMPLES = 2000

@@ -29,8 +29,8 @@ import torch
 from patchkv_agent.core.checkpoint import quantize_mixed
 from patchkv_agent.core.fallback import FallbackKind
 from patchkv_agent.core.precision import Tag
-from patchkv_agent.eval.entry_fuzz import editable, reseal
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.entry_fuzz import editable, reseal
+from benchmarks.tiny import tiny_engine
 from patchkv_agent.kernels import backend, dequantize_scatter, native
 from patchkv_agent.kernels import reference as KR
 from patchkv_agent.runtime.kvstore import CorruptCheckpoint, DiskStore, decode_checkpoint, resume_from_store

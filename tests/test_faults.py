@@ -3,7 +3,7 @@
 Faults: a flipped payload byte (each tier), a truncated disk file, a missing or evicted checkpoint, a
 checkpoint of another model, another thread's entry under the key, Redis down before and in the middle
 of a resume. Also: offload in one process and resume in another (disk and Redis), misuse errors, and a
-property test of diff + plan + recover (patchkv_agent.eval.properties) through a store over random edits, the
+property test of diff + plan + recover (benchmarks.properties) through a store over random edits, the
 stress load test and its command line.
 """
 
@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 
 from kv_helpers import REDIS_SKIP, start_redis
 from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, MemoryStore, encode_checkpoint, resume_from_store
-from patchkv_agent.eval.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
+from benchmarks.properties import (EDIT_KINDS, PropertyViolation, check_plan, check_recovery, edit_pairs,
                                       run_properties)
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.tiny import tiny_engine
 from test_recovery import edited_pair
 from patchkv_agent.strategies import get_strategy
 
@@ -311,7 +311,7 @@ def test_misuse_raises_and_names_the_fix(engine, pair, ckpt):
 
 WRITER = textwrap.dedent("""
     import sys
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
     from patchkv_agent.runtime.kvstore import DiskStore, RedisStore
     engine = tiny_engine()
     ckpt = engine.checkpoint([int(t) for t in sys.argv[3].split(",")])
@@ -430,7 +430,7 @@ def test_property_check_catches_a_broken_plan_and_a_tight_tolerance(engine, pair
 
 
 def test_stress_16_threads_x_5_versions_equal_solo_runs(engine):
-    from patchkv_agent.eval.stress import format_summary, run_stress
+    from benchmarks.stress import format_summary, run_stress
 
     s = run_stress(threads=16, versions=5, budget_entries=2.0, engine=engine, tool_s=0.01)
     print(format_summary(s))
@@ -444,7 +444,7 @@ def test_stress_16_threads_x_5_versions_equal_solo_runs(engine):
 def test_stress_cli_asyncio_disk(capsys, tmp_path):
     import argparse
 
-    from patchkv_agent.eval.stress_cli import add_stress_cli
+    from benchmarks.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
@@ -467,7 +467,7 @@ def test_stress_cli_asyncio_disk(capsys, tmp_path):
 def test_stress_cli_without_hypothesis_names_the_test_extra(monkeypatch):
     import argparse
 
-    from patchkv_agent.eval.stress_cli import add_stress_cli
+    from benchmarks.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))
@@ -484,8 +484,8 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
     """``stress --faults`` in small: bit flips in metadata and payloads, a SIGKILLed writer process, Redis
     pauses and restarts (when redis-server is installed), budget pressure. Every result equals the thread
     run alone, 0 exceptions escape, 0 acknowledged entries are lost."""
-    from patchkv_agent.eval.faults import format_fault_summary, run_fault_stress
-    from patchkv_agent.eval.redis_server import redis_server_path
+    from benchmarks.faults import format_fault_summary, run_fault_stress
+    from benchmarks.redis_server import redis_server_path
 
     s = run_fault_stress(threads=6, versions=3, engine=engine, writer_kills=1, inject_rate=0.6, budget_entries=4,
                          progress=False)
@@ -505,7 +505,7 @@ def test_fault_stress_every_result_equal_to_solo_or_exact_with_a_reason(engine):
 def test_fault_stress_counts_lost_entries_and_escaped_exceptions(engine, monkeypatch):
     """The checks can fail: a store that acknowledges puts it does not keep, and a checkpoint pass that
     raises, are both counted and fail the run."""
-    from patchkv_agent.eval import faults as F
+    from benchmarks import faults as F
 
     real = engine.checkpoint_from
     calls = []
@@ -532,7 +532,7 @@ def test_fault_stress_counts_lost_entries_and_escaped_exceptions(engine, monkeyp
 def test_stress_cli_faults_checks_its_output_path_first(tmp_path):
     import argparse
 
-    from patchkv_agent.eval.stress_cli import add_stress_cli
+    from benchmarks.stress_cli import add_stress_cli
 
     ap = argparse.ArgumentParser(prog="patchkv-agent")
     add_stress_cli(ap.add_subparsers(dest="command", required=True))

@@ -9,7 +9,7 @@ from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.plan import LengthModel, plan_repair, plan_suffix_blocks
 from patchkv_agent.core.readers import READER_MIN_BLOCKS, lexical_reader_scores
 from patchkv_agent.core.settings import RecoverySettings
-from patchkv_agent.eval.bench import summarize
+from benchmarks.bench import summarize
 from patchkv_agent.eval.follow import FOLLOW_WORKLOADS, HELDOUT_WORKLOADS, build_follow_traces
 from patchkv_agent.eval.metrics import answer_match
 from patchkv_agent.eval.traces import validate_trace

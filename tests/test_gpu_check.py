@@ -57,8 +57,8 @@ def test_random_model_loads_with_float32_rope_and_the_carried_tokenizer(tmp_path
 def test_checkout_run_imports_the_package_from_the_checkout_without_langchain(tmp_path):
     """scripts/checkout_run.py maps kernels/ and calibration/ into the package (no install), and the paths
     gpu_check.sh runs import none of the packages a device lacks (simulated missing)."""
-    code = ("import sys, patchkv_agent.cli as c, patchkv_agent.engine, patchkv_agent.eval.host_bench, "
-            "patchkv_agent.runtime.threads, patchkv_agent.eval.tiny, patchkv_agent.kernels.dispatch as d, "
+    code = ("import sys, patchkv_agent.cli as c, patchkv_agent.engine, benchmarks.host_bench, "
+            "patchkv_agent.runtime.threads, benchmarks.tiny, patchkv_agent.kernels.dispatch as d, "
             "patchkv_agent.calibration; c.build_parser(); "
             "import json; print(json.dumps({'kernels': d.__file__, "
             "'loaded': sorted({m.split('.')[0] for m in sys.modules if sys.modules[m] is not None})}))")

@@ -115,7 +115,7 @@ class _Tok:
 
 
 def test_engine_carries_words_through_checkpoints_and_resumes():
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
 
     eng = tiny_engine()
     eng.words = WordIndex.from_tokenizer(_Tok())
@@ -251,7 +251,7 @@ def test_to_dynamic_cache_adopts_the_kv_and_decodes_like_update(family):
     from transformers.cache_utils import DynamicCache
 
     from patchkv_agent.core.runner import ModelRunner
-    from patchkv_agent.eval.tiny import tiny_model
+    from benchmarks.tiny import tiny_model
 
     model = tiny_model(family)
     runner = ModelRunner(model)
@@ -556,7 +556,7 @@ def test_recovery_buffers_follow_a_model_moved_in_place_and_a_replaced_first_par
     from patchkv_agent.core.plan import plan_full
     from patchkv_agent.core.recovery import RecoveryBuffers
     from patchkv_agent.core.runner import ModelRunner
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
 
     eng = tiny_engine(seed=0, layers=1, heads=2, kv_heads=2, head_dim=16, profile=None)
     model, spec, runner = eng.model, eng.spec, eng.runner
@@ -588,7 +588,7 @@ def test_the_planner_never_builds_the_native_library_and_plans_the_same_without_
     when constructed); before that, the numpy twin gives the same plan, and nothing compiles or loads."""
     from patchkv_agent.core.length_model import LengthModel
     from patchkv_agent.core.plan import plan_repair
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
     from patchkv_agent.kernels import native
 
     rng = np.random.default_rng(7)

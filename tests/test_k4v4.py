@@ -34,7 +34,7 @@ from patchkv_agent.kernels import formats as KF, quantizer as KQ, reference as K
 from patchkv_agent.kernels.rope import rope_delta_reference  # noqa: E402
 from patchkv_agent.runtime.kvstore import CheckpointKey, CorruptCheckpoint, decode_checkpoint, encode_checkpoint  # noqa: E402
 from patchkv_agent.runtime.kvstore.codec import meta_checksum  # noqa: E402
-from patchkv_agent.eval.tiny import tiny_engine  # noqa: E402
+from benchmarks.tiny import tiny_engine  # noqa: E402
 from test_recovery import edited_pair  # noqa: E402
 from patchkv_agent.strategies import get_strategy  # noqa: E402
 

@@ -127,7 +127,7 @@ def test_a_memory_error_while_reading_is_corrupt_and_quarantined(tmp_path, monke
 
 
 def test_the_resume_path_refuses_an_entry_larger_than_the_model_needs(tmp_path, no_big_reads):
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
     from patchkv_agent.runtime.kvstore import load_for_resume
 
     eng = tiny_engine(seed=0)

@@ -32,7 +32,7 @@ from patchkv_agent.eval.traces import version_ids
 from patchkv_agent.results import BaseKind, PreparedOutcome, ResumeStats
 from patchkv_agent.runtime.threads import ThreadRegistry
 from patchkv_agent.eval.workloads import validate_trace
-from patchkv_agent.eval.tiny import CHATML_TOOLS
+from benchmarks.tiny import CHATML_TOOLS
 from tiny_models import chat_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,12 +1,15 @@
 """The package's import graph: lower layers never import higher ones, no cycle, light modules stay light.
 
 Walks every module of ``patchkv_agent`` (``kernels/`` and ``calibration/`` mapped to
-``patchkv_agent.kernels`` / ``patchkv_agent.calibration`` as in pyproject.toml) with :mod:`ast`: imports at
+``patchkv_agent.kernels`` / ``patchkv_agent.calibration`` as in pyproject.toml) and of the benchmark
+harness beside it (``benchmarks``, not installed) with :mod:`ast`: imports at
 module level and inside functions alike; imports under ``if TYPE_CHECKING:`` are left out (they never
 run). An ``from a import b`` counts as an import of ``a.b`` when that is a module, else of ``a``.
 
 Layers, bottom to top (docs/DESIGN.md): kernels < core < results, loading < profiles < strategies <
-resume, offload < engine < runtime < langgraph < eval, calibration, cli.
+resume, offload < engine < runtime < langgraph < eval, calibration, cli < benchmarks. No installed
+module imports ``benchmarks``: the CLI names it as a string and loads it with importlib
+(``patchkv_agent.cli_bench``) when a benchmark command runs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "patchkv_agent"
 # top-level folders mapped into the package (pyproject.toml [tool.setuptools.package-dir])
-SOURCES = {PKG: ROOT / "patchkv_agent", f"{PKG}.kernels": ROOT / "kernels", f"{PKG}.calibration": ROOT / "calibration"}
+HARNESS = "benchmarks"  # the benchmark harness: a top-level package of the checkout, above every layer
+SOURCES = {PKG: ROOT / "patchkv_agent", f"{PKG}.kernels": ROOT / "kernels", f"{PKG}.calibration": ROOT / "calibration",
+           HARNESS: ROOT / "benchmarks"}
+INSTALLED = (PKG,)  # what the wheel carries (pyproject.toml [tool.setuptools] packages)
 
 # module-name prefix -> the prefixes it must never import (a module "is in" a prefix when it equals it or
 # starts with it + ".")
@@ -52,6 +58,10 @@ TORCH_FREE = (f"{PKG}.core.diff", f"{PKG}.core.plan", f"{PKG}.core.provenance", 
 
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
+
+
+def _walked(module: str) -> bool:
+    return _within(module, PKG) or _within(module, HARNESS)
 
 
 def discover() -> dict[str, Path]:
@@ -102,7 +112,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             for a in node.names:
-                if _within(a.name, PKG):
+                if _walked(a.name):
                     add(a.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -112,7 +122,7 @@ def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
                 src = f"{base}.{node.module}" if node.module else base
             else:
                 src = node.module or ""
-            if not _within(src, PKG):
+            if not _walked(src):
                 continue
             for a in node.names:
                 sub = f"{src}.{a.name}"
@@ -205,6 +215,51 @@ def test_no_arrow_points_up(graph):
     assert not bad, "imports from a lower layer to a higher one:\n  " + "\n  ".join(bad)
 
 
+def test_no_installed_module_imports_the_benchmarks(graph):
+    """The wheel carries the library: no module of ``patchkv_agent`` imports ``benchmarks`` (module level or
+    lazily); the CLI's loader names it only as a string, and the wheel's package list leaves it out."""
+    bad = [f"{src} -> {t}" for src, targets in sorted(graph.items()) if _within(src, PKG)
+           for t in sorted(targets) if _within(t, HARNESS)]
+    assert not bad, "installed modules importing the benchmark harness:\n  " + "\n  ".join(bad)
+    assert f"{HARNESS}.bench" in graph and f"{PKG}.eval.episodes" in graph[f"{HARNESS}.bench"]
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"]
+    assert not [p for p in packages if _within(p, HARNESS)], packages
+    loaders = [m for m, p in discover().items() if _within(m, PKG) and f'"{HARNESS}"' in p.read_text(encoding="utf-8")]
+    assert loaders == [f"{PKG}.cli_bench"], loaders
+
+
+def test_the_benchmark_commands_load_the_harness_only_when_one_runs(tmp_path):
+    """``patchkv-agent --help`` lists the benchmark commands without importing ``benchmarks``; a benchmark
+    command from another directory finds it; a copy of the package without the checkout fails in one line."""
+    code = ("import sys; from patchkv_agent.cli import build_parser; p = build_parser(); "
+            "names = next(a for a in p._actions if a.dest == 'command').choices; "
+            "print('bench-host' in names, any(m == 'benchmarks' or m.startswith('benchmarks.') for m in sys.modules))")
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
+    out = subprocess.run([sys.executable, "-m", f"{PKG}.cli", "bench-host", "--help"], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0 and "--lengths" in out.stdout, out.stderr
+    import shutil
+
+    site = tmp_path / "site" / PKG  # the installed layout: kernels/ and calibration/ inside the package
+    shutil.copytree(ROOT / PKG, site, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    for folder in ("kernels", "calibration"):
+        shutil.copytree(ROOT / folder, site / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    out = subprocess.run([sys.executable, "-m", f"{PKG}.cli", "bench-host", "--lengths", "2000"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "benchmarks/" in lines[0] and "scripts/bootstrap.sh" in lines[0], lines[0]
+
+
 def test_no_import_cycle(graph):
     comps = strongly_connected(graph)
     assert not comps, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in comps)
@@ -276,7 +331,7 @@ def test_the_runtime_asks_a_strategy_what_it_declares_never_its_name():
 # --------------------------------------------------------------------------------------------- docs
 
 _TEXT = (".py", ".md", ".sh", ".ipynb", ".toml", ".txt", ".c")
-_SCANNED = ("patchkv_agent", "kernels", "calibration", "tests", "scripts", "examples", "notebooks", "docs")
+_SCANNED = ("patchkv_agent", "kernels", "calibration", "benchmarks", "tests", "scripts", "examples", "notebooks", "docs")
 
 
 def _text_files():

@@ -48,7 +48,7 @@ def fake_gguf(tmp_path, monkeypatch):
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from patchkv_agent.eval.tiny import tiny_chat_tokenizer, tiny_model
+    from benchmarks.tiny import tiny_chat_tokenizer, tiny_model
 
     from patchkv_agent import loading as models
 
@@ -92,7 +92,7 @@ def _flip(path: Path, at: int) -> None:
 
 def _other_model(path: Path) -> None:
     from safetensors.torch import save_file
-    from patchkv_agent.eval.tiny import tiny_model
+    from benchmarks.tiny import tiny_model
 
     save_file({k: v.contiguous() for k, v in tiny_model("llama", seed=1).state_dict().items()
                if k != "lm_head.weight"}, str(path), metadata={"format": "pt"})

@@ -228,8 +228,8 @@ def test_transport_bench_on_a_tiny_model():
     """The transport benchmark restores what it stored: values exact for FP16 and within each
     format's bound otherwise, keys equal to the stored keys rotated by the shift (oracle:
     ``rope_delta_reference``); the native and torch paths are both timed."""
-    from patchkv_agent.eval.tiny import tiny_engine
-    from patchkv_agent.eval.transport_bench import transport_bench
+    from benchmarks.tiny import tiny_engine
+    from benchmarks.transport_bench import transport_bench
 
     eng = tiny_engine(dirty_window=None)
     ids = torch.randint(3, eng.spec.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -40,7 +40,7 @@ def _outcomes(case: dict[str, str]) -> None:
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the native library is not built")
 def test_out_of_range_sizes_and_strides_are_refused_by_the_wrappers_and_the_library(tmp_path):
     out = tmp_path / "cases.json"
-    proc = subprocess.run([sys.executable, "-m", "patchkv_agent.eval.entry_fuzz", "--native-cases", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.entry_fuzz", "--native-cases", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PATCHKV_CACHE_DIR": str(tmp_path / "cache"), "PATCHKV_NATIVE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]  # unchecked: killed by a signal (or a heap overflow)
@@ -65,7 +65,7 @@ def test_both_quantize_paths_refuse_a_block_size_that_int32_cannot_hold(b):
 
 
 def test_settings_and_the_engine_refuse_a_block_size_of_two_to_the_32():
-    from patchkv_agent.eval.tiny import tiny_engine
+    from benchmarks.tiny import tiny_engine
 
     with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 2\^31\)"):
         RecoverySettings(block_size=2**32)

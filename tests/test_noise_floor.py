@@ -60,7 +60,7 @@ def test_parse_floors():
 
 
 def test_bench_reports_floors_beside_the_strategies(engine, tmp_path, one_torch_thread):
-    from patchkv_agent.eval.bench import run_bench
+    from benchmarks.bench import run_bench
 
     eng = engine
     rng = np.random.default_rng(0)

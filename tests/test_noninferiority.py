@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from patchkv_agent.eval.noninferiority import _mcnemar_p, markdown, non_inferiority
+from benchmarks.noninferiority import _mcnemar_p, markdown, non_inferiority
 
 
 def _call(i, workload, cand, floor, *, kind="clear", action="call", version=1):

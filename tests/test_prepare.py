@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from patchkv_agent.core.weights import ForwardLock
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.tiny import tiny_engine
 from patchkv_agent.runtime.lifecycle import Phase
 from patchkv_agent.runtime.state import Prediction
 from patchkv_agent.runtime.threads import ThreadRegistry, thread_key

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.tiny import tiny_engine
 from patchkv_agent.runtime.background import PreparationStopped
 from patchkv_agent.runtime.lifecycle import invariant_violations
 from patchkv_agent.runtime.state import Prediction

@@ -19,7 +19,7 @@ from langchain_core.messages.utils import count_tokens_approximately
 from patchkv_agent.eval.agent_workloads import (CLEAR_HOP, CLEAR_HOP_DEPTH, CLEAR_SETTINGS, SUMMARY_SETTINGS, History,
                                                 agent_episode, build_agent_loop_episodes, build_agent_traces,
                                                 scale_setting, to_langchain)
-from patchkv_agent.eval.prepared_bench import (ToolLatency, markdown_prepared, plot_prepared, prepared_loop_episode,
+from benchmarks.prepared_bench import (ToolLatency, markdown_prepared, plot_prepared, prepared_loop_episode,
                                                summarize_prepared)
 from patchkv_agent.eval.traces import plain_messages, validate_trace
 from tiny_models import chat_engine

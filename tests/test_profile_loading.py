@@ -70,7 +70,7 @@ def _write(folder: Path, files: dict[str, str | bytes]) -> None:
 
 def test_an_engine_with_profile_auto_skips_hostile_files_and_uses_the_valid_one(tmp_path, monkeypatch, caplog):
     from patchkv_agent.engine import PatchKVEngine
-    from patchkv_agent.eval.tiny import tiny_model
+    from benchmarks.tiny import tiny_model
 
     model = tiny_model("llama")
     fp = PatchKVEngine(model, None, profile=None).spec.fingerprint

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from patchkv_agent import PatchKVEngine
-from patchkv_agent.eval.tiny import FAMILIES, ROPE_VARIANTS, tiny_engine, tiny_model
+from benchmarks.tiny import FAMILIES, ROPE_VARIANTS, tiny_engine, tiny_model
 from patchkv_agent.strategies import get_strategy
 from tiny_models import family_engine
 

@@ -14,7 +14,7 @@ from patchkv_agent.core.checkpoint import CorruptCheckpoint
 from patchkv_agent.core.fallback import Fallback, FallbackKind
 from patchkv_agent.core.recovery import RecoveryOutput, RecoveryStats
 from patchkv_agent.core.provenance import CheckpointProvenance, Source
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.tiny import tiny_engine
 from patchkv_agent.results import (BaseKind, CallPart, EnginePart, PreparedOutcome, ResumeStats, RuntimePart,
                                    SamplingInfo)
 from patchkv_agent.runtime.keys import thread_key

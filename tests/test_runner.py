@@ -14,7 +14,7 @@ import torch
 
 from patchkv_agent import FallbackKind, PatchKVEngine
 from patchkv_agent.core.runner import ModelRunner
-from patchkv_agent.eval.tiny import tiny_model
+from benchmarks.tiny import tiny_model
 
 TOL = 1e-4
 

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 
-from patchkv_agent.eval.server_bench import ServerEpisode, near_tie, run_episode_agent
+from benchmarks.server_bench import ServerEpisode, near_tie, run_episode_agent
 from serving_helpers import FAULTS, PREWARM_PATHS, FaultProxy, start_engine
 
 pytestmark = pytest.mark.serving

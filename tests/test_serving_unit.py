@@ -16,7 +16,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from patchkv_agent.serving.adapter import PrewarmReply, count, token_ids
 from patchkv_agent.serving.engines import adapter_for
-from patchkv_agent.eval.server_bench import decoded_tokens, near_tie
+from benchmarks.server_bench import decoded_tokens, near_tie
 from patchkv_agent.serving.http import Endpoint, Exchange, ServerError
 from patchkv_agent.serving.stats import ServerCallStats
 
@@ -379,7 +379,7 @@ def test_a_real_call_waits_for_its_twin_no_longer_than_the_bound():
 
 
 def test_the_server_bench_summary_splits_edited_and_append_calls_by_hand():
-    from patchkv_agent.eval.server_bench import _pair, summarize_server
+    from benchmarks.server_bench import _pair, summarize_server
 
     def row(mode, call, ttft, edited, prepared=None, cached=0, prompt=1000, ep="e"):
         return {"episode": ep, "workload": "clear", "mode": mode, "call": call, "ttft_s": ttft, "edited": edited,
@@ -425,7 +425,7 @@ def test_decoded_tokens_and_near_ties_read_the_servers_logprobs():
 
 
 def test_the_server_episodes_keep_what_they_are_told_and_refuse_a_bad_keep():
-    from patchkv_agent.eval.server_bench import server_episodes
+    from benchmarks.server_bench import server_episodes
 
     default = server_episodes(1, ["clear", "summarize"], context=5000)
     kept = server_episodes(1, ["clear", "summarize"], context=5000, keep=8)

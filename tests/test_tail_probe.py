@@ -19,7 +19,7 @@ from patchkv_agent.core import layerwise
 from patchkv_agent.core.diff import diff_versions
 from patchkv_agent.core.layerwise import row_deviation
 from patchkv_agent.core.plan import LengthModel, PlanDraft, plan_repair, rule_last_block, rule_recency
-from patchkv_agent.eval.tiny import tiny_engine
+from benchmarks.tiny import tiny_engine
 from patchkv_agent.strategies import PatchKVStrategy
 from test_recovery import edited_pair
 

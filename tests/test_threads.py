@@ -401,7 +401,7 @@ def test_disk_store_survives_a_restart_and_damage_falls_back(engine, tmp_path):
 
 
 def test_loop_bench_rows_and_summary(engine, tmp_path):
-    from patchkv_agent.eval.loop_bench import format_loop, plot_loop, run_loop_bench
+    from benchmarks.loop_bench import format_loop, plot_loop, run_loop_bench
 
     c0 = ctx(90)
     traces = [{"id": "e0", "versions": [{"token_ids": c0}, {"token_ids": edited(c0)},

@@ -24,7 +24,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from patchkv_agent.core.encoding import LITERAL_BREAK, SegmentEncoder, choose_literal_break, special_token_texts
-from patchkv_agent.eval.tiny import CHATML, tiny_chat_tokenizer, tiny_engine
+from benchmarks.tiny import CHATML, tiny_chat_tokenizer, tiny_engine
 from patchkv_agent.langgraph import PatchKVChatModel
 from patchkv_agent.langgraph.tools import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN,
                                            plain_messages, to_trace_messages, tool_schemas)

@@ -1,6 +1,6 @@
-"""Test-only helpers over the one factory of tiny models and engines, :mod:`patchkv_agent.eval.tiny` (no downloads).
+"""Test-only helpers over the one factory of tiny models and engines, :mod:`benchmarks.tiny` (no downloads).
 
-Tests build their engines with :func:`patchkv_agent.eval.tiny.tiny_engine` (default: the tiny llama, 8-token
+Tests build their engines with :func:`benchmarks.tiny.tiny_engine` (default: the tiny llama, 8-token
 blocks and dirty window, no profile; its keywords give every variant: family, seed, sizes, blocks, tokenizer,
 engine options), mostly through conftest.py's module-scoped ``engine`` fixture (a module's ``ENGINE`` names its
 variant). This module adds presets over that factory:
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 
-from patchkv_agent.eval.tiny import CHATML, tiny_engine, tiny_model
+from benchmarks.tiny import CHATML, tiny_engine, tiny_model
 
 
 @functools.lru_cache(maxsize=None)

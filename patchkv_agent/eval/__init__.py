@@ -1,16 +1,14 @@
-"""Evaluation and tooling over the library: traces, workloads, replay, benchmarks, load tests.
+"""Evaluation inputs and measures that the library's own commands use: workloads, traces, metrics, replay.
 
 - :mod:`.workloads`: edited-context agent traces from the packaged QA data (``data/``);
-  :mod:`.follow`: edit-following templates whose gold answer changes with the edit.
-- :mod:`.replay`: replay traces under strategies, with fidelity fields (KL, top-1, agreement, F1).
-- :mod:`.bench`: the edited-context benchmark; :mod:`.transport_bench`: the checkpoint transport one;
-  :mod:`.loop_bench`: the agent loop (call, tool, edited call) as the caller waits for it;
-  :mod:`.prepared_bench`: that loop with the next call prepared while the tools run (the agent workloads'
-  own editors predict it), against today's resume, prefix and the no-edit floor.
-- :mod:`.agent_workloads`: agent histories edited by LangChain's middlewares (traces, and loop episodes
-  with what the agent knows while its tools run).
-- :mod:`.stress`, :mod:`.faults`, :mod:`.properties`: concurrent load over a budgeted store, its fault
-  mode; property check of diff + plan + recover (:mod:`.stress_cli`: the ``stress`` command over both).
+  :mod:`.follow`: edit-following templates whose gold answer changes with the edit;
+  :mod:`.agent_workloads` (with :mod:`.agent_editors`): agent histories edited by LangChain's middlewares
+  (traces, and loop episodes with what the agent knows while its tools run); :mod:`.episodes`: every
+  workload's evaluation episodes by name.
+- :mod:`.traces`: the trace and result formats; :mod:`.metrics`: fidelity measures; :mod:`.noise_floor`:
+  accepted approximations of exact; :mod:`.replay`: replay traces under strategies (``demo``, ``replay``).
 
-The library (core, strategies, engine, runtime, langgraph) imports nothing from here.
+The calibration (``patchkv-agent calibrate``) and the CLI build on these; the benchmark harness (runners,
+load tests and their commands) is the checkout's ``benchmarks/`` package, which nothing here imports.
+The library below (core, strategies, engine, runtime, langgraph) imports nothing from here.
 """

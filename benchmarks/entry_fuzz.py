@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..runtime.kvstore.codec import CheckpointKey, encode_checkpoint, meta_checksum
+from patchkv_agent.runtime.kvstore.codec import CheckpointKey, encode_checkpoint, meta_checksum
 
 _PAYLOAD_FIELDS = ("k_data", "v_data", "k_scale", "k_zero", "v_scale", "v_zero")
 
@@ -96,7 +96,7 @@ def base_entries(seed: int = 0) -> list[tuple[Any, dict[str, Any], dict[str, np.
     runs hold every format: ``(checkpoint, meta, blobs, key)`` each."""
     import torch
 
-    from ..core.checkpoint import Checkpoint, quantize_mixed
+    from patchkv_agent.core.checkpoint import Checkpoint, quantize_mixed
 
     out = []
     for i, (bs, dtype) in enumerate(((4, torch.float32), (8, torch.float16))):
@@ -149,7 +149,7 @@ def _rename_everywhere(meta, blobs, old, new):
 
 def _swap_labels(meta, blobs, a, b):
     """Each of two formats' runs carries the other's label (data, scales and rows unchanged)."""
-    from ..core.precision import Tag
+    from patchkv_agent.core.precision import Tag
 
     for old, new in ((a, "__x__"), (b, a), ("__x__", b)):
         _rename_everywhere(meta, blobs, old, new)
@@ -219,7 +219,7 @@ def apply_edit(meta: dict[str, Any], blobs: dict[str, np.ndarray], edit: tuple) 
         if x != y:
             _swap_labels(meta, blobs, x, y)
     elif kind == "relabel" and m and m["tags"]:
-        from ..core.precision import Tag
+        from patchkv_agent.core.precision import Tag
 
         old = m["tags"][a[0] % len(m["tags"])]
         new = Tag(a[1]).name
@@ -269,8 +269,8 @@ def _restore_both(ckpt) -> None:
     """Restore every (layer, format) run of an accepted entry on every CPU path; they must agree bit for bit."""
     import torch
 
-    from ..kernels import backend, dequantize_scatter, native
-    from ..kernels.reference import reference_dequantize_scatter
+    from patchkv_agent.kernels import backend, dequantize_scatter, native
+    from patchkv_agent.kernels.reference import reference_dequantize_scatter
 
     m, n = ckpt.mixed, len(ckpt)
     paths = ["torch", "native"] if native.available() else ["torch"]
@@ -306,7 +306,7 @@ def _raw_native(meta, blobs) -> int:
 
     import torch
 
-    from ..kernels import native
+    from patchkv_agent.kernels import native
 
     lib = native._library()
     m = meta.get("mixed")
@@ -372,8 +372,8 @@ def check_entry(meta: dict[str, Any], blobs: dict[str, np.ndarray], key: Checkpo
         AssertionError: the paths disagree, or the native library returned an unknown code.
         Exception: anything else the codec or a kernel let escape (the finding the fuzzer looks for).
     """
-    from ..core.checkpoint import CorruptCheckpoint
-    from ..runtime.kvstore.codec import decode_checkpoint
+    from patchkv_agent.core.checkpoint import CorruptCheckpoint
+    from patchkv_agent.runtime.kvstore.codec import decode_checkpoint
 
     _raw_native(meta, blobs)
     try:
@@ -408,8 +408,8 @@ def native_argument_cases() -> dict[str, str]:
 
     import torch
 
-    from ..kernels import native
-    from ..kernels.reference import reference_quantize_gather
+    from patchkv_agent.kernels import native
+    from patchkv_agent.kernels.reference import reference_quantize_gather
 
     lib = native._library()
     if lib is None:
@@ -522,7 +522,7 @@ def run_fuzz(examples: int = 2000, seed: int = 0) -> dict[str, Any]:
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
 
-    from ..kernels import native
+    from patchkv_agent.kernels import native
 
     bases = base_entries(seed)
     counts = {"refused": 0, "accepted": 0}
@@ -605,7 +605,7 @@ def run_fuzz_asan(examples: int = 2000, seed: int = 0, timeout: float = 600.0) -
                "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:"
                                "allocator_may_return_null=1:verify_asan_link_order=0",
                "PATCHKV_NATIVE": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "patchkv_agent.eval.entry_fuzz", "--examples", str(examples), "--seed", str(seed),
+        cmd = [sys.executable, "-m", "benchmarks.entry_fuzz", "--examples", str(examples), "--seed", str(seed),
                "--asan-child", "--json", out]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -626,7 +626,7 @@ def run_fuzz_asan(examples: int = 2000, seed: int = 0, timeout: float = 600.0) -
 
 def _asan_child_library() -> None:
     """In the ASan child: build ``native.c`` with AddressSanitizer and make it the library the kernels use."""
-    from ..kernels import native
+    from patchkv_agent.kernels import native
 
     lib = native.load(native.build(extra_flags=ASAN_FLAGS, native_arch=False))
     native._lib, native._why, native._tried = lib, None, True
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json as _json
 
-    ap = argparse.ArgumentParser(prog="python -m patchkv_agent.eval.entry_fuzz",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.entry_fuzz",
                                  description="fuzz stored checkpoint entries (see the module docstring)")
     ap.add_argument("--examples", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)

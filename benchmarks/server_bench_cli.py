@@ -1,7 +1,7 @@
 """``patchkv-agent bench-server``: the command line of :mod:`.server_bench`.
 
 Checks every option before anything starts, starts the engine on the embedded model (unless ``--base-url``
-names a running one), runs :func:`~patchkv_agent.eval.server_bench.run_server_bench` at each thread count and
+names a running one), runs :func:`~benchmarks.server_bench.run_server_bench` at each thread count and
 writes the rows, the summary and the plot.
 
 Boundary: argparse and :mod:`.server_bench` / :mod:`.servers`; no serving logic of its own.
@@ -90,7 +90,7 @@ def cmd_bench_server(args) -> int:
     """``patchkv-agent bench-server``: check the options, start the engine (unless ``--base-url``), run."""
     import sys
 
-    from ..usage import UsageError
+    from patchkv_agent.usage import UsageError
 
     wls = [w for w in args.workloads.split(",") if w]
     bad = [w for w in wls if w not in WORKLOADS]
@@ -99,7 +99,7 @@ def cmd_bench_server(args) -> int:
     if not 1 <= args.episodes <= 1000 or not 500 <= args.context <= 32768 or not 1 <= args.max_tokens <= 4096:
         raise UsageError("--episodes takes 1-1000, --context 500-32768 tokens, --max-tokens 1-4096")
     if args.base_url is not None:
-        from ..serving.http import Endpoint
+        from patchkv_agent.serving.http import Endpoint
 
         try:
             Endpoint.from_base_url(args.base_url)

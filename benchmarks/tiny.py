@@ -162,7 +162,7 @@ def tiny_engine(family: str = "llama", seed: int = 0, *, attn: str = "sdpa", sca
     Raises:
         ValueError: both ``tokenizer`` and ``chat_template``.
     """
-    from ..engine import PatchKVEngine
+    from patchkv_agent.engine import PatchKVEngine
 
     if tokenizer is not None and chat_template is not None:
         raise ValueError("pass a tokenizer or a chat_template, not both")

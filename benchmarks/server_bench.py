@@ -91,7 +91,7 @@ def server_episodes(n: int, workloads: Sequence[str] = WORKLOADS, *, context: in
     Raises:
         ValueError: an unknown workload; ``n`` < 1.
     """
-    from .agent_workloads import CLEAR_SETTINGS, SUMMARY_SETTINGS, SYSTEM_PROMPT, research_histories, scale_setting
+    from patchkv_agent.eval.agent_workloads import CLEAR_SETTINGS, SUMMARY_SETTINGS, SYSTEM_PROMPT, research_histories, scale_setting
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or n < 1 or (keep is not None and not 1 <= keep <= 64):
@@ -283,8 +283,8 @@ def run_episode_agent(base_url: str, model: str, episode: ServerEpisode, *, prep
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
-    from ..runtime.threads import thread_key
-    from ..serving import PatchKVServerMiddleware
+    from patchkv_agent.runtime.threads import thread_key
+    from patchkv_agent.serving import PatchKVServerMiddleware
 
     nonce = nonce or uuid.uuid4().hex[:12]
     timer = _FirstChunk()

@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.fallback import FallbackKind
-from ..engine import PatchKVEngine
-from ..runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
+from patchkv_agent.core.fallback import FallbackKind
+from patchkv_agent.engine import PatchKVEngine
+from patchkv_agent.runtime.kvstore import (CheckpointKey, CheckpointMissing, CorruptCheckpoint, DiskStore, KVStore, MemoryStore,
                                StoreUnavailable, resume_from_store)
 from .redis_server import RedisProcess, redis_server_path
 from .stress import ThreadEpisode, same_as_solo, stress_workload
@@ -301,7 +301,7 @@ class RedisChaos(threading.Thread):
 
 def _writer_main(root: str, seed: int) -> None:
     """The writer process: put, replace and delete synthetic checkpoints in ``root`` until killed."""
-    from ..core.checkpoint import Checkpoint
+    from patchkv_agent.core.checkpoint import Checkpoint
 
     store = DiskStore(root, deployment="writer", fsync=True)
     rng = np.random.default_rng(seed)
@@ -337,7 +337,7 @@ def run_writer_kills(root: str, kills: int, seed: int, faults: Counter) -> dict[
     acked: set[CheckpointKey] = set()
     gone: set[CheckpointKey] = set()
     for k in range(kills):
-        proc = subprocess.Popen([sys.executable, "-m", "patchkv_agent.eval.faults", "--writer", root, str(seed + k)],
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.faults", "--writer", root, str(seed + k)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -406,7 +406,7 @@ def _run_tier(tier: str, engine: PatchKVEngine, work: list[list[list[int]]], *, 
     elif tier == "disk":
         store = DiskStore(Path(tmp) / "disk", deployment="stress", budget_bytes=budget, fsync=False)
     else:
-        from ..runtime.kvstore import RedisStore
+        from patchkv_agent.runtime.kvstore import RedisStore
 
         server = RedisProcess(str(Path(tmp) / "redis"))
         store = RedisStore(server.url, deployment="stress", prefix="faults", budget_bytes=budget,
@@ -479,7 +479,7 @@ def run_fault_stress(*, threads: int = 64, versions: int = 5, tiers: tuple[str, 
         max_new_tokens: greedy tokens per resume.
         strategy: resume strategy.
         seed: workload and fault seed.
-        engine: the engine (default :func:`~patchkv_agent.eval.tiny.tiny_engine` of ``seed``).
+        engine: the engine (default :func:`~benchmarks.tiny.tiny_engine` of ``seed``).
         tool_s: the tool call each thread waits for between versions.
         inject_rate: probability that a freshly acknowledged entry gets one bit flipped.
         writer_kills: SIGKILLs of the disk writer process.

@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..runtime.threads import ThreadRegistry, thread_key
-from .traces import version_ids
+from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
+from patchkv_agent.eval.traces import version_ids
 
 __all__ = ["DEFAULT_TOOL_LATENCIES", "loop_episode", "run_loop_bench", "plot_loop", "format_loop"]
 

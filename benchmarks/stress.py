@@ -12,7 +12,7 @@ which resumes hit the store, never what a resume returns, and no thread ever see
 The summary reports evictions, fallbacks by reason, peak RSS and wall time.
 
 ``patchkv-agent stress`` then runs the property check of diff + plan + recover
-(:func:`~patchkv_agent.eval.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
+(:func:`~benchmarks.properties.run_properties`, ``--property-examples``, default 1,000 Hypothesis
 examples on the same tiny engine) and adds its counts to the summary.
 
 Knows the engine, the stores and the tiny model factory (:mod:`.tiny`); nothing about LangGraph or benchmarks.
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import PatchKVEngine
-from ..runtime.kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
+from patchkv_agent.engine import PatchKVEngine
+from patchkv_agent.runtime.kvstore import CheckpointKey, DiskStore, KVStore, MemoryStore, resume_from_store
 from .tiny import tiny_engine
 
 LOGIT_TOL = 1e-4
@@ -66,7 +66,7 @@ def stress_workload(engine: PatchKVEngine, *, seed: int, threads: int, versions:
         ``(work, entry_bytes, budget_bytes)``: every thread's versions, the encoded blob bytes of one
         entry, and ``int(budget_entries * entry_bytes)``.
     """
-    from ..runtime.kvstore.codec import encode_checkpoint
+    from patchkv_agent.runtime.kvstore.codec import encode_checkpoint
 
     work = [thread_versions(seed, t, versions, length, engine.spec.vocab_size) for t in range(threads)]
     probe = engine.checkpoint(work[0][0])
@@ -211,7 +211,7 @@ def run_stress(*, threads: int = 16, versions: int = 5, budget_entries: float = 
             root = tmp.name
         store = DiskStore(root, deployment="stress", budget_bytes=budget, fsync=False)
     elif tier == "redis":
-        from ..runtime.kvstore import RedisStore
+        from patchkv_agent.runtime.kvstore import RedisStore
 
         store = RedisStore(redis_url or "redis://127.0.0.1:6379/0", deployment="stress",
                            prefix=f"stress-{time.time_ns()}", budget_bytes=budget)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..loading import is_random
+from patchkv_agent.loading import is_random
 
 __all__ = ["run_host_bench", "run_tokenize_bench", "host_engine", "plot_host", "bench_plan", "add_cli", "main"]
 
@@ -81,7 +81,7 @@ def host_engine(*, layers: int = 1, kv_heads: int = 2, head_dim: int = 64, max_p
     Returns:
         The engine (``profile=None``: built-in settings, block 32).
     """
-    from ..core.lexicon import WordIndex
+    from patchkv_agent.core.lexicon import WordIndex
     from .tiny import tiny_engine
 
     eng = tiny_engine(seed=0, scale=1.0, layers=layers, heads=kv_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -107,7 +107,7 @@ def _versions(n: int, n_edits: int, vocab: int, seed: int) -> tuple[np.ndarray, 
 
 def _checkpoint(eng, old: np.ndarray, seed: int):
     """A checkpoint of ``old`` with random K/V of the engine's shapes and dtype, mixed runs and carried words."""
-    from ..core.checkpoint import Checkpoint, build_mixed
+    from patchkv_agent.core.checkpoint import Checkpoint, build_mixed
 
     spec = eng.spec
     g = torch.Generator().manual_seed(seed)
@@ -174,9 +174,9 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
     Raises:
         ValueError: ``repeats < 1``, or a length beyond the model's maximum positions.
     """
-    from ..core.recovery import RecoveryBuffers
-    from ..kernels import native
-    from ..strategies import get_strategy
+    from patchkv_agent.core.recovery import RecoveryBuffers
+    from patchkv_agent.kernels import native
+    from patchkv_agent.strategies import get_strategy
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -198,7 +198,7 @@ def run_host_bench(eng, *, lengths=DEFAULT_LENGTHS, edits=DEFAULT_EDITS, repeats
                                                                  "kv_copy_fp_warm")}
             info: dict[str, Any] = {}
             for _ in range(repeats):
-                from ..core.diff import diff_versions
+                from patchkv_agent.core.diff import diff_versions
 
                 t, ids = _timed(lambda: eng.validate_ids(new, "new_token_ids"), device)
                 times["validate"].append(t)
@@ -297,7 +297,7 @@ def run_tokenize_bench(tokenizer, *, lengths=DEFAULT_LENGTHS, repeats: int = 5, 
     Raises:
         ValueError: ``repeats < 1``.
     """
-    from ..core.encoding import SegmentEncoder
+    from patchkv_agent.core.encoding import SegmentEncoder
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -430,9 +430,9 @@ def bench_plan(n_tokens: int = 10000, repeats: int = 50, *, n_spans: int = 3, se
     Returns:
         ``{"n_tokens", "n_spans", "median_ms", "min_ms", "n_recompute"}``.
     """
-    from ..core.diff import diff_versions
-    from ..core.plan import DEFAULT_BLOCK_SIZE, LengthModel, plan_repair
-    from ..core.settings import RecoverySettings
+    from patchkv_agent.core.diff import diff_versions
+    from patchkv_agent.core.plan import DEFAULT_BLOCK_SIZE, LengthModel, plan_repair
+    from patchkv_agent.core.settings import RecoverySettings
 
     rng = np.random.default_rng(seed)
     old = np.arange(n_tokens, dtype=np.int64) + 1000
@@ -474,8 +474,8 @@ def main(args) -> int:
         print(f"patchkv-agent bench-host: error: cannot create {out}: {e}", file=sys.stderr)
         return 2
     if args.model:
-        from ..core.lexicon import WordIndex
-        from ..engine import PatchKVEngine
+        from patchkv_agent.core.lexicon import WordIndex
+        from patchkv_agent.engine import PatchKVEngine
 
         eng = PatchKVEngine.from_pretrained(args.model, device=device, profile=None)
         if eng.words is None:
@@ -485,7 +485,7 @@ def main(args) -> int:
     summary = run_host_bench(eng, lengths=args.lengths, edits=args.edits, repeats=args.repeats, seed=args.seed)
     tokenizer = eng.tokenizer
     if args.tokenizer:
-        from ..loading import load_model
+        from patchkv_agent.loading import load_model
 
         tokenizer = load_model(args.tokenizer)[1]
     if tokenizer is not None:

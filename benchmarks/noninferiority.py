@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Sequence
 
-from .traces import APPEND
+from patchkv_agent.eval.traces import APPEND
 
 MARGIN_PER_100 = 2.0
 FOLLOW_MIN = 0.95

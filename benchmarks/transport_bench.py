@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
-from ..kernels.rope import rope_delta_reference
-from ..core.checkpoint import key_residual, quantize_mixed
-from ..core.precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
+from patchkv_agent.kernels import ScatterCall, backend, dequantize_scatter_many, quantize_gather, scatter_backend, value_residual_4bit
+from patchkv_agent.kernels.rope import rope_delta_reference
+from patchkv_agent.core.checkpoint import key_residual, quantize_mixed
+from patchkv_agent.core.precision import PrecisionPolicy, Tag, assign_tags, cluster_runs
 
 # K+V bytes per element pair of each tag (metadata included, head_dim a multiple of 32; fp16 source)
 ELEM_BYTES = {int(Tag.FP16): 4.0, int(Tag.K8V8): 2.25, int(Tag.K8V4): 1.75, int(Tag.K4V4): 1.25}
@@ -80,7 +80,7 @@ def select_k4(rows: list[dict], max_payload: float = 0.40, max_kl_increase: floa
 
 
 def _context(engine, n_tokens: int, seed: int = 0) -> list[int]:
-    from .workloads import load_qa
+    from patchkv_agent.eval.workloads import load_qa
 
     rng = np.random.default_rng(seed)
     data = load_qa("2wikimqa")
@@ -248,9 +248,9 @@ def mixed_kl_bench(engine, *, n_contexts: int = 4, target_tokens: int = 1500,
         ``"policies": {name: {mean_kl_direct_mixed, adds_to_direct_kl, payload_vs_fp16_est, blocks}}``
         (payload and blocks summed over the contexts).
     """
-    from .metrics import first_token_kl
-    from .traces import plain_messages, version_ids
-    from .workloads import build_traces
+    from patchkv_agent.eval.metrics import first_token_kl
+    from patchkv_agent.eval.traces import plain_messages, version_ids
+    from patchkv_agent.eval.workloads import build_traces
 
     count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
     traces = build_traces("hotpotqa-e", "replace_tool_result", n=n_contexts, split="eval",
@@ -311,8 +311,8 @@ def engine_restore_bench(engine, *, n_contexts: int = 4, repeats: int = 3, targe
         ``{"contexts", "tokens", "restore_ms": {strategy: {path: ms}}, "kernel": {strategy: path},
         "identical_logits"}``; the last says whether both paths gave bit-identical first-token logits.
     """
-    from .traces import plain_messages, version_ids
-    from .workloads import build_traces
+    from patchkv_agent.eval.traces import plain_messages, version_ids
+    from patchkv_agent.eval.workloads import build_traces
 
     count = lambda msgs: len(engine.encode(plain_messages(msgs)))  # noqa: E731
     traces = build_traces("hotpotqa-e", "replace_tool_result", n=n_contexts, split="eval",
@@ -360,8 +360,8 @@ def capture_cost(engine, *, n_tokens: int = 3000, repeats: int = 5, ids: list[in
         ``{"tokens", "repeats", "threads", "plain_s", "capture_s", "extra", "all_s"}``; ``extra`` is the
         relative extra time of the capture pass.
     """
-    from ..core.capture import AttentionCapture
-    from ..core.recovery import FullRecompute, execute
+    from patchkv_agent.core.capture import AttentionCapture
+    from patchkv_agent.core.recovery import FullRecompute, execute
 
     ids_t = torch.tensor(_context(engine, n_tokens) if ids is None else list(ids), dtype=torch.long)
     plan = FullRecompute(new_len=len(ids_t))
@@ -396,7 +396,7 @@ def _capture_main(eng, args) -> int:
 
 
 def main(args) -> int:
-    from ..engine import PatchKVEngine
+    from patchkv_agent.engine import PatchKVEngine
 
     capture = getattr(args, "capture_cost", False)
     if args.tokens is None:
@@ -406,7 +406,7 @@ def main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..profiles import resolve_profile_arg
+    from patchkv_agent.profiles import resolve_profile_arg
 
     eng = PatchKVEngine.from_pretrained(args.model, profile=resolve_profile_arg(args.profile), block_size=args.block_size)
     if getattr(args, "tau_ll", None) is not None:  # K4V4 on (e.g. 0.05, K4V4_TAU_LL) or off (0)

@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from patchkv_agent.eval.episodes import agent_loop_episodes, build_workload_traces  # noqa: F401  (re-exported)
+
 from .noninferiority import follow_rates as _follow_rates
-from .traces import APPEND, ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
+from patchkv_agent.eval.traces import APPEND, ResultsFile, read_results  # noqa: F401  (read_results: re-exported for callers of the summary)
 
 DEFAULT_WORKLOADS = ("hotpotqa-e", "2wikimqa-e", "nq-e")
 DEFAULT_STRATEGIES = ("exact", "prefix", "direct", "cacheblend", "patchkv")
@@ -59,7 +61,7 @@ _AGENT_COLUMNS = frozenset({"next_action", "next_action_call", "next_action_text
 
 
 def _register_variant(name: str, doc: str, **fixed) -> str:
-    from ..strategies.base import register_variant
+    from patchkv_agent.strategies.base import register_variant
 
     return register_variant(name, "patchkv", fixed, doc=doc)
 
@@ -82,76 +84,6 @@ def register_norecent() -> str:
         The name, :data:`NORECENT`.
     """
     return _register_variant(NORECENT, "patchkv with the recency window off", recent_window=0)
-
-
-# --------------------------------------------------------------------------- traces
-
-def build_workload_traces(workload: str, edit: str = "all", *, n: int | None = None, target_tokens: int = 3000,
-                          n_versions: int | None = None, seed: int = 0, count_tokens=None,
-                          context: int | None = None) -> list[dict]:
-    """The evaluation traces of any benchmark workload: QA and edit-following ones
-    (:func:`.workloads.build_traces`) or the agent workloads edited by LangChain's middlewares
-    (:func:`.agent_workloads.build_agent_traces`; there ``target_tokens`` is the largest version, at least
-    2,000 tokens, ``n_versions`` the versions kept per episode (default 5), ``edit`` does not apply, and
-    ``context`` builds the episodes for a longer window instead: see :func:`agent_loop_episodes`).
-
-    Args:
-        workload: a workload name.
-        edit: the QA workloads' edit kind (or ``all``).
-        n: episodes at most.
-        target_tokens: QA: version-0 length; agent: largest version.
-        n_versions: versions per episode, ``>= 2`` (None: 2, the agent workloads 5).
-        seed: the builders' seed.
-        count_tokens: ``trace messages -> token count`` (the model's chat-template count), or None.
-        context: agent workloads: a context budget in tokens (None: ``target_tokens`` as today); QA
-            workloads: unused (their length is ``target_tokens``).
-
-    Returns:
-        Trace dicts (``docs/TRACES.md``).
-
-    Raises:
-        ValueError: an unknown workload, edit or split, or ``context < 1000``.
-    """
-    from .agent_workloads import AGENT_WORKLOADS
-    from .workloads import build_traces
-
-    if workload in AGENT_WORKLOADS:
-        return [ep.trace for ep in agent_loop_episodes(workload, n=n, target_tokens=target_tokens,
-                                                       n_versions=n_versions, seed=seed, count_tokens=count_tokens,
-                                                       context=context)]
-    return build_traces(workload, edit, n=n, split="eval", target_tokens=target_tokens, n_versions=n_versions or 2,
-                        seed=seed, count_tokens=count_tokens)
-
-
-def agent_loop_episodes(workload: str, *, n: int | None = None, target_tokens: int = 3000,
-                        n_versions: int | None = None, seed: int = 0, count_tokens=None, context: int | None = None,
-                        progress: bool = False) -> list:
-    """An agent workload's episodes with their tool waits (:func:`.agent_workloads.build_agent_loop_episodes`),
-    built as :func:`build_workload_traces` builds the agent traces (its ``trace`` fields are those).
-
-    Args:
-        workload: an agent workload (:data:`.agent_workloads.AGENT_WORKLOADS`).
-        n: episodes at most.
-        target_tokens: the largest version (at least 2,000 tokens), unless ``context`` is given.
-        n_versions: versions per episode (None: 5).
-        seed: the builder's seed.
-        count_tokens: ``trace messages -> token count`` (the model's chat-template count), or None.
-        context: a context budget in tokens: the versions run up to it, start at half of it, the middleware
-            settings are scaled to it and every ``unedited`` twin fits in it; None: ``target_tokens``.
-        progress: a tqdm bar over the histories.
-
-    Returns:
-        :class:`~.agent_workloads.AgentLoopEpisode` objects.
-
-    Raises:
-        ValueError: not an agent workload, or ``context < 1000``.
-    """
-    from .agent_workloads import build_agent_loop_episodes, from_langchain
-
-    count = (lambda msgs: count_tokens(from_langchain(msgs))) if count_tokens is not None else None
-    return build_agent_loop_episodes(workload, n=n, count_tokens=count, max_tokens=max(2000, target_tokens),
-                                     max_versions=5 if n_versions is None else n_versions, seed=seed, context=context,
-                                     progress=progress)
 
 
 # --------------------------------------------------------------------------- running
@@ -191,8 +123,8 @@ def run_bench(engine, traces: Sequence[dict], strategies: Sequence[str], out_dir
     """
     from tqdm import tqdm
 
-    from .replay import replay_episode
-    from ..strategies import STRATEGIES, register_spec
+    from patchkv_agent.eval.replay import replay_episode
+    from patchkv_agent.strategies import STRATEGIES, register_spec
 
     strategies = [register_spec(s) for s in strategies]  # name:key=value... specs: strategies with options
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -448,7 +380,7 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path, *, floor_repeat: Se
     """Write ``summary.json``, ``summary.md`` and ``frontier_<workload>.png`` (one per workload).
 
     Where the rows hold a noise floor, every approximate strategy is also scored against it by the pooled
-    non-inferiority criterion (:mod:`~patchkv_agent.eval.noninferiority`): ``summary["non_inferiority"]``
+    non-inferiority criterion (:mod:`~benchmarks.noninferiority`): ``summary["non_inferiority"]``
     ``{floor: {strategy: result}}`` and a section of ``summary.md``.
 
     Args:
@@ -490,7 +422,7 @@ def write_summary(rows: Sequence[dict], out_dir: str | Path, *, floor_repeat: Se
 
 def non_inferiority_all(rows: Sequence[dict], *, floor_repeat: Sequence[dict] = ()) -> dict[str, dict[str, dict]]:
     """Every approximate strategy of ``rows`` (not exact, not a floor, with fidelity verdicts) scored against every
-    noise floor of ``rows`` (:func:`~patchkv_agent.eval.noninferiority.non_inferiority`, edited calls only).
+    noise floor of ``rows`` (:func:`~benchmarks.noninferiority.non_inferiority`, edited calls only).
 
     Args:
         rows: result rows.

@@ -185,7 +185,7 @@ def vllm_server(model_dir: str | Path | None = None, *, python: str | Path | Non
     if py is None or not py.exists():
         raise FileNotFoundError("no vLLM virtualenv: run `bash scripts/serving_setup.sh vllm` (or set PATCHKV_VLLM_PYTHON)")
     if model_dir is None:
-        from ..loading import model_directory
+        from patchkv_agent.loading import model_directory
 
         model_dir = model_directory()
     argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
@@ -221,7 +221,7 @@ def llama_server(gguf: str | Path | None = None, *, binary: str | Path | None = 
     if exe is None or not exe.exists():
         raise FileNotFoundError("no llama-server: run `bash scripts/serving_setup.sh llama.cpp` (or set PATCHKV_LLAMA_SERVER)")
     if gguf is None:
-        from ..loading import ensure_embedded
+        from patchkv_agent.loading import ensure_embedded
 
         gguf = ensure_embedded()
     slots = tempfile.mkdtemp(prefix="patchkv-llama-slots-")  # lets erase_cache() empty the slots between runs

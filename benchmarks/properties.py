@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.diff import diff_versions
-from ..strategies import get_strategy
+from patchkv_agent.core.diff import diff_versions
+from patchkv_agent.strategies import get_strategy
 
 LOGIT_TOL = 1e-4
 EDIT_KINDS = ("identical", "insert", "delete", "replace", "multi", "head", "tail", "both_ends")

@@ -44,11 +44,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..runtime.threads import ThreadRegistry, thread_key
+from patchkv_agent.runtime.threads import ThreadRegistry, thread_key
 from .bench import _mean  # the summaries' shared aggregates (None-skipping)
 from .loop_bench import _median
-from .metrics import NEXT_ACTION_TOKENS, next_action_agree
-from .traces import call_kind, plain_messages, version_ids
+from patchkv_agent.eval.metrics import NEXT_ACTION_TOKENS, next_action_agree
+from patchkv_agent.eval.traces import call_kind, plain_messages, version_ids
 
 __all__ = ["ToolLatency", "prepared_loop_episode", "run_prepared_bench", "summarize_prepared", "markdown_prepared",
            "plot_prepared", "write_prepared", "TARGETS", "call_kind"]
@@ -134,8 +134,8 @@ class ToolLatency:
 def _decode(engine, stream, max_new_tokens: int) -> tuple[list[int], str]:
     """Drain ``stream`` greedily up to the end of its first tool call (the next action is decided there)
     or ``max_new_tokens``; returns its ids and text."""
-    from ..langgraph.tools import TOOL_CALL_CLOSE
-    from ..runtime.stream import run_stream
+    from patchkv_agent.langgraph.tools import TOOL_CALL_CLOSE
+    from patchkv_agent.runtime.stream import run_stream
 
     tok = getattr(engine, "tokenizer", None)
 
@@ -322,7 +322,7 @@ def _one_call(engine, reg, keys, wait, render, ids, unedited, lat, *, cover, max
 
 def _cut_at_call(ref: dict, engine) -> dict:
     """An exact reference decoded to ``max_new_tokens``, cut as :func:`_decode` cuts (after the first call)."""
-    from ..langgraph.tools import TOOL_CALL_CLOSE
+    from patchkv_agent.langgraph.tools import TOOL_CALL_CLOSE
 
     tok = getattr(engine, "tokenizer", None)
     if tok is None:
