@@ -31,8 +31,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "stress": ("stress_cli", "concurrent threads x versions under a store budget; prints a summary"),
 }
 MISSING = ("the benchmark commands need the repository's benchmarks/ package, which an installed copy does not "
-           "carry: run them from a clone (git clone <the patchkv-agent repository> && cd patchkv-agent && "
-           "bash scripts/bootstrap.sh)")
+           "carry: run them from a clone of the patchkv-agent repository (in the clone: bash scripts/bootstrap.sh, "
+           "then .venv/bin/patchkv-agent)")
 
 
 def repository_root() -> Path | None:

@@ -13,9 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's benchmarks/ beside the package
 
 
 def main() -> int:
@@ -26,7 +30,7 @@ def main() -> int:
     args = ap.parse_args()
     srv = None
     if args.base_url is None:
-        from patchkv_agent.eval.servers import vllm_server
+        from benchmarks.servers import vllm_server
 
         srv = vllm_server()
         srv.start()
