@@ -26,7 +26,7 @@ from .redis_server import free_port
 
 __all__ = ["ServerProcess", "vllm_server", "llama_server", "vllm_python", "llama_binary"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout (benchmarks/ sits at its top)
 
 
 def vllm_python() -> Path | None:

@@ -433,3 +433,11 @@ def test_the_server_episodes_keep_what_they_are_told_and_refuse_a_bad_keep():
     assert [e.setting[0] for e in kept] == [e.setting[0] for e in default]  # the triggers stay the workloads'
     with pytest.raises(ValueError, match="keep"):
         server_episodes(1, ["clear"], keep=0)
+
+
+def test_the_servers_look_for_their_engines_in_this_checkout():
+    from pathlib import Path
+
+    from benchmarks import servers
+
+    assert (servers.ROOT / "pyproject.toml").is_file() and servers.ROOT == Path(__file__).resolve().parents[1]
