@@ -76,7 +76,14 @@ class ServerProcess:
         self.start()
 
     def start(self) -> None:
-        """Start the server (again, on the same port) and wait until it is ready."""
+        """Start the server (again, on the same port, after :meth:`stop`) and wait until it is ready.
+
+        Raises:
+            RuntimeError: it is running already (a second start would orphan the first process), or it did
+                not become ready.
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is running already (pid {self.proc.pid}): stop() it before starting it again")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)

@@ -32,8 +32,7 @@ def main() -> int:
     if args.base_url is None:
         from benchmarks.servers import vllm_server
 
-        srv = vllm_server()
-        srv.start()
+        srv = vllm_server()  # started and ready
     url = args.base_url or srv.base_url
     rng = random.Random(1)
 

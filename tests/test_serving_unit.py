@@ -441,3 +441,21 @@ def test_the_servers_look_for_their_engines_in_this_checkout():
     from benchmarks import servers
 
     assert (servers.ROOT / "pyproject.toml").is_file() and servers.ROOT == Path(__file__).resolve().parents[1]
+
+
+def test_a_running_server_process_refuses_a_second_start():
+    import sys
+
+    from benchmarks.servers import ServerProcess
+
+    code = ("import http.server as h; h.HTTPServer(('127.0.0.1', {port}), type('H', (h.BaseHTTPRequestHandler,), "
+            "{'do_GET': lambda s: (s.send_response(200), s.end_headers())})).serve_forever()")
+    srv = ServerProcess([sys.executable, "-c", code], name="toy", model="m", health="/", startup_s=30)
+    try:
+        first = srv.proc.pid
+        with pytest.raises(RuntimeError, match="running already"):
+            srv.start()
+        assert srv.proc.pid == first and srv.proc.poll() is None  # the first process is still the one held
+    finally:
+        srv.stop()
+    assert srv.proc is None
