@@ -50,6 +50,10 @@ def add_cli(sub) -> None:
     p.add_argument("--shard", default="0/1", metavar="I/K",
                    help="run only episodes I, I+K, I+2K, ... (0-based) of the list; run K processes with their own "
                         "--out-dir, then merge with --summarize DIR0/results.jsonl DIR1/results.jsonl ...")
+    p.add_argument("--episodes", default=None, metavar="IDS",
+                   help="run only the episodes with these ids (comma-separated, or @FILE with one id per line): a "
+                        "subset of the calls of an earlier run with the same options, e.g. the calls a second "
+                        "--threads run of the floor decides")
     p.add_argument("--summarize", metavar="RESULTS", nargs="+", default=None,
                    help="only summarize these results.jsonl files (merged) into --out-dir (no model is loaded)")
     p.add_argument("--floor-repeat", metavar="RESULTS", nargs="+", default=None,
@@ -172,6 +176,8 @@ def cmd_bench(args) -> int:
                                             context=args.context)
         i, k = _shard(args.shard)
         traces = [t for j, t in enumerate(traces) if j % k == i]
+        if args.episodes is not None:
+            traces = only_episodes(traces, episode_ids(args.episodes))
         heal = [x.strip() for x in args.heal.split(",") if x.strip() and x.strip() != "none"]
         summary = run_bench(eng, traces, args.strategies.split(","), args.out_dir,
                             max_new_tokens=args.max_new_tokens, model_name=args.model, resume=args.resume,
@@ -184,6 +190,43 @@ def cmd_bench(args) -> int:
             print(ni_markdown(scored))
     print("wrote " + ", ".join(summary["files"]), file=sys.stderr)
     return 0
+
+
+def episode_ids(spec: str) -> list[str]:
+    """``--episodes``: the ids, comma-separated or ``@FILE`` (one per line, blank lines and ``#`` comments
+    skipped).
+
+    Raises:
+        UsageError: an unreadable file or no id at all.
+    """
+    if spec.startswith("@"):
+        try:
+            with open(spec[1:], encoding="utf-8") as fh:
+                ids = [ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--episodes {spec}: cannot read it ({_reason(e)}); pass @FILE with one episode id "
+                             "per line") from None
+    else:
+        ids = [x.strip() for x in spec.split(",") if x.strip()]
+    if not ids:
+        raise UsageError(f"--episodes {spec!r} names no episode; pass ids from an earlier run's results.jsonl "
+                         "('id' field)")
+    return ids
+
+
+def only_episodes(traces: list[dict], ids: list[str]) -> list[dict]:
+    """The traces whose ``id`` is in ``ids``, in the run's order.
+
+    Raises:
+        UsageError: an id no trace of these options has (the options differ from the run it came from).
+    """
+    have = {t["id"] for t in traces}
+    missing = [x for x in ids if x not in have]
+    if missing:
+        raise UsageError(f"--episodes: {len(missing)} id(s) are not episodes of these --workloads / --n / --seed / "
+                         f"--context options (first: {missing[0]!r}); pass the options of the run they came from")
+    want = set(ids)
+    return [t for t in traces if t["id"] in want]
 
 
 _SUMMARY_NUMBERS = ("ttft_s", "recompute_ratio", "recompute_tokens", "payload_bytes", "f1", "first_token_kl",

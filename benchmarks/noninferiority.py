@@ -122,7 +122,7 @@ def non_inferiority(rows: Sequence[dict], candidate: str, floor: str = "kv-bf16"
     Returns:
         ``{"candidate", "floor", "margin_per_100", "n", "b", "c", "near_ties", "candidate_kept", "floor_kept",
         "diff_per_100", "ci95_per_100", "mcnemar_p", "meets_next_action", "tool_calls": {"n", "candidate",
-        "floor", "meets"}, "follow": {...} or None, "by_workload": {workload: {"n", "b", "c", "near_ties",
+        "floor", "floor_ties_scored", "near_ties", "meets"}, "follow": {...} or None, "by_workload": {workload: {"n", "b", "c", "near_ties",
         "diff_per_100", ...}}, "meets"}``.
 
     Raises:
@@ -153,8 +153,11 @@ def non_inferiority(rows: Sequence[dict], candidate: str, floor: str = "kv-bf16"
     calls = [k for k in keys if cand[k].get("action_kind") == "call"]
     c_rate, n_calls = _rate(cand[k] for k in calls)
     f_rate, _ = _rate(flo[k] for k in calls)
-    out["tool_calls"] = {"n": n_calls, "candidate": c_rate, "floor": f_rate,
-                         "meets": True if not n_calls else (c_rate or 0.0) >= (f_rate or 0.0)}
+    # a near-tie is a tie here too: the floor's verdict on it is taken as the candidate's
+    f_tied = (sum(verdict(cand[k]) if k in ties else verdict(flo[k]) for k in calls) / n_calls) if n_calls else None
+    out["tool_calls"] = {"n": n_calls, "candidate": c_rate, "floor": f_rate, "floor_ties_scored": f_tied,
+                         "near_ties": sum(1 for k in calls if k in ties),
+                         "meets": True if not n_calls else (c_rate or 0.0) >= (f_tied or 0.0)}
     out["follow"] = _follow(rows, candidate)
     workloads = sorted({str(cand[k].get("workload")) for k in keys})
     out["by_workload"] = {w: _score([k for k in keys if str(cand[k].get("workload")) == w], cand, flo, ties)
@@ -214,8 +217,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"(b - c) per 100 calls {r['diff_per_100']:+.1f} (95 % bootstrap interval {lo:+.1f} to {hi:+.1f}; "
              f"margin {r['margin_per_100']:g}; exact McNemar p = {r['mcnemar_p']:.2f})."]
     if tc["n"]:
+        ties = (f", {tc['floor_ties_scored']:.3f} with its {tc['near_ties']} near tie(s) scored as ties"
+                if tc.get("near_ties") else "")
         lines.append(f"Tool-call decisions ({tc['n']} calls): candidate {tc['candidate']:.3f}, floor "
-                     f"{tc['floor']:.3f} ({'meets' if tc['meets'] else 'below the floor'}).")
+                     f"{tc['floor']:.3f}{ties} ({'meets' if tc['meets'] else 'below the floor'}).")
     if r["follow"]:
         f = r["follow"]
         lines.append(f"Edit following: follow {f['follow']} (n {f['follow_n']}), stale {f['stale']} "

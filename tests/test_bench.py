@@ -279,3 +279,20 @@ def test_cli_transport_capture_cost_on_a_tiny_model(tmp_path, monkeypatch, one_t
     r = json.loads(out.read_text())
     assert r["tokens"] == 120 and r["repeats"] == 2 and len(r["all_s"]["plain"]) == len(r["all_s"]["capture"]) == 2
     assert r["plain_s"] > 0 and r["capture_s"] > 0 and r["extra"] == r["capture_s"] / r["plain_s"] - 1.0
+
+
+def test_episodes_selects_a_subset_in_run_order_and_names_a_missing_id(tmp_path):
+    from benchmarks.bench_cli import episode_ids, only_episodes
+    from patchkv_agent.usage import UsageError
+
+    traces = [{"id": f"w/{i}"} for i in range(5)]
+    assert [t["id"] for t in only_episodes(traces, episode_ids("w/3, w/1"))] == ["w/1", "w/3"]
+    f = tmp_path / "ids"
+    f.write_text("# the calls a floor decides\nw/4\n\nw/0\n")
+    assert [t["id"] for t in only_episodes(traces, episode_ids(f"@{f}"))] == ["w/0", "w/4"]
+    with pytest.raises(UsageError, match="'w/9'.*options of the run they came from"):
+        only_episodes(traces, ["w/0", "w/9"])
+    with pytest.raises(UsageError, match="names no episode"):
+        episode_ids(" , ")
+    with pytest.raises(UsageError, match="cannot read it"):
+        episode_ids(f"@{tmp_path / 'missing'}")

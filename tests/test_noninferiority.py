@@ -50,7 +50,8 @@ def test_a_candidate_worse_than_the_margin_does_not_meet():
     assert r["diff_per_100"] == 5.0 and not r["meets_next_action"] and not r["meets"]
     assert r["ci95_per_100"][0] > 0.0  # every discordant call goes one way: the interval excludes 0
     assert r["mcnemar_p"] == pytest.approx(2 / 2 ** 5)
-    assert r["tool_calls"] == {"n": 100, "candidate": 0.95, "floor": 1.0, "meets": False}
+    assert r["tool_calls"] == {"n": 100, "candidate": 0.95, "floor": 1.0, "floor_ties_scored": 1.0, "near_ties": 0,
+                               "meets": False}
 
 
 def test_a_floor_that_changes_between_its_runs_makes_a_near_tie():
@@ -61,6 +62,20 @@ def test_a_floor_that_changes_between_its_runs_makes_a_near_tie():
     r = non_inferiority(rows, "cand", floor_repeat=repeat)
     assert (r["b"], r["c"], r["near_ties"], r["diff_per_100"]) == (2, 0, 1, 2.0)
     assert r["meets_next_action"] and r["floor_repeated"]
+    # the tool-call decisions score the near tie as a tie too: the floor's 100 / 100 becomes 99 / 100
+    tc = r["tool_calls"]
+    assert (tc["candidate"], tc["floor"], tc["floor_ties_scored"], tc["near_ties"]) == (0.97, 1.0, 0.99, 1)
+    assert not tc["meets"] and "1 near tie(s) scored as ties" in markdown(r)
+
+
+def test_tool_calls_meet_once_the_near_ties_are_ties():
+    rows = _rows([("a", False, True, 2), ("a", True, True, 98)])
+    repeat = [dict(r, next_action=False) if r["strategy"] == "kv-bf16" and r["id"] in ("a/0", "a/1") else r
+              for r in rows if r["strategy"] == "kv-bf16"]
+    tc = non_inferiority(rows, "cand")["tool_calls"]
+    assert not tc["meets"]
+    tc = non_inferiority(rows, "cand", floor_repeat=repeat)["tool_calls"]
+    assert tc["floor_ties_scored"] == 0.98 and tc["candidate"] == 0.98 and tc["meets"]
 
 
 def test_qa_rows_use_the_continuation_and_old_rows_the_suffix():
