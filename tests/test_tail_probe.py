@@ -170,3 +170,25 @@ def test_a_strategy_spec_registers_a_strategy_with_options():
                        ("nothing:kappa=0.1", "unknown strategy"), ("patchkv:kappa=2", "kappa")):
         with pytest.raises(ValueError, match=match):
             register_spec(bad)
+
+
+def test_the_strict_preset_recomputes_the_whole_window_whatever_the_engine_measures():
+    from patchkv_agent.strategies import get_strategy
+
+    eng = make_engine()
+    eng.settings = eng.settings.replace(tail_threshold=0.5, recent_window=WINDOW)  # a profile that ships a tail
+    old, new = edited_pair(eng.spec.vocab_size)
+    ckpt = eng.checkpoint(old)
+    tail = eng.resume(ckpt, new, strategy="patchkv", max_new_tokens=0)
+    strict = eng.resume(ckpt, new, strategy="patchkv-strict", max_new_tokens=0)
+    fixed = eng.resume(ckpt, new, strategy=PatchKVStrategy(tail_threshold=0.0), max_new_tokens=0)
+    assert "tail_recomputed_blocks" in tail.stats.to_json() and "tail_recomputed_blocks" not in strict.stats.to_json()
+    assert strict.stats["recompute_tokens"] == fixed.stats["recompute_tokens"] > tail.stats["recompute_tokens"]
+    assert (strict.logits - fixed.logits).abs().max().item() <= TOL
+    assert "tail_threshold" not in get_strategy("patchkv-strict").option_names()
+    with pytest.raises(ValueError, match="does not take|tail_threshold"):  # by name: not among its options
+        get_strategy("patchkv-strict", {"tail_threshold": 0.02})
+    from patchkv_agent.strategies import StrictPatchKVStrategy
+
+    with pytest.raises(TypeError, match="fixes tail_threshold"):
+        StrictPatchKVStrategy(tail_threshold=0.02)

@@ -151,7 +151,7 @@ def get_strategy(strategy: "str | Strategy", options: "Mapping[str, Any] | None"
     values are checked against :class:`~patchkv_agent.core.settings.RecoverySettings`.
 
     Args:
-        strategy: a registered name (``exact``, ``prefix``, ``direct``, ``patchkv``, ``cacheblend``) or a
+        strategy: a registered name (``exact``, ``prefix``, ``direct``, ``patchkv``, ``patchkv-strict``, ``cacheblend``) or a
             :class:`Strategy` instance (built with its options: ``PatchKVStrategy(kappa=0.1)``).
         options: the strategy's keyword arguments by name (names only with a strategy name).
 

@@ -7,6 +7,8 @@ plan that :func:`patchkv_agent.core.recovery.execute` runs.
 - ``patchkv``: recompute ``X``, ``R = BlockRound(D ∪ H) ∪ L ∪ W`` (``L``: the edit's reader blocks, ``W``: the
   recency window, or with ``tail_threshold > 0`` the part of it whose K/V deviation at a check layer says so:
   :mod:`patchkv_agent.core.layerwise`) and the last block; restore ``F``.
+- ``patchkv-strict``: ``patchkv`` with the recency window recomputed whole whatever the profile's tail rule
+  (``tail_threshold=0``): fidelity first, for a profile or setting that ships a measured tail.
 
 Knows plans and the recovery settings, not models or LangGraph.
 """
@@ -124,3 +126,28 @@ class PatchKVStrategy(Strategy):
 
     def plan(self, settings, ckpt, edit):
         return plan_repair(edit, ckpt.scores if ckpt is not None else None, self.resolve(settings))
+
+
+@register_strategy
+class StrictPatchKVStrategy(PatchKVStrategy):
+    """``patchkv`` with the whole recency window recomputed (``tail_threshold=0``), whatever the engine's
+    profile or settings measure: the plan that meets the pooled non-inferiority criterion on every model this
+    project measured, for users who want fidelity before speed. Takes ``PatchKVStrategy``'s options (an explicit
+    ``tail_threshold`` is refused: that is the setting this preset fixes).
+
+    Raises:
+        TypeError: ``tail_threshold`` given, or a name that is no such setting.
+        ValueError: an option outside its range.
+    """
+
+    name = "patchkv-strict"
+
+    def __init__(self, *, precision: str = "mixed", **settings):
+        if "tail_threshold" in settings:
+            raise TypeError("patchkv-strict fixes tail_threshold at 0; use patchkv:tail_threshold=... for a measured "
+                            "tail")
+        super().__init__(precision=precision, tail_threshold=0.0, **settings)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(n for n in PatchKVStrategy.option_names() if n != "tail_threshold")
