@@ -4,7 +4,8 @@ stale readers (benchmarks/erratum.py), beside direct reuse and the note alone.
 Builds the episodes as ``patchkv-agent bench`` does (same workloads / n / seed / context options), replays every
 edited call with the arms and writes result rows to ``OUT_DIR/results.jsonl``; pass ``--reference`` the
 results.jsonl of the bench run whose noise floor the rows are scored against (its exact rows are checked
-against this run's), then pool them: ``patchkv-agent bench --summarize REF/results.jsonl OUT_DIR/results.jsonl``.
+against this run's); ``OUT_DIR/summary.md`` scores every arm against that run's floor (``--summarize`` rescores a
+finished run without a model).
 
 Usage: .venv/bin/python scripts/erratum_bench.py --workloads hotpotqa-e,2wikimqa-e,nq-e --n 20 --seed 1 \
     --threads 1 --reference runs/results/noninferiority_seed1/qa/results.jsonl --out-dir runs/results/erratum/qa
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's b
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--workloads", required=True)
+    ap.add_argument("--workloads", default=None, help="comma-separated (required unless --summarize)")
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--versions", type=int, default=None)
     ap.add_argument("--target-tokens", type=int, default=3000)
@@ -37,7 +38,12 @@ def main() -> int:
     ap.add_argument("--episodes", default=None, help="only these episode ids (comma-separated or @FILE)")
     ap.add_argument("--reference", nargs="*", default=(), help="results.jsonl files of the bench run to pool with")
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--summarize", action="store_true", help="only score OUT_DIR/results.jsonl (no model)")
     args = ap.parse_args()
+    if args.summarize:
+        return summarize(Path(args.out_dir), args.reference)
+    if not args.workloads:
+        ap.error("--workloads is required (unless --summarize)")
 
     import torch
     from tqdm import tqdm
@@ -71,10 +77,55 @@ def main() -> int:
                                       place=args.place, quote=not args.terse))
             res.write_many(got)
             rows += got
-    keep = {a: sum(bool(r["next_action"]) for r in rows if r["strategy"] == a) for a in arms}
-    n = {a: sum(1 for r in rows if r["strategy"] == a) for a in arms}
-    mism = sum(1 for r in rows if r.get("reference_match") is False)
-    print(json.dumps({"calls": n, "next_action_kept": keep, "reference_mismatches": mism}, indent=1))
+    return summarize(out, args.reference)
+
+
+def summarize(out: Path, reference) -> int:
+    """Score every arm of ``out/results.jsonl``: next action kept, the pooled non-inferiority score against the
+    reference run's noise floor (its ``kv-bf16`` rows on the same calls), and per call the TTFT and the rows
+    recomputed over ``prefix``'s (medians of the paired ratios); ``summary.json`` and ``summary.md``."""
+    import statistics
+
+    from benchmarks.noninferiority import non_inferiority
+    from patchkv_agent.eval.traces import read_results
+
+    rows = read_results(out / "results.jsonl")
+    floor = [r for f in reference for r in read_results(f) if r.get("strategy") == "kv-bf16"]
+    arms = list(dict.fromkeys(r["strategy"] for r in rows))
+    by = {(r["id"], r["version"], r["strategy"]): r for r in rows}
+    table = {}
+    for a in arms:
+        mine = [r for r in rows if r["strategy"] == a]
+        pre = [by.get((r["id"], r["version"], "prefix")) for r in mine]
+        ttft = [r["ttft_s"] / p["ttft_s"] for r, p in zip(mine, pre) if p and p["ttft_s"]]
+        rws = [r["recompute_tokens"] / p["recompute_tokens"] for r, p in zip(mine, pre) if p and p["recompute_tokens"]]
+        got = {"calls": len(mine), "kept": sum(bool(r["next_action"]) for r in mine),
+               "ttft_over_prefix": statistics.median(ttft) if ttft else None,
+               "rows_over_prefix": statistics.median(rws) if rws else None,
+               "note_tokens": statistics.median(r["note_tokens"] for r in mine) if mine else None,
+               "reference_mismatches": sum(1 for r in mine if r.get("reference_match") is False)}
+        if floor:
+            try:
+                ni = non_inferiority(mine + floor, a)
+                got.update({k: ni[k] for k in ("n", "b", "c", "floor_kept", "diff_per_100", "ci95_per_100", "meets")})
+            except ValueError:
+                pass
+        table[a] = got
+    (out / "summary.json").write_text(json.dumps(table, indent=1) + "\n")
+    lines = ["| arm | calls | next action kept | floor kept | b | c | (b - c) per 100 (95 %) | TTFT / prefix | rows / prefix |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    for a, g in table.items():
+        ci = g.get("ci95_per_100")
+        lines.append(f"| {a} | {g['calls']} | {g['kept']} | {g.get('floor_kept', '-')} | {g.get('b', '-')} | "
+                     f"{g.get('c', '-')} | {f(g.get('diff_per_100'), '+.1f')}"
+                     f"{f' ({ci[0]:+.1f} to {ci[1]:+.1f})' if ci else ''} | {f(g['ttft_over_prefix'])} | "
+                     f"{f(g['rows_over_prefix'])} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0
 
 
