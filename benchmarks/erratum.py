@@ -21,8 +21,9 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterator, Sequence
 
-from patchkv_agent.eval.metrics import NEXT_ACTION_TOKENS, fidelity, next_action, next_action_agree
-from patchkv_agent.eval.traces import APPEND, call_kind, plain_messages
+from patchkv_agent.eval.metrics import NEXT_ACTION_TOKENS, fidelity, next_action_agree
+from patchkv_agent.eval.replay import action_kind, version_call_kind
+from patchkv_agent.eval.traces import APPEND, plain_messages
 
 __all__ = ["erratum_note", "noted_messages", "erratum_episode", "ARMS", "NOTE_EXACT"]
 
@@ -139,7 +140,7 @@ def _row(engine, trace: dict, k: int, arm: str, res, ref, ref_text: str, note_to
     st = res.stats
     text = engine.tokenizer.decode(res.output_ids, skip_special_tokens=True)
     row: dict[str, Any] = {"id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
-                           "call_kind": _call_kind(trace, k), "version": k, "strategy": arm, "model": "",
+                           "call_kind": version_call_kind(trace, k), "version": k, "strategy": arm, "model": "",
                            "note_tokens": note_tokens}
     for f in ("prompt_tokens", "prefix_tokens", "new_tokens", "suffix_tokens", "recompute_tokens",
               "recompute_ratio", "payload_bytes", "ttft_s"):
@@ -147,14 +148,9 @@ def _row(engine, trace: dict, k: int, arm: str, res, ref, ref_text: str, note_to
     row["output_ids"], row["output_text"] = list(res.output_ids), text
     row.update(fidelity(engine, res, ref))
     row["next_action"] = next_action_agree(text, ref_text)
-    row["action_kind"] = "call" if next_action(ref_text)[0] != "text" else "text"
+    row["action_kind"] = action_kind(ref_text)
     row["fallback"] = st.fallback
     return row
-
-
-def _call_kind(trace: dict, k: int) -> str:
-    v = trace["versions"][k]
-    return call_kind(v.get("edit") if isinstance(v, dict) and "edit" in v else trace.get("edit"))
 
 
 def erratum_episode(engine, trace: dict, arms: Sequence[str] = ARMS, *, max_new_tokens: int = 16,
@@ -198,7 +194,7 @@ def erratum_episode(engine, trace: dict, arms: Sequence[str] = ARMS, *, max_new_
         ids = engine.encode(plain_messages(msgs))
         ref = engine.resume(None, ids, strategy="exact", max_new_tokens=max_new_tokens)
         ref_text = engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
-        if _call_kind(trace, k) != APPEND:
+        if version_call_kind(trace, k) != APPEND:
             noted, note = noted_messages(versions[k - 1]["messages"], msgs, place=place, quote=quote)
             noted_ids = engine.encode(plain_messages(noted))
             note_tokens = len(noted_ids) - len(ids)

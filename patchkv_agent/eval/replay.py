@@ -22,7 +22,7 @@ from .metrics import (NEXT_ACTION_TOKENS, answer_match, fidelity, first_token_kl
 from .noise_floor import run_floor
 from .traces import RESULT_FIELDS, call_kind, version_ids
 
-__all__ = ["RESULT_FIELDS", "replay_episode"]
+__all__ = ["RESULT_FIELDS", "replay_episode", "action_kind", "version_call_kind"]
 
 
 # --------------------------------------------------------------------------- replay
@@ -92,7 +92,7 @@ def replay_episode(engine: PatchKVEngine, trace: dict, strategies: list[str], *,
             prev_exact = engine.checkpoint_from(ref)
 
 
-def _action_kind(text: str) -> str:
+def action_kind(text: str) -> str:
     """``"call"`` when the text's next action is a tool call (parsed or not), else ``"text"``."""
     return "call" if next_action(text)[0] != "text" else "text"
 
@@ -105,7 +105,7 @@ def _floor_row(engine, trace, k, floor: str, ids, ref: ResumeResult, max_new_tok
     text = dec(fr.output_ids, skip_special_tokens=True) if dec else ""
     ref_text = dec(ref.output_ids, skip_special_tokens=True) if dec else ""
     row: dict[str, Any] = {"id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
-                           "call_kind": _kind(trace, k), "version": k, "strategy": floor, "model": model_name,
+                           "call_kind": version_call_kind(trace, k), "version": k, "strategy": floor, "model": model_name,
                            "floor": True,
                            "prompt_tokens": len(ids), "ttft_s": None, "recompute_ratio": 1.0,
                            "recompute_tokens": len(ids), "payload_bytes": 0, "output_ids": fr.output_ids,
@@ -113,14 +113,14 @@ def _floor_row(engine, trace, k, floor: str, ids, ref: ResumeResult, max_new_tok
                            "top1_agree": top1_agree(ref.logits, fr.logits), "tf_agree": fr.tf_agree,
                            "exact_continuation": fr.output_ids == list(ref.output_ids),
                            "next_action": next_action_agree(text, ref_text) if dec else fr.output_ids == list(ref.output_ids),
-                           "action_kind": _action_kind(ref_text), "fallback": None}
+                           "action_kind": action_kind(ref_text), "fallback": None}
     gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
     if gold and old:
         row["follows"], row["stale"] = answer_match(text, gold), answer_match(text, old)
     return row
 
 
-def _kind(trace: dict, k: int) -> str:
+def version_call_kind(trace: dict, k: int) -> str:
     """The call kind of version ``k`` (:func:`~.traces.call_kind`): its own ``edit`` where versions carry one
     (agent episodes: an edit, then the append-only calls after it), else the trace's."""
     v = trace["versions"][k]
@@ -132,7 +132,7 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
     text = engine.tokenizer.decode(res.output_ids, skip_special_tokens=True) if engine.tokenizer else ""
     row: dict[str, Any] = {
         "id": trace.get("id"), "workload": trace.get("workload"), "edit": trace.get("edit"),
-        "call_kind": _kind(trace, k), "version": k, "strategy": strategy, "model": model_name,
+        "call_kind": version_call_kind(trace, k), "version": k, "strategy": strategy, "model": model_name,
     }
     for f in ("prompt_tokens", "prefix_tokens", "new_tokens", "suffix_tokens", "recompute_tokens",
               "recompute_ratio", "payload_bytes", "ttft_s", "plan_s", "restore_s", "recompute_s", "offload_s",
@@ -149,7 +149,7 @@ def _row(engine, trace, k, strategy, res: ResumeResult, ref: ResumeResult, answe
         ref_text = engine.tokenizer.decode(ref.output_ids, skip_special_tokens=True) if engine.tokenizer else ""
         row["next_action"] = next_action_agree(text, ref_text) if engine.tokenizer else \
             bool(list(res.output_ids) == list(ref.output_ids))
-        row["action_kind"] = _action_kind(ref_text)
+        row["action_kind"] = action_kind(ref_text)
     row["f1"] = token_f1(text, answers) if answers else None
     gold, old = trace["versions"][k].get("answers"), trace["versions"][k - 1].get("answers")
     if gold and old:  # edit-following episodes carry a gold answer per version
